@@ -1,0 +1,52 @@
+"""Exceptions raised by lightning_resilient.
+
+Each one says what went wrong and what to do about it; all derive from :class:`CheckpointError` so a caller
+can catch the family at once.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "StaleWriterError",
+    "UnsupportedFormatError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error this package raises about stored checkpoints."""
+
+
+class StaleWriterError(CheckpointError):
+    """This job was superseded: a newer job claimed the checkpoint root after this one did.
+
+    Raised on the stale job's next save (or removal). Its checkpoints never become ``latest``; the job should
+    stop, because another job is now training from the same root.
+    """
+
+    def __init__(self, root: str, own_epoch: int, current_epoch: int, current_writer: str) -> None:
+        self.root = root
+        self.own_epoch = own_epoch
+        self.current_epoch = current_epoch
+        self.current_writer = current_writer
+        super().__init__(
+            f"this job writes {root!r} as writer epoch {own_epoch}, but writer epoch {current_epoch}"
+            f" ({current_writer}) has claimed it since: another job resumed from this root, so this job is"
+            " stale and its save was not committed. Stop this job; the newer one continues the run."
+        )
+
+
+class CheckpointCorruptedError(CheckpointError):
+    """A stored object failed verification (missing, wrong size, wrong checksum or unparsable).
+
+    ``object`` names the first bad object found.
+    """
+
+    def __init__(self, message: str, *, object: str | None = None) -> None:  # noqa: A002 - the natural name
+        self.object = object
+        super().__init__(message)
+
+
+class UnsupportedFormatError(CheckpointError):
+    """A pointer or manifest was written by a newer lightning_resilient than the one reading it."""

@@ -1,0 +1,396 @@
+"""``AtomicCheckpointIO``: Lightning's CheckpointIO, made atomic, verified and fenced on any fsspec store."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.cloud_io import _load as _plain_load
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.plugins.io import CheckpointIO
+from typing_extensions import override
+
+from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError, UnsupportedFormatError
+from lightning_resilient.io import _paths
+from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
+from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
+from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.root import CheckpointRoot, RootSettings, commit_time
+from lightning_resilient.io.store import Store, open_store
+
+__all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "repair_pointer"]
+
+log = logging.getLogger(__name__)
+
+
+class AtomicCheckpointIO(CheckpointIO):
+    """Save Lightning checkpoints to any fsspec URL as immutable, checksummed objects.
+
+    Each save writes its own folder (tensor shards, a skeleton of the rest, then a manifest with every
+    object's size and SHA-256) and becomes visible only when the root's pointer (``latest.json``) is moved
+    by a conditional write. A job claims a new writer epoch when it starts saving or resumes, so an older job
+    that is still running gets :class:`~lightning_resilient.StaleWriterError` instead of overwriting it.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.callbacks import ModelCheckpoint
+        from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
+
+        root = "s3://my-bucket/run-1/ckpt"
+        trainer = Trainer(
+            plugins=[AtomicCheckpointIO(storage_options={"anon": False}, keep_last=3)],
+            callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=100, save_last=True)],
+        )
+        trainer.fit(model, ckpt_path=find_latest_checkpoint(root))  # None on the first run
+
+    Args:
+        storage_options: fsspec options for the store (credentials, endpoint, ...); Lightning passes none.
+        keep_last: keep only the N newest committed checkpoints (None keeps all that Lightning keeps). The
+            pointer's target and the checkpoint this job resumed from are never deleted.
+        shard_size: bytes per tensor shard object (a larger tensor gets a shard of its own).
+        max_concurrency: parallel object uploads/downloads per save or load.
+        orphan_grace_seconds: folders of crashed saves (no manifest, not referenced by the pointer) are
+            deleted once older than this, as are incomplete multipart uploads; younger ones may be saves in
+            progress.
+        fallback_on_corruption: when a checkpoint fails verification on load, load the previous committed one
+            (with a loud warning) instead of raising.
+        claim_on_load: loading (resuming) claims the root for this job, fencing off older writers. Set False
+            in processes that only read (evaluation, export).
+        retry_attempts: tries per storage request for transient errors (5xx, throttling, dropped connections).
+        retry_base_delay: first backoff in seconds (doubles per retry, full jitter).
+        retry_max_delay: longest single backoff in seconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+        shard_size: int = 64 * 2**20,
+        max_concurrency: int = 4,
+        orphan_grace_seconds: float = 3600.0,
+        fallback_on_corruption: bool = True,
+        claim_on_load: bool = True,
+        retry_attempts: int = 6,
+        retry_base_delay: float = 0.2,
+        retry_max_delay: float = 10.0,
+    ) -> None:
+        super().__init__()
+        self.storage_options = _check_storage_options(storage_options, "storage_options")
+        if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
+            raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+        if not _is_int(shard_size) or shard_size < 1:
+            raise ValueError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
+        if not _is_int(max_concurrency) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        if isinstance(orphan_grace_seconds, bool) or not isinstance(orphan_grace_seconds, (int, float)) \
+                or orphan_grace_seconds < 0:
+            raise ValueError(f"orphan_grace_seconds must be a number >= 0, got {orphan_grace_seconds!r}")
+        for flag, value in (("fallback_on_corruption", fallback_on_corruption), ("claim_on_load", claim_on_load)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, got {value!r}")
+        if not _is_int(retry_attempts) or retry_attempts < 1:
+            raise ValueError(f"retry_attempts must be an int >= 1, got {retry_attempts!r}")
+        self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
+        self.settings = RootSettings(keep_last=keep_last, shard_size=int(shard_size),
+                                     orphan_grace_seconds=float(orphan_grace_seconds),
+                                     fallback_on_corruption=fallback_on_corruption)
+        self.max_concurrency = max_concurrency
+        self.claim_on_load = claim_on_load
+        self._roots: dict[tuple[str, str], CheckpointRoot] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- plumbing ----------------------------------------------------------------------------------------------
+    def _executor(self) -> Executor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="lightning_resilient-io")
+            return self._pool
+
+    def _options(self, storage_options: Any) -> dict[str, Any]:
+        extra = _check_storage_options(storage_options, "save_checkpoint(storage_options=...)")
+        return {**self.storage_options, **extra}
+
+    def root(self, url: str, storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
+        """The protocol object of the checkpoint root ``url`` (one per root, shared by saves and loads)."""
+        options = self._options(storage_options)
+        url = _normalize(url)
+        key = (url, repr(sorted(options.items())))
+        with self._lock:
+            root = self._roots.get(key)
+            if root is None:
+                root = CheckpointRoot(open_store(url, options, self.retry), self.settings, self._executor)
+                self._roots[key] = root
+            return root
+
+    # -- Lightning's CheckpointIO API --------------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if not isinstance(checkpoint, dict):
+            raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}")
+        url = _normalize(_fspath(path))
+        name = _paths.basename(url)
+        if not name:
+            raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")
+        self.root(_paths.dirname(url), storage_options).save(checkpoint, name)
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        url = _normalize(_fspath(path))
+        found = _resolve(url, lambda u: self.root(u))
+        if found is None:
+            return _load_plain_file(url, self._options(None), map_location, weights_only)
+        root, entry, fallbacks = found
+        loaded = _load_with_fallback(root, entry, fallbacks if self.settings.fallback_on_corruption else [],
+                                     map_location=map_location, weights_only=weights_only)
+        if self.claim_on_load and _global_rank() == 0 and root.epoch is None:
+            resumed = next((e for e in [entry, *fallbacks] if e.commit == loaded.entry_commit), entry)
+            try:
+                root.claim(resumed_from=resumed)
+            except StaleWriterError:
+                raise
+            except Exception as exc:  # a read-only root can still be loaded; saving there will fail clearly
+                log.warning("loaded %s but could not claim %s for writing: %s", url, root.url, exc)
+        root.remember_loaded(loaded)
+        return loaded.checkpoint
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        url = _normalize(_fspath(path))
+        self.root(_paths.dirname(url)).remove(_paths.basename(url))
+
+    @override
+    def teardown(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    # -- extras ------------------------------------------------------------------------------------------------
+    def find_latest_checkpoint(self, root: str) -> str | None:
+        """Like :func:`find_latest_checkpoint`, with this plugin's storage options."""
+        return find_latest_checkpoint(root, self.storage_options)
+
+    def collect_garbage(self, root: str, *, dry_run: bool = False) -> list[str]:
+        """Delete (or, with ``dry_run``, list) orphaned folders of crashed saves under ``root``."""
+        return self.root(root).collect_garbage(dry_run=dry_run)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_storage_options(value: Any, field: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"{field} must be a dict of fsspec options with str keys or None, got {value!r}")
+    return dict(value)
+
+
+def _fspath(path: Any) -> str:
+    if isinstance(path, str):
+        return path
+    if isinstance(path, os.PathLike):
+        return os.fspath(path)
+    raise TypeError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
+
+
+def _normalize(url: str) -> str:
+    protocol, rest = _paths.split_protocol(url)
+    if protocol in (None, "file", "local"):
+        return os.path.abspath(os.path.expanduser(rest))
+    return _paths.strip_trailing(url)
+
+
+def _global_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(getattr(rank_zero_only, "rank", 0) or 0)
+
+
+def _entry_from_manifest(manifest: Manifest) -> Entry:
+    return Entry(name=manifest.name, commit=manifest.commit, step=manifest.step, epoch=manifest.epoch,
+                 created=manifest.created, writer_epoch=manifest.writer_epoch, folders=tuple(manifest.folders),
+                 size=manifest.total_bytes)
+
+
+def _resolve(url: str, root_for: Any) -> tuple[CheckpointRoot, Entry, list[Entry]] | None:
+    """What ``url`` names: a root (its latest), a name in a root, or one commit folder.
+
+    Returns the root, the entry to load, and the older committed entries to fall back to; None when the URL
+    is none of these (a plain file, e.g. a stock Lightning checkpoint).
+    """
+    as_root: CheckpointRoot = root_for(url)
+    pointer, _ = as_root.read_pointer()
+    if pointer is not None:
+        candidates = pointer.candidates()
+        if not candidates:
+            raise FileNotFoundError(f"checkpoint root {url} has a pointer but no committed checkpoint yet")
+        return as_root, candidates[0], candidates[1:]
+
+    parent: CheckpointRoot = root_for(_paths.dirname(url))
+    pointer, _ = parent.read_pointer()
+    name = _paths.basename(url)
+    if pointer is not None:
+        entry = pointer.checkpoints.get(name)
+        if entry is None and pointer.latest is not None and pointer.latest.name == name:
+            entry = pointer.latest
+        if entry is not None:
+            return parent, entry, _older(pointer, entry)
+
+    # A commit folder: <root>/<name>/<commit>/manifest.json
+    if commit_time(name) is not None and as_root.store.exists(MANIFEST_NAME):
+        root: CheckpointRoot = root_for(_paths.dirname(_paths.dirname(url)))
+        commit = f"{_paths.basename(_paths.dirname(url))}/{name}"
+        manifest = root.read_manifest(commit)
+        entry = _entry_from_manifest(manifest)
+        pointer, _ = root.read_pointer()
+        return root, entry, _older(pointer, entry) if pointer else []
+    if parent.store.is_file(name):
+        return None  # a plain file
+    if pointer is not None:
+        raise FileNotFoundError(f"no committed checkpoint named {name!r} under {parent.url}: committed names are"
+                                f" {sorted(pointer.checkpoints)}")
+    raise FileNotFoundError(f"no checkpoint at {url}: it is not a checkpoint root (no {POINTER_NAME}), not a"
+                            " committed name in its parent's pointer, not a checkpoint folder (no"
+                            f" {MANIFEST_NAME}), and not a file")
+
+
+def _older(pointer: Pointer, entry: Entry) -> list[Entry]:
+    return [e for e in pointer.candidates() if e.commit != entry.commit and e.order <= entry.order]
+
+
+def _load_with_fallback(root: CheckpointRoot, entry: Entry, fallbacks: list[Entry], *, map_location: Any,
+                        weights_only: bool | None) -> Any:
+    first_error: CheckpointCorruptedError | None = None
+    tried: list[str] = []
+    for candidate in [entry, *fallbacks]:
+        try:
+            loaded = root.load(candidate.commit, map_location=map_location, weights_only=weights_only)
+        except CheckpointCorruptedError as exc:
+            first_error = first_error or exc
+            tried.append(root.store.url(candidate.commit))
+            message = f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {exc}"
+            log.error(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            continue
+        if tried:
+            message = (f"loaded the previous committed checkpoint {root.store.url(candidate.commit)} (step"
+                       f" {candidate.step}) instead of {tried[0]}, which failed verification")
+            log.error(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return loaded
+    assert first_error is not None
+    raise CheckpointCorruptedError(
+        f"no valid checkpoint to load: {first_error}" + (f" (also tried {', '.join(tried[1:])})" if len(tried) > 1
+                                                          else ""), object=first_error.object)
+
+
+def _load_plain_file(url: str, options: dict[str, Any], map_location: Any, weights_only: bool | None) -> Any:
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url, **options)
+    with fs.open(path, "rb") as f:
+        kwargs: dict[str, Any] = {"map_location": map_location}
+        if weights_only is not None:
+            kwargs["weights_only"] = weights_only
+        return torch.load(f, **kwargs)
+
+
+def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The newest committed checkpoint under ``root`` whose objects all exist with their recorded sizes.
+
+    Returns its URL, to pass as ``trainer.fit(model, ckpt_path=...)``, or None when the root holds no
+    committed checkpoint (a first run). Checksums are verified when the checkpoint is loaded. A missing bucket
+    raises ``FileNotFoundError`` rather than returning None, since a typo there would silently restart
+    training from scratch.
+    """
+    options = _check_storage_options(storage_options, "storage_options")
+    store = open_store(_normalize(root), options, RetryPolicy())
+    checkpoint_root = CheckpointRoot(store, RootSettings(None, 1, 0.0, True), lambda: _SERIAL)
+    pointer, _ = checkpoint_root.read_pointer()
+    candidates = pointer.candidates() if pointer else []
+    if pointer is None:
+        _check_bucket(store)
+        found = _scan_manifests(checkpoint_root)
+        if found:
+            newest = max(found, key=lambda m: (m.step, m.created))
+            warnings.warn(f"{store.url(POINTER_NAME)} is missing but {len(found)} committed checkpoint(s) exist"
+                          f" under {store.root_url}; using the newest, {newest.commit}. Call"
+                          f" lightning_resilient.repair_pointer({store.root_url!r}) to restore the pointer.",
+                          RuntimeWarning, stacklevel=2)
+            candidates = [_entry_from_manifest(m) for m in sorted(found, key=lambda m: (m.step, m.created),
+                                                                  reverse=True)]
+    for entry in candidates:
+        try:
+            checkpoint_root.check_sizes(entry.commit)
+        except CheckpointCorruptedError as exc:
+            warnings.warn(f"skipping {store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        return store.url(entry.commit)
+    return None
+
+
+def _check_bucket(store: Store) -> None:
+    protocol = _paths.split_protocol(store.root_url)[0]
+    if protocol in ("s3", "s3a", "gs", "gcs"):
+        bucket = store.root_path.split("/", 1)[0]
+        if not store.retry.call(f"stat bucket {bucket}", lambda: store.fs.exists(bucket)):
+            raise FileNotFoundError(f"bucket {bucket!r} of {store.root_url} does not exist (or these credentials"
+                                    " cannot see it): create it or fix the checkpoint dirpath")
+
+
+def _scan_manifests(root: CheckpointRoot) -> list[Manifest]:
+    found = []
+    for name in root.store.list_dir(""):
+        if name == POINTER_NAME or name.startswith("."):
+            continue
+        for child in root.store.list_dir(name):
+            if commit_time(child) is None:
+                continue
+            try:
+                found.append(root.read_manifest(f"{name}/{child}"))
+            except (CheckpointCorruptedError, UnsupportedFormatError):
+                continue
+    return found
+
+
+def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """Rebuild a missing or damaged pointer from the committed manifests under ``root``.
+
+    The newest commit of each name is cataloged; latest is the newest overall; the writer epoch is the highest
+    any manifest records, so a job still writing with that epoch continues. Returns the new latest's URL.
+    """
+    options = _check_storage_options(storage_options, "storage_options")
+    store = open_store(_normalize(root), options, RetryPolicy())
+    checkpoint_root = CheckpointRoot(store, RootSettings(None, 1, 0.0, True), lambda: _SERIAL)
+    found = _scan_manifests(checkpoint_root)
+    pointer = Pointer(writer="repaired")
+    for manifest in sorted(found, key=lambda m: (m.step, m.created)):
+        entry = _entry_from_manifest(manifest)
+        pointer.checkpoints[manifest.name] = entry
+        pointer.latest = entry
+        pointer.writer_epoch = max(pointer.writer_epoch, manifest.writer_epoch)
+    current = store.read_versioned(POINTER_NAME)
+    pointer.txn = "repaired"
+    if not store.write_if(POINTER_NAME, pointer.to_bytes(), current[1] if current else None):
+        raise RuntimeError(f"{store.url(POINTER_NAME)} changed while it was being repaired: a writer is active."
+                           " Run the repair again once it has stopped.")
+    return store.url(pointer.latest.commit) if pointer.latest else None
+
+
+class _SerialExecutor(Executor):
+    def map(self, fn, *iterables, timeout=None, chunksize=1):  # type: ignore[no-untyped-def, override]
+        return map(fn, *iterables)
+
+
+_SERIAL = _SerialExecutor()

@@ -1,0 +1,387 @@
+"""One checkpoint root: the commit protocol, writer fencing, retention and garbage collection.
+
+Save: shard objects -> skeleton -> manifest (last) -> conditional swap of the pointer -> delete what no live
+checkpoint needs any more. A crash before the swap leaves the previous pointer valid and the new folder an
+orphan (collected after a grace period); a crash after it leaves at worst undeleted garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError
+from lightning_resilient.io import layout
+from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
+from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
+from lightning_resilient.io.store import LocalStore, Store
+
+__all__ = ["CheckpointRoot", "RootSettings"]
+
+log = logging.getLogger(__name__)
+
+_COMMIT_RE = re.compile(r"^c(\d{13})-e(\d+)-[0-9a-f]{8}$")
+SKELETON_NAME = "skeleton.pt"
+_CAS_ATTEMPTS = 50
+RESUMED = "resumed from"
+
+
+def writer_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def commit_time(commit: str) -> float | None:
+    """When a commit folder was started (its name carries the time; object stores have no folder mtime)."""
+    match = _COMMIT_RE.match(commit.rsplit("/", 1)[-1])
+    return int(match.group(1)) / 1000 if match else None
+
+
+@dataclass(frozen=True)
+class RootSettings:
+    keep_last: int | None
+    shard_size: int
+    orphan_grace_seconds: float
+    fallback_on_corruption: bool
+
+
+@dataclass
+class Loaded:
+    checkpoint: dict[str, Any]
+    entry_commit: str
+    manifest: Manifest
+
+
+class CheckpointRoot:
+    """The protocol for the checkpoints under one root URL, as one writer sees it."""
+
+    def __init__(self, store: Store, settings: RootSettings, executor: Callable[[], Executor]) -> None:
+        self.store = store
+        self.settings = settings
+        self._executor = executor
+        self.writer = writer_identity()
+        self.epoch: int | None = None  # writer epoch this process claimed, once it did
+        self.resumed_from: str | None = None
+        # (sha256, size) -> root-relative path of objects that live checkpoints already hold: a save whose
+        # shard is byte-identical (e.g. ModelCheckpoint's save_last right after a top-k save) references it
+        # instead of uploading it again.
+        self._known: dict[tuple[str, int], str] = {}
+
+    @property
+    def url(self) -> str:
+        return self.store.root_url
+
+    # -- pointer -----------------------------------------------------------------------------------------------
+    def read_pointer(self) -> tuple[Pointer | None, str | None]:
+        got = self.store.read_versioned(POINTER_NAME)
+        if got is None:
+            return None, None
+        data, version = got
+        return Pointer.from_bytes(data, where=self.store.url(POINTER_NAME)), version
+
+    def _update(self, mutate: Callable[[Pointer], Pointer | None], *, fenced: bool) -> tuple[Pointer, Pointer]:
+        """Apply ``mutate`` to the current pointer with a compare-and-swap loop; returns (new, old)."""
+        for attempt in range(_CAS_ATTEMPTS):
+            current, version = self.read_pointer()
+            base = current if current is not None else Pointer()
+            if fenced and current is not None and self.epoch is not None and current.writer_epoch != self.epoch:
+                raise StaleWriterError(self.url, self.epoch, current.writer_epoch, current.writer)
+            new = mutate(base.copy())
+            if new is None:
+                return base, base
+            new.txn = uuid.uuid4().hex
+            if self.store.write_if(POINTER_NAME, new.to_bytes(), version):
+                return new, base
+            # The swap failed: someone else wrote, or our own write landed and only its response was lost
+            # (the retried request then fails its precondition). The txn tells which.
+            again, _ = self.read_pointer()
+            if again is not None and again.txn == new.txn:
+                return new, base
+            time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
+        raise TimeoutError(f"could not update {self.store.url(POINTER_NAME)}: {_CAS_ATTEMPTS} conditional writes"
+                           " in a row lost to other writers")
+
+    def claim(self, *, resumed_from: Entry | None = None) -> int:
+        """Become the writer of this root: a newer epoch than any before, so older jobs are fenced off."""
+
+        def bump(p: Pointer) -> Pointer:
+            p.writer_epoch += 1
+            p.writer = self.writer
+            # Protections belong to the job that set them; this job protects what it resumed from.
+            p.protected = {}
+            if resumed_from is not None:
+                p.protected = {f: f"data of the checkpoint {self.writer} resumed from" for f in resumed_from.folders}
+                p.protected[resumed_from.commit] = f"{RESUMED} by {self.writer}"
+            return p
+
+        new, _ = self._update(bump, fenced=False)
+        self.epoch = new.writer_epoch
+        self.resumed_from = resumed_from.commit if resumed_from else None
+        log.info("claimed %s as writer epoch %d (%s)", self.url, self.epoch, self.writer)
+        try:
+            self.collect_garbage()
+        except Exception as exc:  # garbage collection must never stop training
+            log.warning("garbage collection under %s failed: %s", self.url, exc)
+        return self.epoch
+
+    # -- save --------------------------------------------------------------------------------------------------
+    def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
+        if self.epoch is None:
+            self.claim()
+        assert self.epoch is not None
+        epoch = self.epoch
+        created = time.time()
+        commit = f"{name}/c{int(created * 1000):013d}-e{epoch}-{uuid.uuid4().hex[:8]}"
+        skeleton, slots = layout.flatten(checkpoint)
+        shards = layout.pack(slots, self.settings.shard_size)
+        skeleton_bytes = layout.save_skeleton(skeleton)
+
+        def put(rel: str, data: bytes | bytearray | memoryview) -> ObjectEntry:
+            digest = hashlib.sha256(data).hexdigest()
+            size = len(data) if not isinstance(data, memoryview) else data.nbytes
+            existing = self._known.get((digest, size))
+            if existing is not None:
+                return ObjectEntry(existing, size, digest)
+            self.store.write(rel, data)
+            return ObjectEntry(rel, size, digest)
+
+        try:
+            jobs = [(f"{commit}/shard-{i:05d}.bin", shard) for i, shard in enumerate(shards)]
+            objects = list(self._executor().map(lambda job: put(job[0], job[1].to_bytes()), jobs))
+            objects.append(put(f"{commit}/{SKELETON_NAME}", skeleton_bytes))
+            tensors = [
+                TensorEntry(slot.key, layout.dtype_name(slot.tensor.dtype), list(slot.tensor.shape), slot.shard,
+                            slot.offset, slot.nbytes, slot.device)
+                for slot in slots
+            ]
+            manifest = Manifest(name=name, commit=commit, step=_int(checkpoint.get("global_step")),
+                                epoch=_int(checkpoint.get("epoch")), created=created, writer_epoch=epoch,
+                                skeleton=len(objects) - 1, objects=objects, tensors=tensors)
+            # The manifest goes last: until it exists, this folder is not a checkpoint.
+            self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
+            entry = Entry(name=name, commit=commit, step=manifest.step, epoch=manifest.epoch, created=created,
+                          writer_epoch=epoch, folders=tuple(manifest.folders), size=manifest.total_bytes)
+
+            def add(p: Pointer) -> Pointer:
+                p.writer_epoch = max(p.writer_epoch, epoch)
+                p.writer = p.writer or self.writer
+                p.checkpoints[name] = entry
+                # Within one writer the pointer never moves to a lower step; an older writer's latest (a job
+                # this one superseded) is replaced whatever its step.
+                if p.latest is None or p.latest.writer_epoch < epoch or entry.order >= p.latest.order:
+                    p.latest = entry
+                self._apply_keep_last(p)
+                return p
+
+            new, old = self._update(add, fenced=True)
+        except StaleWriterError:
+            self._discard(commit)
+            raise
+        self._release(old, new)
+        self._remember(manifest, new)
+        log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(commit), entry.step,
+                 len(objects), entry.size)
+        return entry
+
+    def _apply_keep_last(self, p: Pointer) -> None:
+        keep = self.settings.keep_last
+        if keep is None:
+            return
+        ordered = sorted(p.checkpoints.values(), key=lambda e: e.order, reverse=True)
+        for entry in ordered[keep:]:
+            if p.latest is not None and entry.commit == p.latest.commit:
+                continue
+            if _is_resumed(p, entry):
+                continue  # what this job resumed from is kept (it is what a restart would need)
+            del p.checkpoints[entry.name]
+
+    def _discard(self, commit: str) -> None:
+        try:
+            self.store.remove(commit)
+        except Exception as exc:
+            log.warning("could not delete uncommitted %s: %s", self.store.url(commit), exc)
+
+    def _release(self, old: Pointer, new: Pointer) -> None:
+        """Delete folders that the old pointer kept alive and the new one does not."""
+        for folder in sorted(old.live_folders() - new.live_folders()):
+            self._discard(folder)
+        self._tidy_names({f.split("/", 1)[0] for f in old.live_folders() - new.live_folders()})
+
+    def _tidy_names(self, names: set[str]) -> None:
+        # Local disk keeps empty name folders after their last commit is deleted; object stores have none.
+        if not isinstance(self.store, LocalStore):
+            return
+        for name in names:
+            try:
+                os.rmdir(self.store.path(name))
+            except OSError:
+                pass
+
+    def _remember(self, manifest: Manifest, pointer: Pointer) -> None:
+        live = pointer.live_folders()
+        self._known = {k: v for k, v in self._known.items() if v.rsplit("/", 1)[0] in live}
+        for obj in manifest.objects:
+            self._known[(obj.sha256, obj.size)] = obj.path
+
+    # -- remove ------------------------------------------------------------------------------------------------
+    def remove(self, name: str) -> None:
+        def drop(p: Pointer) -> Pointer | None:
+            entry = p.checkpoints.get(name)
+            if entry is None:
+                return None
+            if _is_resumed(p, entry):
+                log.info("not removing %s: this job resumed from it", self.store.url(name))
+                return None
+            del p.checkpoints[name]
+            return p
+
+        if self.epoch is None:
+            self.claim()
+        new, old = self._update(drop, fenced=True)
+        self._release(old, new)
+
+    # -- load --------------------------------------------------------------------------------------------------
+    def read_manifest(self, commit: str) -> Manifest:
+        where = self.store.url(f"{commit}/{MANIFEST_NAME}")
+        try:
+            data = self.store.read(f"{commit}/{MANIFEST_NAME}")
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptedError(f"{where} is missing: {self.store.url(commit)} was never committed or"
+                                           " was deleted", object=where) from exc
+        manifest = Manifest.from_bytes(data, where=where)
+        if manifest.commit != commit:
+            raise CheckpointCorruptedError(f"{where} describes {manifest.commit!r}, not {commit!r}", object=where)
+        return manifest
+
+    def check_sizes(self, commit: str) -> Manifest:
+        """Cheap structural check: the manifest parses and every object exists with its recorded size."""
+        manifest = self.read_manifest(commit)
+        for obj in manifest.objects:
+            url = self.store.url(obj.path)
+            try:
+                size = self.store.size(obj.path)
+            except FileNotFoundError as exc:
+                raise CheckpointCorruptedError(f"{url} is missing", object=url) from exc
+            if size != obj.size:
+                raise CheckpointCorruptedError(f"{url} has {size} bytes, the manifest says {obj.size}", object=url)
+        return manifest
+
+    def _read_verified(self, obj: ObjectEntry) -> bytearray:
+        url = self.store.url(obj.path)
+        try:
+            data = self.store.read(obj.path)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptedError(f"{url} is missing", object=url) from exc
+        if len(data) != obj.size:
+            raise CheckpointCorruptedError(f"{url} has {len(data)} bytes, the manifest says {obj.size}"
+                                           " (truncated or replaced)", object=url)
+        if hashlib.sha256(data).hexdigest() != obj.sha256:
+            raise CheckpointCorruptedError(f"{url} fails its SHA-256 check: its bytes were corrupted", object=url)
+        return bytearray(data)
+
+    def load(self, commit: str, *, map_location: Any, weights_only: bool | None) -> Loaded:
+        manifest = self.read_manifest(commit)
+        buffers = list(self._executor().map(self._read_verified, manifest.objects))
+        skeleton_obj = manifest.objects[manifest.skeleton]
+        try:
+            skeleton = layout.load_skeleton(bytes(buffers[manifest.skeleton]), weights_only=weights_only,
+                                            map_location=map_location if map_location is not None else "cpu")
+        except Exception as exc:
+            if type(exc).__name__ == "UnpicklingError" and weights_only:
+                raise  # a weights_only refusal is the user's decision to make, not corruption
+            raise CheckpointCorruptedError(f"{self.store.url(skeleton_obj.path)} does not unpickle: {exc}",
+                                           object=self.store.url(skeleton_obj.path)) from exc
+        tensors = {}
+        for t in manifest.tensors:
+            try:
+                tensor = layout.tensor_from_bytes(buffers[t.object], t.offset, t.nbytes, layout.parse_dtype(t.dtype),
+                                                  t.shape)
+            except (ValueError, RuntimeError) as exc:
+                url = self.store.url(manifest.objects[t.object].path)
+                raise CheckpointCorruptedError(f"tensor {layout.key_id(t.key)!r} in {url}: {exc}", object=url) from exc
+            tensors[layout.key_id(t.key)] = _map(tensor, t.device, map_location)
+        checkpoint = layout.unflatten(skeleton, tensors)
+        return Loaded(checkpoint, commit, manifest)
+
+    def remember_loaded(self, loaded: Loaded) -> None:
+        for obj in loaded.manifest.objects:
+            self._known[(obj.sha256, obj.size)] = obj.path
+
+    # -- garbage -----------------------------------------------------------------------------------------------
+    def collect_garbage(self, *, dry_run: bool = False, now: float | None = None) -> list[str]:
+        """Delete commit folders no live checkpoint needs and that are older than the grace period.
+
+        Younger unreferenced folders may be saves in progress (this job's or another's), so they stay.
+        Also aborts incomplete multipart uploads under the root, and temp files of interrupted local writes.
+        """
+        pointer, _ = self.read_pointer()
+        live = pointer.live_folders() if pointer else set()
+        cutoff = (now if now is not None else time.time()) - self.settings.orphan_grace_seconds
+        doomed: list[str] = []
+        for name in self.store.list_dir(""):
+            if name == POINTER_NAME or name.startswith("."):
+                continue
+            for child in self.store.list_dir(name):
+                folder = f"{name}/{child}"
+                started = commit_time(child)
+                if started is not None and folder not in live and started < cutoff:
+                    doomed.append(folder)
+        if not dry_run:
+            for folder in doomed:
+                self._discard(folder)
+            self._tidy_names({f.split("/", 1)[0] for f in doomed})
+            for key in self.store.abort_stale_uploads(cutoff):
+                log.info("aborted incomplete multipart upload %s", key)
+            if isinstance(self.store, LocalStore):
+                _remove_stale_temp_files(self.store.root_path, cutoff)
+        if doomed:
+            log.info("%s %d orphaned folder(s) under %s", "would delete" if dry_run else "deleted", len(doomed),
+                     self.url)
+        return [self.store.url(f) for f in doomed]
+
+
+def _is_resumed(p: Pointer, entry: Entry) -> bool:
+    return p.protected.get(entry.commit, "").startswith(RESUMED)
+
+
+def _remove_stale_temp_files(root: str, cutoff: float) -> None:
+    for directory, _, files in os.walk(root):
+        for f in files:
+            if f.startswith(".tmp-"):
+                path = os.path.join(directory, f)
+                try:
+                    if os.path.getmtime(path) < cutoff:
+                        os.unlink(path)
+                except OSError:
+                    pass
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.item())
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+def _map(tensor: torch.Tensor, saved_device: str, map_location: Any) -> torch.Tensor:
+    if map_location is None:
+        return tensor
+    if isinstance(map_location, dict):
+        target = map_location.get(saved_device, saved_device)
+        return tensor if target == "cpu" else tensor.to(target)
+    if callable(map_location):
+        storage = map_location(tensor.untyped_storage(), saved_device)
+        device = getattr(storage, "device", torch.device("cpu"))
+        return tensor if device.type == "cpu" else tensor.to(device)
+    device = torch.device(map_location)
+    return tensor if device.type == "cpu" else tensor.to(device)

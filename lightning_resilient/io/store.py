@@ -1,0 +1,439 @@
+"""The few storage operations the checkpoint protocol needs, per fsspec backend.
+
+Everything above this module sees one small interface: read and write whole objects, list a folder, delete,
+and a compare-and-swap write (``write_if``) for the pointer. Each backend implements the swap with what the
+store really enforces:
+
+- local disk: an ``flock`` held across read-compare-replace, temp file in the same folder, fsync, ``os.replace``;
+- ``memory://``: a process-wide lock (the memory store is process-global too);
+- S3: ``If-None-Match: *`` to create, ``If-Match: <etag>`` to replace (single-part PUT: the pointer is small);
+- GCS: ``ifGenerationMatch`` (0 to create);
+- anything else: last writer wins, with a one-time warning that writer fencing is off.
+
+Every call goes through :class:`~lightning_resilient.io.retry.RetryPolicy`, and backend errors are mapped to
+built-in exceptions whose messages name the URL and what to fix.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from lightning_resilient.io._paths import join, split_protocol
+from lightning_resilient.io.retry import RetryPolicy
+
+__all__ = ["Store", "open_store"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_warned_no_cas: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _content_version(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Store:
+    """Generic fsspec backend: no conditional write, so ``write_if`` is last-writer-wins."""
+
+    supports_cas = False
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root_url: str, root_path: str, retry: RetryPolicy) -> None:
+        self.fs = fs
+        self.root_url = root_url
+        self.root_path = root_path
+        self.retry = retry
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def path(self, rel: str) -> str:
+        """Backend path of a root-relative object."""
+        return join(self.root_path, rel) if rel else self.root_path
+
+    def url(self, rel: str = "") -> str:
+        return join(self.root_url, rel) if rel else self.root_url
+
+    def _call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
+        try:
+            return self.retry.call(f"{what} {self.url(rel)}", fn)
+        except Exception as exc:
+            raise _translate(exc, self.url(rel), what) from exc
+
+    # -- plain objects -----------------------------------------------------------------------------------------
+    def read(self, rel: str) -> bytes:
+        return self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+
+    def write(self, rel: str, data: bytes | bytearray | memoryview) -> None:
+        """Write an immutable object (its name is unique to one save, so a retry rewrites the same bytes)."""
+        self._call("write", rel, lambda: self._write(self.path(rel), data))
+
+    def _write(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data)
+
+    def exists(self, rel: str) -> bool:
+        return self._call("stat", rel, lambda: self._exists(self.path(rel)))
+
+    def _exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return bool(self.fs.exists(path))
+
+    def is_file(self, rel: str) -> bool:
+        def isfile() -> bool:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.isfile(path))
+
+        return self._call("stat", rel, isfile)
+
+    def size(self, rel: str) -> int:
+        return int(self._call("stat", rel, lambda: self.fs.size(self.path(rel))))
+
+    def list_dir(self, rel: str) -> list[str]:
+        """Names directly under ``rel``; empty when it does not exist."""
+
+        def ls() -> list[str]:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+
+        return self._call("list", rel, ls)
+
+    def remove(self, rel: str) -> None:
+        """Delete an object or a folder recursively; a missing one is fine."""
+
+        def rm() -> None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                self.fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._call("delete", rel, rm)
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        """Abort incomplete multipart uploads under the root started before ``older_than``; S3 only."""
+        return []
+
+    # -- the pointer -------------------------------------------------------------------------------------------
+    def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
+        """The object's bytes and a version token for :meth:`write_if`, or None when it does not exist."""
+
+        def read() -> tuple[bytes, str] | None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                data = self.fs.cat_file(path)
+            except FileNotFoundError:
+                return None
+            return data, _content_version(data)
+
+        return self._call("read", rel, read)
+
+    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+        """Replace ``rel`` with ``data`` only if its version is still ``expected`` (None: it must not exist).
+
+        Returns False when the condition failed (someone else wrote first); the caller re-reads and retries.
+        """
+        key = f"{type(self.fs).__name__}:{self.root_url}"
+        with _warned_lock:
+            first = key not in _warned_no_cas
+            _warned_no_cas.add(key)
+        if first:
+            warnings.warn(
+                f"the {type(self.fs).__name__} filesystem behind {self.root_url!r} has no conditional write that"
+                " lightning_resilient knows how to use: writer fencing is OFF (last writer wins). Two jobs"
+                " writing this root at once can overwrite each other's pointer. Use local disk, S3 or GCS for"
+                " fenced writes.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.write(rel, data)
+        return True
+
+
+class LocalStore(Store):
+    """Local (or shared POSIX) filesystem: fsync'ed temp file + ``os.replace`` under an ``flock``."""
+
+    supports_cas = True
+
+    def _write(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        _atomic_local_write(path, data)
+
+    @contextmanager
+    def _locked(self, path: str) -> Iterator[None]:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+        path = self.path(rel)
+
+        def swap() -> bool:
+            with self._locked(path):
+                try:
+                    with open(path, "rb") as f:
+                        current: str | None = _content_version(f.read())
+                except FileNotFoundError:
+                    current = None
+                if current != expected:
+                    return False
+                _atomic_local_write(path, data)
+                return True
+
+        return self._call("conditional write", rel, swap)
+
+
+def _atomic_local_write(path: str, data: bytes | bytearray | memoryview) -> None:
+    # Same-folder temp file: os.replace is atomic only within one filesystem, and a crash mid-write must
+    # leave either the old object or nothing under the final name, never a torn one.
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable before anyone is told about it
+    finally:
+        os.close(dir_fd)
+
+
+_memory_lock = threading.Lock()
+
+
+class MemoryStore(Store):
+    """fsspec ``memory://``: process-global, so a process-global lock makes the swap atomic."""
+
+    supports_cas = True
+
+    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+        path = self.path(rel)
+
+        def swap() -> bool:
+            with _memory_lock:
+                try:
+                    current: str | None = _content_version(self.fs.cat_file(path))
+                except FileNotFoundError:
+                    current = None
+                if current != expected:
+                    return False
+                self.fs.pipe_file(path, data)
+                return True
+
+        return self._call("conditional write", rel, swap)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    current: BaseException | None = exc
+    while current is not None:
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            if response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+                return True
+            if response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                return True
+        current = current.__cause__
+    return False
+
+
+class S3Store(Store):
+    """S3 (and S3-compatible stores that enforce conditional PUTs, as AWS and moto do)."""
+
+    supports_cas = True
+
+    def _bucket_key(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        return bucket, key
+
+    def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
+        path = self.path(rel)
+        bucket, key = self._bucket_key(path)
+
+        def read() -> tuple[bytes, str] | None:
+            # Version first, then content: if the object changes in between, the etag we hold is older than
+            # the bytes, and the conditional write fails safely instead of succeeding on a stale base.
+            for _ in range(5):
+                try:
+                    head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
+                except FileNotFoundError:
+                    return None
+                etag = head["ETag"]
+                self.fs.invalidate_cache(path)
+                try:
+                    data = self.fs.cat_file(path)
+                except FileNotFoundError:
+                    return None
+                if hashlib.md5(data, usedforsecurity=False).hexdigest() == etag.strip('"'):
+                    return data, etag
+            return data, etag  # pointer changes very fast: the etag is older, the swap will fail and retry
+
+        return self._call("read", rel, read)
+
+    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+        path = self.path(rel)
+        bucket, key = self._bucket_key(path)
+        condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+
+        def put() -> bool:
+            try:
+                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if _precondition_failed(exc):
+                    return False
+                raise
+            finally:
+                self.fs.invalidate_cache(path)
+            return True
+
+        return self._call("conditional write", rel, put)
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        bucket, prefix = self._bucket_key(self.root_path)
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+
+        def abort() -> list[str]:
+            aborted = []
+            listing = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+            for upload in listing.get("Uploads", []):
+                initiated = upload.get("Initiated")
+                started = initiated.timestamp() if initiated is not None else 0.0
+                if started < older_than:
+                    self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
+                                    UploadId=upload["UploadId"])
+                    aborted.append(upload["Key"])
+            return aborted
+
+        return self._call("abort stale uploads", "", abort)
+
+
+class GCSStore(Store):
+    """Google Cloud Storage: generation preconditions (``ifGenerationMatch``)."""
+
+    supports_cas = True
+
+    def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
+        path = self.path(rel)
+
+        def read() -> tuple[bytes, str] | None:
+            for _ in range(5):
+                self.fs.invalidate_cache(path)
+                try:
+                    info = self.fs.info(path)
+                    data = self.fs.cat_file(path)
+                except FileNotFoundError:
+                    return None
+                generation = str(info["generation"])
+                md5 = info.get("md5Hash")
+                if md5 is None or base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode() == md5:
+                    return data, generation
+            return data, generation
+
+        return self._call("read", rel, read)
+
+    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+        path = self.path(rel)
+        bucket, key, _ = self.fs.split_path(path)
+        from urllib.parse import quote
+
+        # gcsfs exposes only create-only writes, so the replace-if-generation upload is made here, in the
+        # same single-request multipart form that the server checks preconditions on.
+        metadata = json.dumps({"name": key})
+        body = (
+            b"--==0==\nContent-Type: application/json; charset=UTF-8\n\n" + metadata.encode()
+            + b"\n--==0==\nContent-Type: application/json\n\n" + data + b"\n--==0==--"
+        )
+
+        def put() -> bool:
+            try:
+                self.fs.call(
+                    "POST",
+                    f"{self.fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
+                    uploadType="multipart",
+                    headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+                    data=body,
+                    json_out=True,
+                    ifGenerationMatch=expected if expected is not None else "0",
+                )
+            except FileExistsError:  # gcsfs maps 412 Precondition Failed to FileExistsError
+                return False
+            finally:
+                self.fs.invalidate_cache(path)
+            return True
+
+        return self._call("conditional write", rel, put)
+
+
+def _translate(exc: Exception, url: str, what: str) -> Exception:
+    """Map backend errors to built-ins whose message says what to fix; keep the original as the cause."""
+    name = type(exc).__name__
+    text = str(exc)
+    protocol = split_protocol(url)[0] or "file"
+    if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in text:
+        return PermissionError(
+            f"no credentials to {what} {url}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or a profile), or pass"
+            " storage_options={'key': ..., 'secret': ...} to AtomicCheckpointIO"
+        )
+    if isinstance(exc, PermissionError):
+        return PermissionError(f"access denied to {what} {url} ({text}): check the credentials and their rights"
+                               " on this bucket/path")
+    if isinstance(exc, FileNotFoundError) and protocol in ("s3", "s3a", "gs", "gcs"):
+        if "bucket" in text.lower() or "NoSuchBucket" in text:
+            bucket = split_protocol(url)[1].split("/", 1)[0]
+            return FileNotFoundError(errno.ENOENT, f"bucket {bucket!r} does not exist ({what} {url}): create it"
+                                     " or fix the checkpoint dirpath")
+    return exc
+
+
+def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy) -> Store:
+    """Build the :class:`Store` for the checkpoint root ``url``."""
+    fs, path = url_to_fs(url, **(storage_options or {}))
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if "file" in protocols or "local" in protocols:
+        cls: type[Store] = LocalStore
+        path = os.path.abspath(path)
+    elif "memory" in protocols:
+        cls = MemoryStore
+    elif "s3" in protocols:
+        cls = S3Store
+    elif "gs" in protocols or "gcs" in protocols:
+        cls = GCSStore
+    else:
+        cls = Store
+    return cls(fs, url.rstrip("/") or url, path.rstrip("/") or path, retry)
+
