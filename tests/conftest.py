@@ -76,8 +76,16 @@ def gcs_endpoint() -> Iterator[str]:
 
     server = FakeGCSServer()
     server.start()
+    # The wrapper pipes the server's request log to stderr and never reads it: once the pipe buffer is
+    # full the server blocks on its next log line and every request hangs. Drain it.
+    threading.Thread(target=_drain, args=(server._process.stderr,), name="fake-gcs-log", daemon=True).start()
     yield server.url
     server.stop()
+
+
+def _drain(stream: Any) -> None:
+    for _ in iter(lambda: stream.read(65536), b""):
+        pass
 
 
 @pytest.fixture
@@ -87,7 +95,8 @@ def gcs_backend(gcs_endpoint: str) -> Backend:
     fs = gcsfs.GCSFileSystem(endpoint_url=gcs_endpoint, token="anon", skip_instance_cache=True)
     bucket = f"t-{uuid.uuid4().hex[:16]}"
     fs.mkdir(bucket)
-    return Backend("gcs", f"gs://{bucket}/run/ckpt", {"endpoint_url": gcs_endpoint, "token": "anon"}, gcs_endpoint)
+    options = {"endpoint_url": gcs_endpoint, "token": "anon"}
+    return Backend("gcs", f"gs://{bucket}/run/ckpt", options, gcs_endpoint)
 
 
 @pytest.fixture

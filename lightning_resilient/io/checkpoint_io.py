@@ -105,14 +105,12 @@ class AtomicCheckpointIO(CheckpointIO):
         self.claim_on_load = claim_on_load
         self._roots: dict[tuple[str, str], CheckpointRoot] = {}
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
 
     # -- plumbing ----------------------------------------------------------------------------------------------
     def _executor(self) -> Executor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="lightning_resilient-io")
-            return self._pool
+        # One pool per save or load: its threads end with the operation, so nothing lingers between saves
+        # or after a one-off load, and teardown has no thread to chase.
+        return ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="lightning_resilient-io")
 
     def _options(self, storage_options: Any) -> dict[str, Any]:
         extra = _check_storage_options(storage_options, "save_checkpoint(storage_options=...)")
@@ -169,10 +167,7 @@ class AtomicCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        """Nothing runs in the background between operations (saves are synchronous), so nothing to wait for."""
 
     # -- extras ------------------------------------------------------------------------------------------------
     def find_latest_checkpoint(self, root: str) -> str | None:
@@ -316,7 +311,7 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
     """
     options = _check_storage_options(storage_options, "storage_options")
     store = open_store(_normalize(root), options, RetryPolicy())
-    checkpoint_root = CheckpointRoot(store, RootSettings(None, 1, 0.0, True), lambda: _SERIAL)
+    checkpoint_root = CheckpointRoot(store, RootSettings(None, 1, 0.0, True), _SerialExecutor)
     pointer, _ = checkpoint_root.read_pointer()
     candidates = pointer.candidates() if pointer else []
     if pointer is None:
@@ -372,7 +367,7 @@ def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> 
     """
     options = _check_storage_options(storage_options, "storage_options")
     store = open_store(_normalize(root), options, RetryPolicy())
-    checkpoint_root = CheckpointRoot(store, RootSettings(None, 1, 0.0, True), lambda: _SERIAL)
+    checkpoint_root = CheckpointRoot(store, RootSettings(None, 1, 0.0, True), _SerialExecutor)
     found = _scan_manifests(checkpoint_root)
     pointer = Pointer(writer="repaired")
     for manifest in sorted(found, key=lambda m: (m.step, m.created)):
@@ -391,6 +386,3 @@ def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> 
 class _SerialExecutor(Executor):
     def map(self, fn, *iterables, timeout=None, chunksize=1):  # type: ignore[no-untyped-def, override]
         return map(fn, *iterables)
-
-
-_SERIAL = _SerialExecutor()

@@ -7,12 +7,12 @@ relative to the checkpoint root and validated on read: a manifest can never poin
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
 from lightning_resilient.io._paths import check_relative
+from lightning_resilient.io._sealed import seal, unseal
 
 __all__ = ["FORMAT", "Manifest", "ObjectEntry", "TensorEntry"]
 
@@ -61,17 +61,12 @@ class Manifest:
         return sum(o.size for o in self.objects)
 
     def to_bytes(self) -> bytes:
-        body = {"format": FORMAT, "kind": KIND, **asdict(self)}
-        return json.dumps(body, indent=1, sort_keys=True).encode()
+        return seal({"format": FORMAT, "kind": KIND, **asdict(self)})
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
-        try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointCorruptedError(f"manifest {where} is not valid JSON ({exc}): it is truncated or"
-                                           " overwritten", object=where) from exc
-        if not isinstance(raw, dict) or raw.get("kind") != KIND:
+        raw = unseal(data, what="manifest", where=where)
+        if raw.get("kind") != KIND:
             raise CheckpointCorruptedError(f"{where} is not a lightning_resilient manifest", object=where)
         fmt = raw.get("format")
         if not isinstance(fmt, int):

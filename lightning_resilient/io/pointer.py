@@ -7,12 +7,12 @@ can never both believe they moved it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
 from lightning_resilient.io._paths import check_relative
+from lightning_resilient.io._sealed import seal, unseal
 
 __all__ = ["POINTER_NAME", "Entry", "Pointer"]
 
@@ -68,21 +68,15 @@ class Pointer:
         return replace(self, checkpoints=dict(self.checkpoints), protected=dict(self.protected))
 
     def to_bytes(self) -> bytes:
-        body = {"format": FORMAT, "kind": KIND, **asdict(self)}
-        return json.dumps(body, indent=1, sort_keys=True).encode()
+        return seal({"format": FORMAT, "kind": KIND, **asdict(self)})
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Pointer:
         hint = (" Nothing committed is lost: the checkpoints are still there. Call"
                 f" lightning_resilient.repair_pointer({where.rsplit('/', 1)[0]!r}) to rebuild the pointer from"
                 " their manifests.")
-        try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointCorruptedError(f"pointer {where} is not valid JSON ({exc}): it was truncated or"
-                                           f" overwritten by something other than lightning_resilient.{hint}",
-                                           object=where) from exc
-        if not isinstance(raw, dict) or raw.get("kind") != KIND or not isinstance(raw.get("format"), int):
+        raw = unseal(data, what="pointer", where=where, hint=hint)
+        if raw.get("kind") != KIND or not isinstance(raw.get("format"), int):
             raise CheckpointCorruptedError(f"{where} is not a lightning_resilient pointer.{hint}", object=where)
         if raw["format"] > FORMAT:
             raise UnsupportedFormatError(

@@ -67,16 +67,19 @@ class CheckpointRoot:
     """The protocol for the checkpoints under one root URL, as one writer sees it."""
 
     def __init__(self, store: Store, settings: RootSettings, executor: Callable[[], Executor]) -> None:
+        """``executor`` makes a fresh pool per save or load (threads never outlive the operation)."""
         self.store = store
         self.settings = settings
         self._executor = executor
         self.writer = writer_identity()
         self.epoch: int | None = None  # writer epoch this process claimed, once it did
         self.resumed_from: str | None = None
-        # (sha256, size) -> root-relative path of objects that live checkpoints already hold: a save whose
-        # shard is byte-identical (e.g. ModelCheckpoint's save_last right after a top-k save) references it
-        # instead of uploading it again.
+        # (sha256, size) -> root-relative path of the objects of the last commit, and its step. A save of the
+        # same step whose shard is byte-identical (ModelCheckpoint's save_last right after a top-k save)
+        # references the object instead of uploading it again. Only at the same step: checkpoints of
+        # different steps never share bytes, so one corrupted object can never take several of them down.
         self._known: dict[tuple[str, int], str] = {}
+        self._known_step: int | None = None
 
     @property
     def url(self) -> str:
@@ -146,11 +149,13 @@ class CheckpointRoot:
         skeleton, slots = layout.flatten(checkpoint)
         shards = layout.pack(slots, self.settings.shard_size)
         skeleton_bytes = layout.save_skeleton(skeleton)
+        step = _int(checkpoint.get("global_step"))
+        known = self._known if step == self._known_step else {}
 
         def put(rel: str, data: bytes | bytearray | memoryview) -> ObjectEntry:
             digest = hashlib.sha256(data).hexdigest()
             size = len(data) if not isinstance(data, memoryview) else data.nbytes
-            existing = self._known.get((digest, size))
+            existing = known.get((digest, size))
             if existing is not None:
                 return ObjectEntry(existing, size, digest)
             self.store.write(rel, data)
@@ -158,14 +163,15 @@ class CheckpointRoot:
 
         try:
             jobs = [(f"{commit}/shard-{i:05d}.bin", shard) for i, shard in enumerate(shards)]
-            objects = list(self._executor().map(lambda job: put(job[0], job[1].to_bytes()), jobs))
+            with self._executor() as pool:
+                objects = list(pool.map(lambda job: put(job[0], job[1].to_bytes()), jobs))
             objects.append(put(f"{commit}/{SKELETON_NAME}", skeleton_bytes))
             tensors = [
                 TensorEntry(slot.key, layout.dtype_name(slot.tensor.dtype), list(slot.tensor.shape), slot.shard,
                             slot.offset, slot.nbytes, slot.device)
                 for slot in slots
             ]
-            manifest = Manifest(name=name, commit=commit, step=_int(checkpoint.get("global_step")),
+            manifest = Manifest(name=name, commit=commit, step=step,
                                 epoch=_int(checkpoint.get("epoch")), created=created, writer_epoch=epoch,
                                 skeleton=len(objects) - 1, objects=objects, tensors=tensors)
             # The manifest goes last: until it exists, this folder is not a checkpoint.
@@ -228,9 +234,12 @@ class CheckpointRoot:
             except OSError:
                 pass
 
-    def _remember(self, manifest: Manifest, pointer: Pointer) -> None:
-        live = pointer.live_folders()
-        self._known = {k: v for k, v in self._known.items() if v.rsplit("/", 1)[0] in live}
+    def _remember(self, manifest: Manifest, pointer: Pointer | None = None) -> None:
+        if manifest.step != self._known_step:
+            self._known = {}
+        self._known_step = manifest.step
+        live = pointer.live_folders() if pointer is not None else None
+        self._known = {k: v for k, v in self._known.items() if live is None or v.rsplit("/", 1)[0] in live}
         for obj in manifest.objects:
             self._known[(obj.sha256, obj.size)] = obj.path
 
@@ -292,7 +301,8 @@ class CheckpointRoot:
 
     def load(self, commit: str, *, map_location: Any, weights_only: bool | None) -> Loaded:
         manifest = self.read_manifest(commit)
-        buffers = list(self._executor().map(self._read_verified, manifest.objects))
+        with self._executor() as pool:
+            buffers = list(pool.map(self._read_verified, manifest.objects))
         skeleton_obj = manifest.objects[manifest.skeleton]
         try:
             skeleton = layout.load_skeleton(bytes(buffers[manifest.skeleton]), weights_only=weights_only,
@@ -311,12 +321,15 @@ class CheckpointRoot:
                 url = self.store.url(manifest.objects[t.object].path)
                 raise CheckpointCorruptedError(f"tensor {layout.key_id(t.key)!r} in {url}: {exc}", object=url) from exc
             tensors[layout.key_id(t.key)] = _map(tensor, t.device, map_location)
-        checkpoint = layout.unflatten(skeleton, tensors)
+        try:
+            checkpoint = layout.unflatten(skeleton, tensors)
+        except ValueError as exc:
+            where = self.store.url(f"{commit}/{MANIFEST_NAME}")
+            raise CheckpointCorruptedError(f"{where} does not match its skeleton: {exc}", object=where) from exc
         return Loaded(checkpoint, commit, manifest)
 
     def remember_loaded(self, loaded: Loaded) -> None:
-        for obj in loaded.manifest.objects:
-            self._known[(obj.sha256, obj.size)] = obj.path
+        self._remember(loaded.manifest)
 
     # -- garbage -----------------------------------------------------------------------------------------------
     def collect_garbage(self, *, dry_run: bool = False, now: float | None = None) -> list[str]:

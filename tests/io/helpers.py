@@ -54,3 +54,12 @@ def read_pointer(backend: Any) -> Pointer:
 
 def pointer_json(backend: Any) -> dict[str, Any]:
     return json.loads(backend.fs().cat_file(backend.path(POINTER_NAME)))
+
+
+def put(backend: Any, rel: str, data: bytes) -> None:
+    """Write a raw object under the backend's root, behind the plugin's back."""
+    fs = backend.fs()
+    path = backend.path(rel)
+    if backend.kind == "local":
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, data)

@@ -1,0 +1,374 @@
+"""The commit protocol, run identically on local disk, memory://, S3 (moto) and GCS (fake-gcs-server)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from lightning_resilient import (
+    CheckpointCorruptedError,
+    StaleWriterError,
+    UnsupportedFormatError,
+    find_latest_checkpoint,
+    repair_pointer,
+)
+from lightning_resilient.io._sealed import seal
+from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.pointer import POINTER_NAME
+
+from .helpers import assert_same, make_checkpoint, make_io, put, read_pointer
+
+
+def commits_on_store(backend) -> set[str]:
+    """Every commit folder that exists in the store, as "name/commit"."""
+    fs = backend.fs()
+    base = backend.path()
+    found = set()
+    for path in fs.find(base):
+        rel = path[len(base.rstrip("/")) + 1:] if path.startswith(base.rstrip("/")) else path
+        parts = rel.split("/")
+        if len(parts) == 3:
+            found.add("/".join(parts[:2]))
+    return found
+
+
+def test_save_load_roundtrip_bit_exact(backend):
+    io = make_io(backend, shard_size=256)
+    ckpt = make_checkpoint(3)
+    ckpt["extra"] = {"bf16": torch.randn(5, dtype=torch.bfloat16), "bool": torch.tensor([True, False]),
+                     "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64),
+                     "strided": torch.arange(20.0).reshape(4, 5).t(), "tuple": (torch.ones(2), "x", 3),
+                     "complex": torch.randn(3, dtype=torch.complex64), "int8": torch.arange(-4, 4, dtype=torch.int8)}
+    io.save_checkpoint(ckpt, backend.url("epoch=0-step=3.ckpt"))
+    loader = make_io(backend)
+    loaded = loader.load_checkpoint(backend.url("epoch=0-step=3.ckpt"), weights_only=True)
+    expected = dict(ckpt)
+    expected["extra"] = dict(ckpt["extra"], strided=ckpt["extra"]["strided"].contiguous())
+    assert_same(loaded, expected)
+    io.teardown()
+    loader.teardown()
+
+
+def test_tensors_are_raw_bytes_not_pickles(backend):
+    io = make_io(backend, shard_size=1 << 20)
+    ckpt = make_checkpoint(1, size=4096)
+    io.save_checkpoint(ckpt, backend.url("a.ckpt"))
+    manifest_path = [p for p in backend.fs().find(backend.path()) if p.endswith(MANIFEST_NAME)][0]
+    manifest = json.loads(backend.fs().cat_file(manifest_path))["body"]
+    skeleton = manifest["objects"][manifest["skeleton"]]
+    weight = next(t for t in manifest["tensors"] if t["key"] == [["s", "state_dict"], ["s", "layer.weight"]])
+    shard = backend.fs().cat_file(backend.path(manifest["objects"][weight["object"]]["path"]))
+    raw = shard[weight["offset"]: weight["offset"] + weight["nbytes"]]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(4096, 8),
+                       ckpt["state_dict"]["layer.weight"])
+    assert skeleton["size"] < 4096, "tensor bytes leaked into the pickled skeleton"
+    io.teardown()
+
+
+def test_latest_follows_commits_and_root_resolves(backend):
+    io = make_io(backend)
+    assert find_latest_checkpoint(backend.root, backend.storage_options) is None
+    for step in (10, 20, 30):
+        io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    latest = find_latest_checkpoint(backend.root, backend.storage_options)
+    assert latest.startswith(backend.url("step=30.ckpt/"))
+    reader = make_io(backend, claim_on_load=False)
+    assert reader.load_checkpoint(backend.root)["global_step"] == 30
+    assert reader.load_checkpoint(latest)["global_step"] == 30
+    assert reader.load_checkpoint(backend.url("step=10.ckpt"))["global_step"] == 10
+    io.teardown()
+    reader.teardown()
+
+
+def test_pointer_never_moves_to_a_lower_step_within_a_writer(backend):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(50), backend.url("late.ckpt"))
+    io.save_checkpoint(make_checkpoint(40), backend.url("early.ckpt"))  # e.g. a manual save of older state
+    pointer = read_pointer(backend)
+    assert pointer.latest.name == "late.ckpt"
+    assert "early.ckpt" in pointer.checkpoints  # committed and loadable by name, just not latest
+    io.teardown()
+
+
+def test_reused_name_keeps_only_its_newest_commit(backend):
+    io = make_io(backend)
+    for step in (1, 2, 3):
+        io.save_checkpoint(make_checkpoint(step), backend.url("last.ckpt"))
+    pointer = read_pointer(backend)
+    assert commits_on_store(backend) == {pointer.latest.commit}
+    assert make_io(backend, claim_on_load=False).load_checkpoint(backend.url("last.ckpt"))["global_step"] == 3
+    io.teardown()
+
+
+def test_save_last_does_not_upload_the_same_state_twice(backend):
+    io = make_io(backend, shard_size=512)
+    ckpt = make_checkpoint(7)
+    io.save_checkpoint(ckpt, backend.url("epoch=0-step=7.ckpt"))
+    ckpt["callbacks"] = {"ModelCheckpoint{}": {"last_model_path": "last.ckpt"}}  # only the small state differs
+    io.save_checkpoint(ckpt, backend.url("last.ckpt"))
+    pointer = read_pointer(backend)
+    last = pointer.checkpoints["last.ckpt"]
+    files = [p for p in backend.fs().find(backend.path(last.commit))]
+    assert sorted(f.rsplit("/", 1)[-1] for f in files) == [MANIFEST_NAME, "skeleton.pt"], files
+    assert pointer.checkpoints["epoch=0-step=7.ckpt"].commit in last.folders
+    # Removing the top-k name keeps the data last.ckpt shares with it.
+    io.remove_checkpoint(backend.url("epoch=0-step=7.ckpt"))
+    loaded = make_io(backend, claim_on_load=False).load_checkpoint(backend.url("last.ckpt"))
+    assert_same(loaded, ckpt)
+    # When last.ckpt moves on, the shared folder is no longer needed and is deleted.
+    io.save_checkpoint(make_checkpoint(8), backend.url("last.ckpt"))
+    assert commits_on_store(backend) == {read_pointer(backend).latest.commit}
+    io.teardown()
+
+
+def test_keep_last_retention(backend):
+    io = make_io(backend, keep_last=2)
+    for step in range(1, 6):
+        io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    pointer = read_pointer(backend)
+    assert sorted(pointer.checkpoints) == ["step=4.ckpt", "step=5.ckpt"]
+    assert commits_on_store(backend) == {e.commit for e in pointer.checkpoints.values()}
+    io.teardown()
+
+
+def test_retention_and_topk_never_delete_the_resumed_from_checkpoint(backend):
+    first = make_io(backend)
+    for step in (1, 2):
+        first.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    first.teardown()
+    resumed = make_io(backend, keep_last=1)
+    resumed.load_checkpoint(backend.url("step=2.ckpt"))
+    for step in (3, 4):
+        resumed.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    resumed.remove_checkpoint(backend.url("step=2.ckpt"))  # what top-k rotation would do
+    pointer = read_pointer(backend)
+    assert sorted(pointer.checkpoints) == ["step=2.ckpt", "step=4.ckpt"]
+    assert make_io(backend, claim_on_load=False).load_checkpoint(backend.url("step=2.ckpt"))["global_step"] == 2
+    resumed.teardown()
+
+
+def test_remove_of_latest_keeps_its_data_until_latest_moves(backend):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.remove_checkpoint(backend.url("a.ckpt"))
+    latest = find_latest_checkpoint(backend.root, backend.storage_options)
+    assert latest is not None and make_io(backend, claim_on_load=False).load_checkpoint(latest)["global_step"] == 1
+    io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
+    assert commits_on_store(backend) == {read_pointer(backend).latest.commit}
+    io.teardown()
+
+
+def test_orphans_of_crashed_saves_are_collected_after_grace(backend):
+    io = make_io(backend, orphan_grace_seconds=3600)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    fs = backend.fs()
+    old = f"c{int((time.time() - 7200) * 1000):013d}-e1-0000dead"
+    young = f"c{int(time.time() * 1000):013d}-e1-0000beef"
+    put(backend, f"b.ckpt/{old}/shard-00000.bin", b"partial")
+    put(backend, f"b.ckpt/{young}/shard-00000.bin", b"in progress")
+    put(backend, "notes/readme.txt", b"user file")
+    root = io.root(backend.root)
+    assert root.collect_garbage(dry_run=True) == [backend.url(f"b.ckpt/{old}")]
+    assert commits_on_store(backend) >= {f"b.ckpt/{old}"}
+    assert root.collect_garbage() == [backend.url(f"b.ckpt/{old}")]
+    remaining = commits_on_store(backend)
+    assert f"b.ckpt/{old}" not in remaining and f"b.ckpt/{young}" in remaining
+    assert fs.cat_file(backend.path("notes/readme.txt")) == b"user file"
+    io.teardown()
+
+
+def test_stale_writer_is_fenced(backend):
+    """The old job keeps running and reaches higher steps; latest always names the newer job's checkpoint."""
+    old = make_io(backend)
+    for step in (1, 2):
+        old.save_checkpoint(make_checkpoint(step, seed=1), backend.url(f"step={step}.ckpt"))
+    new = make_io(backend)
+    new.load_checkpoint(find_latest_checkpoint(backend.root, backend.storage_options))  # resumes: claims epoch 2
+    for step in (3, 4, 5):
+        with pytest.raises(StaleWriterError, match="another job resumed"):
+            old.save_checkpoint(make_checkpoint(step + 100, seed=1), backend.url(f"step={step + 100}.ckpt"))
+        new.save_checkpoint(make_checkpoint(step, seed=2), backend.url(f"step={step}.ckpt"))
+        pointer = read_pointer(backend)
+        assert pointer.latest.name == f"step={step}.ckpt" and pointer.writer_epoch == 2
+    with pytest.raises(StaleWriterError):
+        old.remove_checkpoint(backend.url("step=3.ckpt"))
+    assert not any(n.startswith("step=10") for n in read_pointer(backend).checkpoints)
+    assert not any(c.startswith("step=10") for c in commits_on_store(backend)), "stale writer left its data"
+    loaded = make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
+    assert_same(loaded, make_checkpoint(5, seed=2))
+    old.teardown()
+    new.teardown()
+
+
+def test_new_job_supersedes_an_older_writers_higher_step(backend):
+    old = make_io(backend)
+    old.save_checkpoint(make_checkpoint(90), backend.url("step=90.ckpt"))
+    fresh = make_io(backend)  # a new job that starts without resuming claims on its first save
+    fresh.save_checkpoint(make_checkpoint(5), backend.url("step=5.ckpt"))
+    assert read_pointer(backend).latest.name == "step=5.ckpt"
+    old.teardown()
+    fresh.teardown()
+
+
+# -- corruption ------------------------------------------------------------------------------------------------
+
+def _objects(backend, commit):
+    return sorted(p for p in backend.fs().find(backend.path(commit)))
+
+
+def _damage(fs, path, how):
+    data = fs.cat_file(path)
+    if how == "truncate":
+        data = data[: max(0, len(data) // 2)]
+    else:
+        i = len(data) // 2
+        data = data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+    fs.pipe_file(path, data)
+
+
+@pytest.mark.parametrize("how", ["truncate", "bitflip"])
+def test_every_kind_of_object_damage_is_detected(backend, how):
+    io = make_io(backend, shard_size=300)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
+    io.teardown()
+    target = read_pointer(backend).latest.commit
+    paths = _objects(backend, target)
+    assert {p.rsplit("/", 1)[-1].split("-")[0] for p in paths} == {"manifest.json", "shard", "skeleton.pt"}
+    fs = backend.fs()
+    for path in paths:
+        original = fs.cat_file(path)
+        _damage(fs, path, how)
+        strict = make_io(backend, claim_on_load=False, fallback_on_corruption=False)
+        with pytest.raises(CheckpointCorruptedError) as info:
+            strict.load_checkpoint(backend.root)
+        assert info.value.object is not None and info.value.object.endswith(path.rsplit("/", 2)[-2] + "/" +
+                                                                           path.rsplit("/", 1)[-1])
+        lenient = make_io(backend, claim_on_load=False)
+        with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):
+            assert lenient.load_checkpoint(backend.root)["global_step"] == 1  # the previous committed one
+        fs.pipe_file(path, original)
+        strict.teardown()
+        lenient.teardown()
+
+
+def test_corruption_with_no_valid_fallback_raises_naming_the_object(backend):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.teardown()
+    commit = read_pointer(backend).latest.commit
+    shard = [p for p in _objects(backend, commit) if "shard-" in p][0]
+    _damage(backend.fs(), shard, "bitflip")
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointCorruptedError, match="SHA-256") as info:
+        make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
+    assert info.value.object == backend.url(f"{commit}/shard-00000.bin")
+
+
+def test_missing_object_skipped_by_find_latest(backend):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
+    io.teardown()
+    commit = read_pointer(backend).latest.commit
+    backend.fs().rm(backend.path(f"{commit}/shard-00000.bin"))
+    with pytest.warns(RuntimeWarning, match="is missing"):
+        latest = find_latest_checkpoint(backend.root, backend.storage_options)
+    assert latest.startswith(backend.url("a.ckpt/"))
+
+
+# -- bad input -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("garbage", [b"", b'{"format": 1, "kind": "lightning_res', b"\x00\xff garbage", b"[]"])
+def test_garbage_pointer_is_a_clear_error_and_loses_nothing(backend, garbage):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
+    io.teardown()
+    backend.fs().pipe_file(backend.path(POINTER_NAME), garbage)
+    with pytest.raises(CheckpointCorruptedError, match="repair_pointer") as info:
+        find_latest_checkpoint(backend.root, backend.storage_options)
+    assert info.value.object == backend.url(POINTER_NAME)
+    writer = make_io(backend)
+    with pytest.raises(CheckpointCorruptedError, match="Nothing committed is lost"):
+        writer.save_checkpoint(make_checkpoint(3), backend.url("c.ckpt"))
+    assert backend.fs().cat_file(backend.path(POINTER_NAME)) == garbage  # the save did not overwrite it
+    latest = repair_pointer(backend.root, backend.storage_options)
+    assert latest.startswith(backend.url("b.ckpt/"))
+    assert make_io(backend, claim_on_load=False).load_checkpoint(backend.root)["global_step"] == 2
+    writer.teardown()
+
+
+def test_missing_pointer_with_checkpoints_still_finds_them(backend):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(4), backend.url("a.ckpt"))
+    io.teardown()
+    backend.fs().rm(backend.path(POINTER_NAME))
+    with pytest.warns(RuntimeWarning, match="is missing but 1 committed"):
+        latest = find_latest_checkpoint(backend.root, backend.storage_options)
+    assert make_io(backend, claim_on_load=False).load_checkpoint(latest)["global_step"] == 4
+
+
+def _rewrite_manifest(backend, edit):
+    commit = read_pointer(backend).latest.commit
+    path = backend.path(f"{commit}/{MANIFEST_NAME}")
+    body = json.loads(backend.fs().cat_file(path))["body"]
+    edit(body)
+    backend.fs().pipe_file(path, seal(body))  # a consistent document: only its content is wrong
+
+
+def test_manifest_of_a_newer_format_is_refused_not_skipped(backend):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
+    io.teardown()
+    _rewrite_manifest(backend, lambda m: m.update(format=99))
+    with pytest.raises(UnsupportedFormatError, match="format 99.*Upgrade lightning_resilient"):
+        make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
+
+
+@pytest.mark.parametrize("bad", ["../../elsewhere/shard-00000.bin", "/etc/passwd", "s3://other-bucket/x",
+                                 "a.ckpt/./x", "a.ckpt//x"])
+def test_manifest_entries_escaping_the_root_are_rejected(backend, bad):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.teardown()
+
+    def escape(m):
+        m["objects"][0]["path"] = bad
+
+    _rewrite_manifest(backend, escape)
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointCorruptedError, match="checkpoint root"):
+        make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
+
+
+def test_load_of_a_missing_path_says_what_it_looked_for(backend):
+    io = make_io(backend)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint root"):
+        io.load_checkpoint(backend.url("nothing-here"))
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    with pytest.raises(FileNotFoundError, match=r"no committed checkpoint named 'typo.ckpt'.*'a.ckpt'"):
+        io.load_checkpoint(backend.url("typo.ckpt"))
+    io.teardown()
+
+
+@pytest.mark.parametrize("how", ["truncate", "bitflip"])
+def test_damaged_pointer_is_detected_even_when_it_still_parses(backend, how):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.teardown()
+    path = backend.path(POINTER_NAME)
+    body = backend.fs().cat_file(path)
+    # Flip a digit of the step, so the JSON stays valid and only the digest can tell.
+    if how == "bitflip":
+        i = body.index(b'"step": 1')
+        damaged = body[: i + 8] + b"7" + body[i + 9:]
+        assert json.loads(damaged)
+    else:
+        damaged = body[: len(body) // 2]
+    backend.fs().pipe_file(path, damaged)
+    with pytest.raises(CheckpointCorruptedError, match="pointer") as info:
+        find_latest_checkpoint(backend.root, backend.storage_options)
+    assert info.value.object == backend.url(POINTER_NAME)
