@@ -143,7 +143,7 @@ class Store:
             self.fs.invalidate_cache(path)
             try:
                 data = self.fs.cat_file(path)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # a parent that is a file: nothing there either
                 return None
             return data, _content_version(data)
 
