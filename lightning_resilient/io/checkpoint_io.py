@@ -340,8 +340,9 @@ def _check_bucket(store: Store) -> None:
     if protocol in ("s3", "s3a", "gs", "gcs"):
         bucket = store.root_path.split("/", 1)[0]
         if not store.retry.call(f"stat bucket {bucket}", lambda: store.fs.exists(bucket)):
-            raise FileNotFoundError(f"bucket {bucket!r} of {store.root_url} does not exist (or these credentials"
-                                    " cannot see it): create it or fix the checkpoint dirpath")
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist (looking for checkpoints in"
+                                    f" {store.root_url}): create it, fix the checkpoint dirpath, or use"
+                                    " credentials that can see it")
 
 
 def _scan_manifests(root: CheckpointRoot) -> list[Manifest]:

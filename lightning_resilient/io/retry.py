@@ -27,7 +27,7 @@ _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTim
 _TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
                     "ResponseStreamingError", "IncompleteReadError", "ClientConnectionError",
                     "ClientOSError", "ServerDisconnectedError", "ClientPayloadError", "ServerTimeoutError",
-                    "HttpError", "RemoteDisconnected", "ProtocolError", "TransferEncodingError"}
+                    "HttpError", "HTTPClientError", "RemoteDisconnected", "ProtocolError", "TransferEncodingError"}
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -81,7 +81,7 @@ class RetryPolicy:
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.attempts, int) or self.attempts < 1:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
             raise ValueError(f"retry attempts must be an int >= 1, got {self.attempts!r}")
         if self.base_delay < 0 or self.max_delay < 0:
             raise ValueError(f"retry delays must be >= 0, got base_delay={self.base_delay}, max_delay={self.max_delay}")
