@@ -1,0 +1,158 @@
+"""SIGKILL a real training process at random instants inside saves; every restart finds a whole checkpoint.
+
+After each kill the newest committed checkpoint must load with full checksum verification and no fallback,
+and it must be the newest one whose save returned (or the one being saved, if the kill fell between the
+pointer swap and the return). The next launch resumes from it, as a restarted job would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
+from lightning_resilient.io.root import commit_time
+
+from .helpers import read_pointer
+
+CHILD = Path(__file__).with_name("crash_child.py")
+KILLS_IN_SAVES = 20
+
+
+class Job:
+    """A child process whose stdout lines are collected by a reader thread (so reads never block)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.cond = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append((time.monotonic(), line.strip()))
+                self.cond.notify_all()
+
+    def wait_for(self, predicate, timeout: float = 120) -> tuple[float, str]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for item in self.lines:
+                    if predicate(item[1]):
+                        return item
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None and not self.reader.is_alive():
+                    raise AssertionError(f"child never printed the expected line; got {self.lines[-5:]}")
+                self.cond.wait(min(left, 0.5))
+
+    def kill(self) -> list[str]:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.reader.join(timeout=30)
+        return [line for _, line in self.lines]
+
+
+def run_crash_loop(backend, env: dict[str, str]) -> None:
+    rng = random.Random(20261202)
+    options = json.dumps(backend.storage_options)
+    committed = 0  # newest step whose save returned, over all launches
+    kills_in_saves = 0
+    launches = 0
+    while kills_in_saves < KILLS_IN_SAVES:
+        launches += 1
+        assert launches <= KILLS_IN_SAVES + 10, "too few kills landed inside saves"
+        job = Job([backend.root, options], env)
+        resumed = job.wait_for(lambda line: line.startswith("RESUME"))[1]
+        if committed:
+            assert resumed != "RESUME None", "a restart did not find the committed checkpoint"
+        # Pick one of the first few saves of this launch, then a random instant within a save's duration.
+        nth = rng.randint(1, 2)
+        begins = []
+        for _ in range(nth):
+            begins.append(job.wait_for(lambda line, seen=len(begins): line.startswith("BEGIN")
+                                       and sum(l.startswith("BEGIN") for _, l in job.lines) > seen))
+        t_begin, begin_line = [(t, l) for t, l in job.lines if l.startswith("BEGIN")][nth - 1]
+        durations = _save_durations(job.lines) or [0.3]
+        target = t_begin + rng.uniform(0, max(durations) * 1.1)
+        time.sleep(max(0.0, target - time.monotonic()))
+        lines = job.kill()
+        step = int(begin_line.split()[1])
+        ends = [int(l.split()[1]) for l in lines if l.startswith("END")]
+        begun = [int(l.split()[1]) for l in lines if l.startswith("BEGIN")]
+        in_flight = begun[-1] if begun and (not ends or ends[-1] != begun[-1]) else None
+        if ends:
+            committed = max(committed, ends[-1])
+        if in_flight is not None and in_flight >= step:
+            kills_in_saves += 1
+
+        latest = find_latest_checkpoint(backend.root, backend.storage_options)
+        if latest is None:
+            assert committed == 0, "a committed checkpoint was lost"
+            continue  # killed inside the very first save: a restart correctly starts fresh
+        reader = AtomicCheckpointIO(storage_options=backend.storage_options, claim_on_load=False,
+                                    fallback_on_corruption=False)
+        loaded = reader.load_checkpoint(latest)  # full SHA-256 verification, no fallback allowed
+        allowed = {committed} | ({in_flight} if in_flight is not None else set())
+        assert loaded["global_step"] in allowed, (loaded["global_step"], allowed, lines[-4:])
+        committed = loaded["global_step"]
+
+    # Orphans of killed saves do not pile up: each new job collects what the previous one left, so at most
+    # the last launch's debris (its interrupted save, an interrupted deletion) is stored beyond what the
+    # pointer needs, and the next job's collection (grace 0 here) removes exactly that.
+    pointer = read_pointer(backend)
+    live = pointer.live_folders()
+    assert len(commit_folders(backend) - live) <= 2
+    AtomicCheckpointIO(storage_options=backend.storage_options, orphan_grace_seconds=0).collect_garbage(backend.root)
+    assert commit_folders(backend) == live
+    assert len(pointer.checkpoints) <= 3
+
+
+def commit_folders(backend) -> set[str]:
+    base = backend.path().rstrip("/")
+    out = set()
+    for path in backend.fs().find(base):
+        parts = path[len(base) + 1:].split("/")
+        if len(parts) == 3 and commit_time(parts[1]) is not None:
+            out.add("/".join(parts[:2]))
+    return out
+
+
+def _save_durations(lines: list[tuple[float, str]]) -> list[float]:
+    out, start = [], None
+    for t, line in lines:
+        if line.startswith("BEGIN"):
+            start = t
+        elif line.startswith("END") and start is not None:
+            out.append(t - start)
+            start = None
+    return out
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_local(local_backend):
+    run_crash_loop(local_backend, _env())
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_s3(s3_backend):
+    run_crash_loop(s3_backend, _env(AWS_ENDPOINT_URL=s3_backend.endpoint))
