@@ -1,0 +1,44 @@
+"""A 2-process DDP (gloo, CPU) job for the DDP test: python ddp_child.py ROOT MAX_STEPS."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint  # noqa: E402
+from tests.models import TinyModel, tiny_loader  # noqa: E402
+
+
+class CountingIO(AtomicCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        print(f"SAVE rank={torch.distributed.get_rank()} pid={os.getpid()} step={checkpoint['global_step']}",
+              flush=True)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class Report(Callback):
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        print(f"START rank={trainer.global_rank} pid={os.getpid()} step={trainer.global_step}", flush=True)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        w = pl_module.net[0].weight.detach().sum().item()
+        print(f"END rank={trainer.global_rank} step={trainer.global_step} weight_sum={w!r}", flush=True)
+
+
+def main(root: str, max_steps: int) -> None:
+    torch.manual_seed(0)
+    trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=max_steps, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, plugins=[CountingIO()],
+                      callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1), Report()])
+    trainer.fit(TinyModel(), tiny_loader(n=128), ckpt_path=find_latest_checkpoint(root))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
