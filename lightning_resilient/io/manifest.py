@@ -53,8 +53,8 @@ class Manifest:
 
     @property
     def folders(self) -> list[str]:
-        """Commit folders this checkpoint's objects live in: deleting any of them breaks it."""
-        return sorted({o.path.rsplit("/", 1)[0] for o in self.objects})
+        """Commit folders this checkpoint needs: its own (the manifest), and every one its objects live in."""
+        return sorted({self.commit} | {o.path.rsplit("/", 1)[0] for o in self.objects})
 
     @property
     def total_bytes(self) -> int:

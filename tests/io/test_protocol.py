@@ -112,8 +112,12 @@ def test_save_last_does_not_upload_the_same_state_twice(backend):
     pointer = read_pointer(backend)
     last = pointer.checkpoints["last.ckpt"]
     files = [p for p in backend.fs().find(backend.path(last.commit))]
-    assert sorted(f.rsplit("/", 1)[-1] for f in files) == [MANIFEST_NAME, "skeleton.pt"], files
+    assert "shard" not in " ".join(f.rsplit("/", 1)[-1] for f in files), files
     assert pointer.checkpoints["epoch=0-step=7.ckpt"].commit in last.folders
+    assert commits_on_store(backend) == read_pointer(backend).live_folders()
+    # Orphan collection must not mistake the manifest-only folder of last.ckpt for debris.
+    make_io(backend, orphan_grace_seconds=0).collect_garbage(backend.root)
+    assert commits_on_store(backend) == read_pointer(backend).live_folders()
     # Removing the top-k name keeps the data last.ckpt shares with it.
     io.remove_checkpoint(backend.url("epoch=0-step=7.ckpt"))
     loaded = make_io(backend, claim_on_load=False).load_checkpoint(backend.url("last.ckpt"))
@@ -372,3 +376,21 @@ def test_damaged_pointer_is_detected_even_when_it_still_parses(backend, how):
     with pytest.raises(CheckpointCorruptedError, match="pointer") as info:
         find_latest_checkpoint(backend.root, backend.storage_options)
     assert info.value.object == backend.url(POINTER_NAME)
+
+
+def test_identical_resave_is_manifest_only_and_survives_collection(backend):
+    """Same state under a second name: every object is shared, only the manifest is new, and the folder
+    holding just that manifest is live (not debris for orphan collection)."""
+    io = make_io(backend)
+    ckpt = make_checkpoint(3)
+    io.save_checkpoint(ckpt, backend.url("epoch=0-step=3.ckpt"))
+    io.save_checkpoint(ckpt, backend.url("last.ckpt"))
+    last = read_pointer(backend).checkpoints["last.ckpt"]
+    assert [p.rsplit("/", 1)[-1] for p in backend.fs().find(backend.path(last.commit))] == [MANIFEST_NAME]
+    make_io(backend, orphan_grace_seconds=0).collect_garbage(backend.root)
+    assert commits_on_store(backend) == read_pointer(backend).live_folders()
+    strict = make_io(backend, claim_on_load=False, fallback_on_corruption=False)
+    assert_same(strict.load_checkpoint(backend.url("last.ckpt")), ckpt)
+    io.save_checkpoint(make_checkpoint(4), backend.url("last.ckpt"))  # superseding it deletes it
+    assert last.commit not in commits_on_store(backend)
+    io.teardown()

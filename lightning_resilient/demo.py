@@ -1,0 +1,244 @@
+"""The demo: train against an S3 server on loopback, SIGKILL the job in the middle of a save, rerun the
+same command, and show that it resumes from the newest committed checkpoint.
+
+``make demo`` runs ``python -m lightning_resilient.demo``. The training job itself is
+``python -m lightning_resilient.demo train --root s3://...``; the demo launches it twice, identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+BUCKET = "lightning-resilient-demo"
+ROOT = f"s3://{BUCKET}/run-1/checkpoints"
+
+
+# -- the training job --------------------------------------------------------------------------------------------
+
+def train(root: str, max_steps: int) -> None:
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
+
+    class Regressor(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            # ~2.3 M parameters: with Adam's state a checkpoint is ~27 MB, so a save takes a visible moment.
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 1500), torch.nn.ReLU(), torch.nn.Linear(1500, 1500),
+                                           torch.nn.ReLU(), torch.nn.Linear(1500, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    class Announcing(AtomicCheckpointIO):
+        # Tells the demo driver when a save starts and ends, so it can kill the job inside one.
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            print(f"@save-begin {checkpoint['global_step']} {path}", flush=True)
+            super().save_checkpoint(checkpoint, path, storage_options)
+            print(f"@save-end {checkpoint['global_step']}", flush=True)
+
+    torch.manual_seed(0)
+    x = torch.randn(2048, 16)
+    data = DataLoader(TensorDataset(x, x.sin().sum(1, keepdim=True)), batch_size=32)
+    # orphan_grace_seconds=0 only because the demo has a single job: in production keep the default (1 h),
+    # which protects a save that another, concurrent job still has in progress.
+    io = Announcing(keep_last=2, shard_size=4 * 2**20, orphan_grace_seconds=0, max_concurrency=2)
+    store = io.root(root).store
+    write = store.write
+
+    def announced_write(rel: str, data: Any) -> None:
+        write(rel, data)
+        print(f"@object {rel}", flush=True)
+
+    store.write = announced_write  # type: ignore[method-assign]  # lets the driver kill mid-upload
+    ckpt_path = find_latest_checkpoint(root)
+    print(f"@resume {ckpt_path}", flush=True)
+    trainer = Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_model_summary=False,
+                      plugins=[io], callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=10, save_last=True)])
+    trainer.fit(Regressor(), data, ckpt_path=ckpt_path)
+    print(f"@done {trainer.global_step}", flush=True)
+
+
+# -- the driver --------------------------------------------------------------------------------------------------
+
+class Job:
+    """The training command in a subprocess; its output is echoed, markers are recorded."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, bufsize=0)
+        self.events: list[tuple[float, str, list[str]]] = []
+        self.cond = threading.Condition()
+        self.reader = threading.Thread(target=self._pump, daemon=True)
+        self.reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        buf = b""
+        while True:
+            chunk = self.proc.stdout.read(1)
+            if not chunk:
+                break
+            buf += chunk
+            if chunk in (b"\n", b"\r"):
+                line = buf.decode(errors="replace")
+                buf = b""
+                if line.startswith("@"):
+                    kind, *rest = line.strip().split()
+                    with self.cond:
+                        self.events.append((time.monotonic(), kind, rest))
+                        self.cond.notify_all()
+                else:
+                    sys.stdout.write("    " + line if chunk == b"\n" else "\r    " + line.strip("\r"))
+                    sys.stdout.flush()
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait(self, kind: str, count: int = 1, timeout: float = 300) -> tuple[float, list[str]]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                hits = [(t, rest) for t, k, rest in self.events if k == kind]
+                if len(hits) >= count:
+                    return hits[count - 1]
+                if not self.reader.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the training job exited before printing {kind} (exit {self.proc.poll()})")
+                self.cond.wait(0.5)
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.reader.join()
+
+
+def _start_s3() -> tuple[Any, str]:
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:  # pragma: no cover - the Makefile installs it
+        raise SystemExit("the demo needs moto's S3 server: pip install 'lightning_resilient[demo]'") from exc
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request log would drown the demo
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    return server, f"http://{host}:{port}"
+
+
+def _listing(root: str) -> list[str]:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(root)
+    fs.invalidate_cache()
+    found = []
+    for p in sorted(fs.find(path)):
+        rel = p[len(path) + 1:]
+        found.append(rel)
+    return found
+
+
+def _folders(root: str) -> dict[str, set[str]]:
+    """commit folder -> names of the objects in it."""
+    out: dict[str, set[str]] = {}
+    for rel in _listing(root):
+        parts = rel.split("/")
+        if len(parts) == 3:
+            out.setdefault("/".join(parts[:2]), set()).add(parts[2])
+    return out
+
+
+def run_demo(max_steps: int = 60, kill_step: int = 30) -> int:
+    os.environ.update({"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    server, endpoint = _start_s3()
+    os.environ["AWS_ENDPOINT_URL"] = endpoint  # reaches s3fs here, in the job, and Lightning's own client
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    print(f"S3 server (moto) on {endpoint}; checkpoints go to {ROOT}\n")
+    cmd = [sys.executable, "-m", "lightning_resilient.demo", "train", "--root", ROOT, "--max-steps", str(max_steps)]
+    print("$ " + " ".join(cmd[2:]).replace(sys.executable, "python"))
+    try:
+        job = Job(cmd, dict(os.environ))
+        # Kill inside the upload of step kill_step's checkpoint: after a few of its objects are stored, before
+        # its manifest and the pointer swap.
+        job.wait("@save-begin", 2 * (kill_step // 10) - 1)
+        deadline = time.monotonic() + 300
+        while True:
+            with job.cond:
+                written = [r for _, k, r in job.events if k == "@object" and f"step={kill_step}.ckpt/" in r[0]]
+                if len(written) >= 3 or time.monotonic() > deadline:
+                    break
+                job.cond.wait(0.05)
+        job.kill()
+        step = str(kill_step)
+        finished = any(k == "@save-end" and rest[0] == step for _, k, rest in job.events)
+        print(f"\n\n*** SIGKILL sent to the training job in the middle of uploading the checkpoint of step {step}"
+              f" ({len(written)} objects stored, {'but the save had finished' if finished else 'no manifest yet'})"
+              " ***\n")
+
+        from lightning_resilient import find_latest_checkpoint
+        from lightning_resilient.io.manifest import MANIFEST_NAME
+
+        folders = _folders(ROOT)
+        partial = [f for f, names in folders.items() if MANIFEST_NAME not in names]
+        latest = find_latest_checkpoint(ROOT)
+        print("What the store holds after the kill:")
+        for folder, names in sorted(folders.items()):
+            state = "committed" if MANIFEST_NAME in names else "PARTIAL (no manifest: invisible to resume)"
+            print(f"  {folder:60s} {len(names):3d} objects  {state}")
+        print(f"\nNewest committed checkpoint: {latest}\n")
+
+        print("$ " + " ".join(cmd[2:]) + "     # the same command again")
+        job2 = Job(cmd, dict(os.environ))
+        _, resumed = job2.wait("@resume")
+        _, done = job2.wait("@done", timeout=600)
+        job2.proc.wait()
+        after = _folders(ROOT)
+        print("\n\nReport")
+        print(f"  killed during the upload of step {step}: {len(written)} objects stored, save"
+              f" {'finished' if finished else 'interrupted before its manifest'}")
+        print(f"  partial folders left by the kill: {len(partial)}"
+              + (f" ({', '.join(partial)})" if partial else ""))
+        print(f"  restart found and resumed from:   {resumed[0]}")
+        print(f"  resumed run finished at step:     {done[0]} (of {max_steps})")
+        print(f"  partial folders collected since:  {sum(1 for f in partial if f not in after)} of {len(partial)}")
+        print(f"  checkpoints kept (keep_last=2 plus last.ckpt): {sorted({f.split('/')[0] for f in after})}")
+        ok = resumed[0] == latest and int(done[0]) == max_steps
+        print("\nDEMO OK" if ok else "\nDEMO FAILED")
+        return 0 if ok else 1
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_resilient.demo", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    t = sub.add_parser("train", help="the training job (what the demo launches)")
+    t.add_argument("--root", required=True)
+    t.add_argument("--max-steps", type=int, default=60)
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        train(args.root, args.max_steps)
+        return 0
+    return run_demo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
