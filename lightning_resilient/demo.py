@@ -22,6 +22,20 @@ ROOT = f"s3://{BUCKET}/run-1/checkpoints"
 
 # -- the training job --------------------------------------------------------------------------------------------
 
+def _announcer() -> Any:
+    """Where the job reports save events for the driver: a pipe the driver passes in, else stdout."""
+    fd = os.environ.get("LR_DEMO_EVENTS_FD")
+    stream = os.fdopen(int(fd), "w", buffering=1) if fd else sys.stdout
+    lock = threading.Lock()
+
+    def announce(message: str) -> None:
+        with lock:
+            stream.write(f"@{message}\n")
+            stream.flush()
+
+    return announce
+
+
 def train(root: str, max_steps: int) -> None:
     import torch
     from lightning.pytorch import LightningModule, Trainer
@@ -46,12 +60,14 @@ def train(root: str, max_steps: int) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
+    announce = _announcer()
+
     class Announcing(AtomicCheckpointIO):
         # Tells the demo driver when a save starts and ends, so it can kill the job inside one.
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-            print(f"@save-begin {checkpoint['global_step']} {path}", flush=True)
+            announce(f"save-begin {checkpoint['global_step']} {path}")
             super().save_checkpoint(checkpoint, path, storage_options)
-            print(f"@save-end {checkpoint['global_step']}", flush=True)
+            announce(f"save-end {checkpoint['global_step']}")
 
     torch.manual_seed(0)
     x = torch.randn(2048, 16)
@@ -64,49 +80,39 @@ def train(root: str, max_steps: int) -> None:
 
     def announced_write(rel: str, data: Any) -> None:
         write(rel, data)
-        print(f"@object {rel}", flush=True)
+        announce(f"object {rel}")
 
     store.write = announced_write  # type: ignore[method-assign]  # lets the driver kill mid-upload
     ckpt_path = find_latest_checkpoint(root)
-    print(f"@resume {ckpt_path}", flush=True)
+    announce(f"resume {ckpt_path}")
     trainer = Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_model_summary=False,
                       plugins=[io], callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=10, save_last=True)])
     trainer.fit(Regressor(), data, ckpt_path=ckpt_path)
-    print(f"@done {trainer.global_step}", flush=True)
+    announce(f"done {trainer.global_step}")
 
 
 # -- the driver --------------------------------------------------------------------------------------------------
 
 class Job:
-    """The training command in a subprocess; its output is echoed, markers are recorded."""
+    """The training command in a subprocess: its output goes to the terminal, its events to a pipe."""
 
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, bufsize=0)
+        events_r, events_w = os.pipe()
+        env = {**env, "LR_DEMO_EVENTS_FD": str(events_w)}
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=(events_w,))
+        os.close(events_w)
         self.events: list[tuple[float, str, list[str]]] = []
         self.cond = threading.Condition()
-        self.reader = threading.Thread(target=self._pump, daemon=True)
+        self.reader = threading.Thread(target=self._pump, args=(events_r,), daemon=True)
         self.reader.start()
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        buf = b""
-        while True:
-            chunk = self.proc.stdout.read(1)
-            if not chunk:
-                break
-            buf += chunk
-            if chunk in (b"\n", b"\r"):
-                line = buf.decode(errors="replace")
-                buf = b""
-                if line.startswith("@"):
-                    kind, *rest = line.strip().split()
-                    with self.cond:
-                        self.events.append((time.monotonic(), kind, rest))
-                        self.cond.notify_all()
-                else:
-                    sys.stdout.write("    " + line if chunk == b"\n" else "\r    " + line.strip("\r"))
-                    sys.stdout.flush()
+    def _pump(self, fd: int) -> None:
+        with os.fdopen(fd, "r") as stream:
+            for line in stream:
+                kind, *rest = line.strip().split()
+                with self.cond:
+                    self.events.append((time.monotonic(), kind, rest))
+                    self.cond.notify_all()
         with self.cond:
             self.cond.notify_all()
 
@@ -163,6 +169,14 @@ def _folders(root: str) -> dict[str, set[str]]:
     return out
 
 
+def _step_of(url: str | None) -> int | None:
+    if url is None:
+        return None
+    from lightning_resilient import AtomicCheckpointIO
+
+    return int(AtomicCheckpointIO(claim_on_load=False).load_checkpoint(url)["global_step"])
+
+
 def run_demo(max_steps: int = 60, kill_step: int = 30) -> int:
     os.environ.update({"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo",
                        "AWS_DEFAULT_REGION": "us-east-1"})
@@ -216,10 +230,11 @@ def run_demo(max_steps: int = 60, kill_step: int = 30) -> int:
               f" {'finished' if finished else 'interrupted before its manifest'}")
         print(f"  partial folders left by the kill: {len(partial)}"
               + (f" ({', '.join(partial)})" if partial else ""))
-        print(f"  restart found and resumed from:   {resumed[0]}")
+        print(f"  restart found and resumed from:   {resumed[0]} (step {_step_of(latest)})")
         print(f"  resumed run finished at step:     {done[0]} (of {max_steps})")
         print(f"  partial folders collected since:  {sum(1 for f in partial if f not in after)} of {len(partial)}")
-        print(f"  checkpoints kept (keep_last=2 plus last.ckpt): {sorted({f.split('/')[0] for f in after})}")
+        print(f"  folders kept: {sorted({f.split('/')[0] for f in after})} (keep_last=2; the data of the checkpoint"
+              " this run resumed from is never deleted by it)")
         ok = resumed[0] == latest and int(done[0]) == max_steps
         print("\nDEMO OK" if ok else "\nDEMO FAILED")
         return 0 if ok else 1
