@@ -394,3 +394,17 @@ def test_identical_resave_is_manifest_only_and_survives_collection(backend):
     io.save_checkpoint(make_checkpoint(4), backend.url("last.ckpt"))  # superseding it deletes it
     assert last.commit not in commits_on_store(backend)
     io.teardown()
+
+
+def test_incomplete_multipart_uploads_under_the_root_are_aborted(s3_backend):
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_backend.endpoint)
+    bucket, prefix = s3_backend.path().split("/", 1)
+    inside = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/b.ckpt/c0000000000001-e1-00000000/x")
+    outside = client.create_multipart_upload(Bucket=bucket, Key="other-run/big.bin")
+    # moto reports every upload as initiated in 2010, so only the "old enough" side can be shown here.
+    io = make_io(s3_backend, orphan_grace_seconds=60)
+    io.save_checkpoint(make_checkpoint(1), s3_backend.url("a.ckpt"))  # the first save claims, and collects
+    left = {u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+    assert left == {outside["UploadId"]} and inside["UploadId"] not in left
