@@ -7,10 +7,12 @@ from lightning_resilient.errors import (
     UnsupportedFormatError,
 )
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint, repair_pointer
+from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulationAwareScheduler",
     "AtomicCheckpointIO",
     "CheckpointCorruptedError",
     "CheckpointError",
@@ -19,4 +21,5 @@ __all__ = [
     "__version__",
     "find_latest_checkpoint",
     "repair_pointer",
+    "warmup_schedule",
 ]

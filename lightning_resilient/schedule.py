@@ -1,0 +1,260 @@
+"""LR schedules counted in real optimizer steps, whatever calls ``step()`` and however often.
+
+With gradient accumulation a scheduler stepped per micro-batch runs K times too fast, and one sized from
+``len(dataloader) * epochs`` is K times too long. :class:`AccumulationAwareScheduler` advances the scheduler it
+wraps only when the optimizer really updated the weights since the last advance (an optimizer step skipped by
+the fp16 GradScaler does not count), and :func:`warmup_schedule` sizes warmup + decay schedules from the
+trainer's real optimizer-step count.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
+
+__all__ = ["AccumulationAwareScheduler", "warmup_schedule"]
+
+ScheduleKind = Literal["linear", "cosine", "onecycle", "constant"]
+
+
+class AccumulationAwareScheduler(LRScheduler):
+    """Advance ``scheduler`` once per ``frequency`` real optimizer steps, however often ``step()`` is called.
+
+    Real steps are counted by a hook on the optimizer's ``step`` (``register_step_post_hook``), so calling
+    ``step()`` after every micro-batch (plain PyTorch, Lightning manual optimization, or Lightning's automatic
+    loop with ``accumulate_grad_batches``) gives the schedule per optimizer step. When the GradScaler skips an
+    optimizer step (inf/NaN gradients) the optimizer's ``step`` is never called, so the schedule does not advance
+    unless ``count_skipped_steps=True`` (which needs the ``scaler``).
+
+    It is an ``LRScheduler`` itself, so Lightning accepts it from ``configure_optimizers`` and
+    ``LearningRateMonitor`` reads it; ``state_dict``/``load_state_dict`` carry the wrapped scheduler's state and
+    the step counters, so a resumed run continues the schedule exactly.
+
+    Example (plain PyTorch, accumulating 4 micro-batches)::
+
+        sched = AccumulationAwareScheduler(torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000))
+        for i, batch in enumerate(loader):
+            loss(batch).backward()
+            if (i + 1) % 4 == 0:
+                opt.step()
+                opt.zero_grad()
+            sched.step()  # every micro-batch: advances once per optimizer step
+
+    Args:
+        scheduler: any ``torch.optim.lr_scheduler`` scheduler (``ReduceLROnPlateau`` included).
+        frequency: advance once every this many real optimizer steps (Lightning's own ``frequency`` counts
+            micro-batches; leave that at 1 and set this instead).
+        count_skipped_steps: also count optimizer steps that the GradScaler skipped.
+        scaler: the GradScaler whose skipped steps ``count_skipped_steps`` counts.
+        total_steps: the schedule's length in optimizer steps, if known, for the warning when training runs past
+            its end (set by :func:`warmup_schedule`).
+    """
+
+    def __init__(
+        self,
+        scheduler: LRScheduler | Any,
+        *,
+        frequency: int = 1,
+        count_skipped_steps: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        optimizer = getattr(scheduler, "optimizer", None)
+        if not isinstance(optimizer, Optimizer) or not callable(getattr(scheduler, "step", None)):
+            raise TypeError("scheduler must be a torch.optim.lr_scheduler scheduler bound to an optimizer, got"
+                            f" {type(scheduler).__name__}")
+        if isinstance(scheduler, AccumulationAwareScheduler):
+            raise TypeError("scheduler is already an AccumulationAwareScheduler: wrap the inner scheduler once")
+        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+            raise ValueError(f"frequency must be an int >= 1 (optimizer steps), got {frequency!r}")
+        if not isinstance(count_skipped_steps, bool):
+            raise TypeError(f"count_skipped_steps must be True or False, got {count_skipped_steps!r}")
+        if count_skipped_steps and scaler is None:
+            raise ValueError("count_skipped_steps=True needs scaler=<the GradScaler>, whose step() calls are counted")
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps < 1):
+            raise ValueError(f"total_steps must be an int >= 1 or None, got {total_steps!r}")
+        # LRScheduler.__init__ is deliberately not called: it would take an initial step and patch
+        # optimizer.step a second time. The wrapped scheduler already did both.
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.frequency = frequency
+        self.count_skipped_steps = count_skipped_steps
+        self.total_steps = total_steps
+        self.base_lrs = list(getattr(scheduler, "base_lrs", [g["lr"] for g in optimizer.param_groups]))
+        self.optimizer_steps = 0  # real optimizer steps seen (or attempted, with count_skipped_steps)
+        self._consumed = 0  # optimizer steps already turned into schedule advances
+        self.advances = 0
+        self._warned_past_end = False
+        if count_skipped_steps:
+            assert scaler is not None
+            self._hook = None
+            inner_step = scaler.step
+
+            def counting_step(opt: Optimizer, *args: Any, **kwargs: Any) -> Any:
+                if opt is self.optimizer:
+                    self.optimizer_steps += 1
+                return inner_step(opt, *args, **kwargs)
+
+            scaler.step = counting_step  # type: ignore[method-assign]
+        else:
+            self._hook = optimizer.register_step_post_hook(self._count)
+
+    def _count(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self.optimizer_steps += 1
+
+    @property
+    def last_epoch(self) -> int:  # type: ignore[override]
+        return int(getattr(self.scheduler, "last_epoch", self.advances))
+
+    @last_epoch.setter
+    def last_epoch(self, value: int) -> None:
+        pass  # owned by the wrapped scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Advance the wrapped scheduler if ``frequency`` real optimizer steps happened since the last advance.
+
+        Arguments (e.g. ``metrics`` for ``ReduceLROnPlateau``) are passed through.
+        """
+        if self.optimizer_steps - self._consumed < self.frequency:
+            return
+        self._consumed += self.frequency
+        self.advances += 1
+        self.scheduler.step(*args, **kwargs)
+        if self.total_steps is not None and self._consumed > self.total_steps and not self._warned_past_end:
+            self._warned_past_end = True
+            warnings.warn(
+                f"the LR schedule was sized for {self.total_steps} optimizer steps but training is at step"
+                f" {self._consumed}: the schedule has ended and the LR stays at its final value. Size it from"
+                " trainer.estimated_stepping_batches or pass the right total_steps.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def get_last_lr(self) -> list[float]:
+        last = getattr(self.scheduler, "get_last_lr", None)
+        if callable(last):
+            try:
+                return list(last())
+            except AttributeError:  # ReduceLROnPlateau before its first step on older torch
+                pass
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_lr(self) -> list[float]:
+        return self.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps,
+                "consumed": self._consumed, "advances": self.advances, "frequency": self.frequency}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("frequency", self.frequency) != self.frequency:
+            warnings.warn(f"resuming a schedule saved with frequency={state_dict['frequency']} under"
+                          f" frequency={self.frequency}: the schedule continues at the new frequency",
+                          RuntimeWarning, stacklevel=2)
+        self.scheduler.load_state_dict(state_dict["scheduler"])
+        self.optimizer_steps = int(state_dict["optimizer_steps"])
+        self._consumed = int(state_dict["consumed"])
+        self.advances = int(state_dict["advances"])
+
+
+def _steps_from_trainer(trainer: Any) -> int:
+    steps = trainer.estimated_stepping_batches
+    if steps is None or (isinstance(steps, float) and not math.isfinite(steps)) or steps <= 0:
+        raise ValueError(
+            "cannot size the LR schedule: the trainer does not know how many optimizer steps it will take"
+            f" (estimated_stepping_batches={steps!r}; the training loader has no length and max_steps is not"
+            " set). Set Trainer(max_steps=...) or pass total_steps=... explicitly."
+        )
+    return int(steps)
+
+
+def warmup_schedule(
+    optimizer: Optimizer,
+    kind: ScheduleKind = "cosine",
+    *,
+    trainer: Any | None = None,
+    total_steps: int | None = None,
+    warmup_steps: int | float = 0,
+    min_lr_ratio: float = 0.0,
+    max_lr: float | list[float] | None = None,
+    frequency: int = 1,
+    count_skipped_steps: bool = False,
+    scaler: torch.amp.GradScaler | None = None,
+) -> AccumulationAwareScheduler:
+    """A warmup + decay schedule counted in optimizer steps, ready to return from ``configure_optimizers``.
+
+    Args:
+        optimizer: the optimizer whose ``lr`` is the peak (after warmup).
+        kind: ``"linear"`` or ``"cosine"`` decay to ``min_lr_ratio * lr``, ``"constant"`` after warmup, or
+            ``"onecycle"`` (torch's ``OneCycleLR``; ``max_lr`` defaults to the optimizer's lr).
+        trainer: take the length from ``trainer.estimated_stepping_batches`` (which already divides by
+            ``accumulate_grad_batches``), e.g. ``self.trainer`` inside ``configure_optimizers``.
+        total_steps: the length in optimizer steps instead (or as a check against the trainer's count).
+        warmup_steps: optimizer steps of linear warmup from 0, or a fraction (< 1) of the total.
+        min_lr_ratio: final LR as a fraction of the peak.
+
+    The schedule reaches its end value exactly at the last optimizer step. Example::
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-4)
+            sched = warmup_schedule(opt, "cosine", trainer=self.trainer, warmup_steps=0.05)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    """
+    if kind not in ("linear", "cosine", "onecycle", "constant"):
+        raise ValueError(f"kind must be 'linear', 'cosine', 'onecycle' or 'constant', got {kind!r}")
+    if trainer is None and total_steps is None:
+        raise ValueError("pass trainer=... (its estimated_stepping_batches sizes the schedule) or total_steps=...")
+    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                    or total_steps < 1):
+        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+    if trainer is not None:
+        planned = _steps_from_trainer(trainer)
+        if total_steps is None:
+            total_steps = planned
+        elif total_steps < planned:
+            warnings.warn(f"the LR schedule ends after {total_steps} optimizer steps but training runs {planned}:"
+                          " the last steps train at the final LR", RuntimeWarning, stacklevel=2)
+        elif total_steps > planned * 1.1:
+            warnings.warn(f"training ends after {planned} optimizer steps, far before the LR schedule's"
+                          f" {total_steps}: it will never decay fully", RuntimeWarning, stacklevel=2)
+    assert total_steps is not None
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be a number of steps >= 0 or a fraction in [0, 1), got {warmup_steps!r}")
+    warmup = int(round(warmup_steps * total_steps)) if isinstance(warmup_steps, float) and warmup_steps < 1 \
+        else int(warmup_steps)
+    if warmup >= total_steps and kind != "constant":
+        raise ValueError(f"warmup_steps ({warmup}) must be shorter than the schedule ({total_steps} steps)")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
+
+    inner: LRScheduler
+    if kind == "onecycle":
+        peak = max_lr if max_lr is not None else [g["lr"] for g in optimizer.param_groups]
+        inner = OneCycleLR(optimizer, max_lr=peak, total_steps=total_steps + 1,
+                           pct_start=max(warmup, 1) / (total_steps + 1), anneal_strategy="cos")
+    else:
+        inner = LambdaLR(optimizer, _lambda(kind, total_steps, warmup, min_lr_ratio))
+    return AccumulationAwareScheduler(inner, frequency=frequency, count_skipped_steps=count_skipped_steps,
+                                      scaler=scaler, total_steps=total_steps)
+
+
+def _lambda(kind: str, total: int, warmup: int, floor: float) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        # step = optimizer steps taken; the LR for the next update. factor(total) is the schedule's end.
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)  # exactly floor at the end
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
