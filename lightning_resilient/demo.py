@@ -42,7 +42,7 @@ def train(root: str, max_steps: int) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
+    from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint, warmup_schedule
 
     class Regressor(LightningModule):
         def __init__(self) -> None:
@@ -57,8 +57,11 @@ def train(root: str, max_steps: int) -> None:
             self.log("loss", loss, prog_bar=True)
             return loss
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.Adam(self.parameters(), lr=1e-3)
+            # Warmup + cosine sized in real optimizer steps (max_steps, with 2 micro-batches per step).
+            sched = warmup_schedule(opt, "cosine", trainer=self.trainer, warmup_steps=0.1, min_lr_ratio=0.05)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     announce = _announcer()
 
@@ -85,10 +88,12 @@ def train(root: str, max_steps: int) -> None:
     store.write = announced_write  # type: ignore[method-assign]  # lets the driver kill mid-upload
     ckpt_path = find_latest_checkpoint(root)
     announce(f"resume {ckpt_path}")
-    trainer = Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_model_summary=False,
+    trainer = Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", logger=False,
+                      enable_model_summary=False,
                       plugins=[io], callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=10, save_last=True)])
     trainer.fit(Regressor(), data, ckpt_path=ckpt_path)
-    announce(f"done {trainer.global_step}")
+    lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    announce(f"done {trainer.global_step} {lr!r}")
 
 
 # -- the driver --------------------------------------------------------------------------------------------------
@@ -231,11 +236,12 @@ def run_demo(max_steps: int = 60, kill_step: int = 30) -> int:
         print(f"  partial folders left by the kill: {len(partial)}"
               + (f" ({', '.join(partial)})" if partial else ""))
         print(f"  restart found and resumed from:   {resumed[0]} (step {_step_of(latest)})")
-        print(f"  resumed run finished at step:     {done[0]} (of {max_steps})")
+        print(f"  resumed run finished at step:     {done[0]} (of {max_steps}), LR {float(done[1]):.2e} = the"
+              " cosine schedule's end (5% of 1e-3), reached at the last optimizer step")
         print(f"  partial folders collected since:  {sum(1 for f in partial if f not in after)} of {len(partial)}")
         print(f"  folders kept: {sorted({f.split('/')[0] for f in after})} (keep_last=2; the data of the checkpoint"
               " this run resumed from is never deleted by it)")
-        ok = resumed[0] == latest and int(done[0]) == max_steps
+        ok = resumed[0] == latest and int(done[0]) == max_steps and abs(float(done[1]) - 5e-5) < 1e-12
         print("\nDEMO OK" if ok else "\nDEMO FAILED")
         return 0 if ok else 1
     finally:
