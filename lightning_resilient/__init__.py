@@ -7,6 +7,7 @@ from lightning_resilient.errors import (
     UnsupportedFormatError,
 )
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint, repair_pointer
+from lightning_resilient.precision import AutoPrecision, select_precision
 from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulationAwareScheduler",
     "AtomicCheckpointIO",
+    "AutoPrecision",
     "CheckpointCorruptedError",
     "CheckpointError",
     "StaleWriterError",
@@ -21,5 +23,6 @@ __all__ = [
     "__version__",
     "find_latest_checkpoint",
     "repair_pointer",
+    "select_precision",
     "warmup_schedule",
 ]

@@ -1,0 +1,201 @@
+"""select_precision's decision table, real detection, and AutoPrecision inside a Trainer (scaler state, resume
+across a precision switch, the LightningCLI form)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+from lightning_resilient import AtomicCheckpointIO, AutoPrecision, select_precision
+from lightning_resilient import precision as precision_module
+
+from .models import TinyModel, tiny_loader
+
+
+@pytest.mark.parametrize("gpu, capability, expected", [
+    ("P100", (6, 0), "32-true"),
+    ("V100", (7, 0), "16-mixed"),
+    ("T4", (7, 5), "16-mixed"),
+    ("A100", (8, 0), "bf16-mixed"),
+    ("A10/L4", (8, 6), "bf16-mixed"),
+    ("H100/H200", (9, 0), "bf16-mixed"),
+    ("B200", (10, 0), "bf16-mixed"),
+])
+def test_cuda_table(gpu, capability, expected):
+    assert select_precision(accelerator="cuda", capability=capability) == expected, gpu
+
+
+@pytest.mark.parametrize("arch, expected", [
+    ("gfx90a:sramecc+:xnack-", "bf16-mixed"), ("gfx942", "bf16-mixed"), ("gfx1100", "bf16-mixed"),
+    ("gfx908", "16-mixed"), ("gfx906", "32-true"),
+])
+def test_rocm_table(arch, expected):
+    assert select_precision(accelerator="rocm", arch=arch) == expected
+
+
+@pytest.mark.parametrize("facts, expected", [
+    ({"accelerator": "cpu", "cpu_flags": {"avx2", "avx512f", "avx512_bf16"}}, "bf16-mixed"),
+    ({"accelerator": "cpu", "cpu_flags": {"avx2", "amx_bf16"}}, "bf16-mixed"),
+    ({"accelerator": "cpu", "cpu_flags": {"fp", "asimd", "bf16"}}, "bf16-mixed"),  # Arm with BF16
+    ({"accelerator": "cpu", "cpu_flags": {"avx2", "avx512f"}}, "32-true"),
+    ({"accelerator": "cpu", "cpu_flags": set()}, "32-true"),
+    ({"accelerator": "xla"}, "bf16-true"),
+    ({"accelerator": "mps", "mps_bf16": True}, "bf16-mixed"),
+    ({"accelerator": "mps", "mps_bf16": False}, "32-true"),
+])
+def test_other_accelerators(facts, expected):
+    assert select_precision(**facts) == expected
+
+
+def test_allow_list_falls_back_to_what_the_hardware_does_well():
+    assert select_precision(accelerator="cuda", capability=(9, 0), allow=["16-mixed", "32-true"]) == "16-mixed"
+    assert select_precision(accelerator="cuda", capability=(7, 5), allow=["bf16-mixed", "32-true"]) == "32-true"
+    with pytest.raises(ValueError, match="none of allow=\\['bf16-mixed'\\] runs well"):
+        select_precision(accelerator="cuda", capability=(7, 0), allow=["bf16-mixed"])
+    with pytest.raises(ValueError, match="allow must name some of"):
+        select_precision(accelerator="cpu", cpu_flags=set(), allow=["fp8"])
+    with pytest.raises(TypeError, match="not the string"):
+        select_precision(accelerator="cpu", cpu_flags=set(), allow="32-true")
+
+
+def test_bad_facts_are_clear_errors():
+    with pytest.raises(ValueError, match="accelerator must be one of"):
+        select_precision(accelerator="gpu")
+    with pytest.raises(ValueError, match="needs capability"):
+        select_precision(accelerator="cuda")
+
+
+def test_real_detection_on_this_cpu():
+    facts = precision_module.detect_facts("cpu")
+    with open("/proc/cpuinfo") as f:
+        native = any(flag in f.read().split() for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+    assert facts["accelerator"] == "cpu"
+    assert select_precision(device="cpu") == ("bf16-mixed" if native else "32-true")
+
+
+# -- inside a Trainer --------------------------------------------------------------------------------------------
+
+def trainer(**kwargs: Any) -> Trainer:
+    return Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   **kwargs)
+
+
+def test_plugin_applies_the_choice_and_logs_one_line(caplog):
+    plugin = AutoPrecision(precision=None, allow=None)
+    t = trainer(max_steps=2, plugins=[plugin], enable_checkpointing=False)
+    with caplog.at_level("INFO"):
+        t.fit(TinyModel(), tiny_loader())
+    expected = select_precision(device="cpu")
+    assert plugin.precision == t.precision == expected
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AutoPrecision:")]
+    assert len(lines) == 1 and lines[0].startswith(f"AutoPrecision: {expected} on cpu (")
+    assert isinstance(plugin._inner, MixedPrecision if expected != "32-true" else Precision)
+
+
+def test_precision_argument_and_plugin_together_is_lightnings_error():
+    with pytest.raises(ValueError, match="Received both `precision=.*` and `plugins="):
+        trainer(precision="bf16-mixed", plugins=[AutoPrecision()])
+
+
+def test_fsdp_needs_its_own_precision_class():
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    # The check Lightning's accelerator connector runs when it hands the plugin to the strategy (a Trainer
+    # with FSDP cannot be built without a GPU).
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        FSDPStrategy().precision_plugin = AutoPrecision()
+    fsdp = AutoPrecision.for_fsdp(device="cpu")
+    assert isinstance(fsdp, FSDPPrecision) and fsdp.precision == select_precision(device="cpu")
+
+
+class Overflowing(TinyModel):
+    """Its first few fp16 steps overflow, so the GradScaler's scale moves away from its initial value."""
+
+    def on_after_backward(self) -> None:
+        if self.global_step < 3:
+            self.net[0].weight.grad[0, 0] = float("inf")
+
+
+def test_fp16_scaler_state_is_saved_and_restored(memory_backend):
+    root = memory_backend.root
+    plugin = AutoPrecision(precision="16-mixed", init_scale=1024.0)
+    t = trainer(max_steps=5, plugins=[plugin, AtomicCheckpointIO()],
+                callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=5)])
+    t.fit(Overflowing(), tiny_loader())
+    scale = plugin.scaler.get_scale()
+    assert scale == 1024.0 / 8  # three skipped (overflowing) steps halved it three times
+    saved = AtomicCheckpointIO(claim_on_load=False).load_checkpoint(root)["AutoPrecision"]
+    assert saved["precision"] == "16-mixed" and saved["scaler"]["scale"] == scale
+
+    resumed = AutoPrecision(precision="16-mixed", init_scale=1024.0)
+    t2 = trainer(max_steps=6, plugins=[resumed, AtomicCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=root)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="resuming a")
+        t2.fit(TinyModel(), tiny_loader(), ckpt_path=root)
+    assert resumed.scaler.get_scale() == scale
+
+
+@pytest.mark.parametrize("first, second, message", [
+    ("16-mixed", "bf16-mixed", "GradScaler state .* was dropped"),
+    ("bf16-mixed", "16-mixed", "the loss scale starts fresh at 1024"),
+    ("32-true", "16-mixed", "the loss scale starts fresh"),
+])
+def test_resume_across_a_precision_switch(memory_backend, first, second, message):
+    root = memory_backend.root
+    t = trainer(max_steps=2, plugins=[AutoPrecision(precision=first, init_scale=1024.0), AtomicCheckpointIO()],
+                callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2)])
+    t.fit(TinyModel(), tiny_loader())
+    plugin = AutoPrecision(precision=second, init_scale=1024.0)
+    t2 = trainer(max_steps=4, plugins=[plugin, AtomicCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=root)])
+    with pytest.warns(RuntimeWarning, match=f"resuming a {first} checkpoint under {second}: .*" + message.split(".*")[-1]):
+        t2.fit(TinyModel(), tiny_loader(), ckpt_path=root)
+    assert t2.global_step == 4 and plugin.precision == second
+
+
+def test_stock_mixed_precision_checkpoint_keeps_its_loss_scale(memory_backend):
+    root = memory_backend.root
+    stock = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    t = trainer(max_steps=5, plugins=[stock, AtomicCheckpointIO()],
+                callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=5)])
+    t.fit(Overflowing(), tiny_loader())
+    plugin = AutoPrecision(precision="16-mixed", init_scale=1024.0)
+    t2 = trainer(max_steps=6, plugins=[plugin, AtomicCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=root)])
+    t2.fit(TinyModel(), tiny_loader(), ckpt_path=root)
+    assert plugin.scaler.get_scale() == stock.scaler.get_scale() == 128.0
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"precision": "fp8"}, "precision must be one of"),
+    ({"allow": ["fp4"]}, "allow must name some of"),
+    ({"init_scale": 0}, "init_scale must be a positive number"),
+])
+def test_constructor_validation(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        AutoPrecision(**kwargs)
+
+
+def test_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n  max_steps: 2\n  logger: false\n  enable_progress_bar: false\n"
+        "  enable_checkpointing: false\n"
+        "  plugins:\n"
+        "    - class_path: lightning_resilient.AutoPrecision\n"
+        "      init_args:\n        allow: [bf16-mixed, 32-true]\n        init_scale: 256.0\n"
+    )
+    cli = LightningCLI(TinyModel, datamodule_class=None, run=False, args=["--config", str(config)],
+                       save_config_callback=None)
+    plugin = cli.trainer.precision_plugin
+    assert isinstance(plugin, AutoPrecision) and plugin.allow == ("bf16-mixed", "32-true")
+    cli.trainer.fit(cli.model, tiny_loader())
+    assert plugin.precision in ("bf16-mixed", "32-true")
