@@ -10,7 +10,6 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import _load as _plain_load
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override

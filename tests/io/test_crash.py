@@ -58,6 +58,11 @@ class Job:
                     raise AssertionError(f"child never printed the expected line; got {self.lines[-5:]}")
                 self.cond.wait(min(left, 0.5))
 
+    def wait_for_nth(self, prefix: str, n: int, timeout: float = 120) -> tuple[float, str]:
+        """The n-th line starting with ``prefix`` (1-based), once the child has printed it."""
+        self.wait_for(lambda _: sum(line.startswith(prefix) for _, line in self.lines) >= n, timeout)
+        return [(t, line) for t, line in self.lines if line.startswith(prefix)][n - 1]
+
     def kill(self) -> list[str]:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
@@ -80,11 +85,7 @@ def run_crash_loop(backend, env: dict[str, str]) -> None:
             assert resumed != "RESUME None", "a restart did not find the committed checkpoint"
         # Pick one of the first few saves of this launch, then a random instant within a save's duration.
         nth = rng.randint(1, 2)
-        begins = []
-        for _ in range(nth):
-            begins.append(job.wait_for(lambda line, seen=len(begins): line.startswith("BEGIN")
-                                       and sum(l.startswith("BEGIN") for _, l in job.lines) > seen))
-        t_begin, begin_line = [(t, l) for t, l in job.lines if l.startswith("BEGIN")][nth - 1]
+        t_begin, begin_line = job.wait_for_nth("BEGIN", nth)
         durations = _save_durations(job.lines) or [0.3]
         target = t_begin + rng.uniform(0, max(durations) * 1.1)
         time.sleep(max(0.0, target - time.monotonic()))
