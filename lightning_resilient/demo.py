@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -36,20 +38,20 @@ def _announcer() -> Any:
     return announce
 
 
-def train(root: str, max_steps: int) -> None:
+def train(root: str, max_steps: int, weights_out: str | None = None) -> None:
     import torch
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint, warmup_schedule
+    from lightning_resilient import AtomicCheckpointIO, ResumeStateCallback, find_latest_checkpoint, warmup_schedule
 
     class Regressor(LightningModule):
         def __init__(self) -> None:
             super().__init__()
             # ~2.3 M parameters: with Adam's state a checkpoint is ~27 MB, so a save takes a visible moment.
-            self.net = torch.nn.Sequential(torch.nn.Linear(16, 1500), torch.nn.ReLU(), torch.nn.Linear(1500, 1500),
-                                           torch.nn.ReLU(), torch.nn.Linear(1500, 1))
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 1500), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                           torch.nn.Linear(1500, 1500), torch.nn.ReLU(), torch.nn.Linear(1500, 1))
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -74,7 +76,7 @@ def train(root: str, max_steps: int) -> None:
 
     torch.manual_seed(0)
     x = torch.randn(2048, 16)
-    data = DataLoader(TensorDataset(x, x.sin().sum(1, keepdim=True)), batch_size=32)
+    data = DataLoader(TensorDataset(x, x.sin().sum(1, keepdim=True)), batch_size=32, shuffle=True)
     # orphan_grace_seconds=0 only because the demo has a single job: in production keep the default (1 h),
     # which protects a save that another, concurrent job still has in progress.
     io = Announcing(keep_last=2, shard_size=4 * 2**20, orphan_grace_seconds=0, max_concurrency=2)
@@ -90,8 +92,11 @@ def train(root: str, max_steps: int) -> None:
     announce(f"resume {ckpt_path}")
     trainer = Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", logger=False,
                       enable_model_summary=False,
-                      plugins=[io], callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=10, save_last=True)])
+                      plugins=[io], callbacks=[ResumeStateCallback(),
+                                               ModelCheckpoint(dirpath=root, every_n_train_steps=10, save_last=True)])
     trainer.fit(Regressor(), data, ckpt_path=ckpt_path)
+    if weights_out:
+        torch.save(trainer.lightning_module.state_dict(), weights_out)
     lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     announce(f"done {trainer.global_step} {lr!r}")
 
@@ -191,7 +196,9 @@ def run_demo(max_steps: int = 60, kill_step: int = 30) -> int:
 
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
     print(f"S3 server (moto) on {endpoint}; checkpoints go to {ROOT}\n")
-    cmd = [sys.executable, "-m", "lightning_resilient.demo", "train", "--root", ROOT, "--max-steps", str(max_steps)]
+    workdir = tempfile.mkdtemp(prefix="lightning-resilient-demo-")
+    cmd = [sys.executable, "-m", "lightning_resilient.demo", "train", "--root", ROOT, "--max-steps", str(max_steps),
+           "--weights-out", os.path.join(workdir, "resumed.pt")]
     print("$ " + " ".join(cmd[2:]).replace(sys.executable, "python"))
     try:
         job = Job(cmd, dict(os.environ))
@@ -229,6 +236,17 @@ def run_demo(max_steps: int = 60, kill_step: int = 30) -> int:
         _, resumed = job2.wait("@resume")
         _, done = job2.wait("@done", timeout=600)
         job2.proc.wait()
+
+        reference = ROOT.replace("run-1", "run-uninterrupted")
+        print(f"\n\n$ ... train --root {reference}     # the same training, never interrupted, for comparison")
+        job3 = Job([*cmd[:5], reference, *cmd[6:-1], os.path.join(workdir, "uninterrupted.pt")], dict(os.environ))
+        job3.wait("@done", timeout=600)
+        job3.proc.wait()
+        import torch
+
+        resumed_w = torch.load(os.path.join(workdir, "resumed.pt"))
+        plain_w = torch.load(os.path.join(workdir, "uninterrupted.pt"))
+        same = resumed_w.keys() == plain_w.keys() and all(torch.equal(resumed_w[k], plain_w[k]) for k in plain_w)
         after = _folders(ROOT)
         print("\n\nReport")
         print(f"  killed during the upload of step {step}: {len(written)} objects stored, save"
@@ -241,11 +259,15 @@ def run_demo(max_steps: int = 60, kill_step: int = 30) -> int:
         print(f"  partial folders collected since:  {sum(1 for f in partial if f not in after)} of {len(partial)}")
         print(f"  folders kept: {sorted({f.split('/')[0] for f in after})} (keep_last=2; the data of the checkpoint"
               " this run resumed from is never deleted by it)")
-        ok = resumed[0] == latest and int(done[0]) == max_steps and abs(float(done[1]) - 5e-5) < 1e-12
+        print(f"  killed + resumed vs uninterrupted: {'bit-identical' if same else 'DIFFERENT'} final weights"
+              f" (torch.equal on all {len(plain_w)} tensors; ResumeStateCallback restored the RNGs and the"
+              " shuffled loader's position)")
+        ok = resumed[0] == latest and int(done[0]) == max_steps and abs(float(done[1]) - 5e-5) < 1e-12 and same
         print("\nDEMO OK" if ok else "\nDEMO FAILED")
         return 0 if ok else 1
     finally:
         server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="the training job (what the demo launches)")
     t.add_argument("--root", required=True)
     t.add_argument("--max-steps", type=int, default=60)
+    t.add_argument("--weights-out", default=None, help="write the final weights here")
     args = parser.parse_args(argv)
     if args.command == "train":
-        train(args.root, args.max_steps)
+        train(args.root, args.max_steps, args.weights_out)
         return 0
     return run_demo()
 

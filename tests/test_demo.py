@@ -21,5 +21,6 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "PARTIAL (no manifest: invisible to resume)" in out
     assert "partial folders collected since:  1 of 1" in out
     assert "resumed run finished at step:     60 (of 60), LR 5.00e-05" in out
+    assert "killed + resumed vs uninterrupted: bit-identical final weights" in out
     assert out.rstrip().endswith("DEMO OK")
     assert not (Path(tmp_path) / "lightning_logs").exists()
