@@ -114,6 +114,7 @@ class ResumeStateCallback(Callback):
         self._now_rng: dict[str, Any] | None = None  # save-time RNG, put back before the first resumed step
         self._tracked = False
         self._length: int | None = None
+        self._batch_size: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -152,9 +153,20 @@ class ResumeStateCallback(Callback):
                 self._pending = None
             return
         loader = usable[0]
+        pending = self._pending
+        if pending is not None and pending.get("batches") is not None and (
+                pending["batches"] != len(loader) or pending.get("batch_size") != loader.batch_size):
+            warnings.warn(
+                f"the training loader changed since the checkpoint ({pending['batches']} batches of"
+                f" {pending.get('batch_size')} then, {len(loader)} of {loader.batch_size} now): the position in"
+                " the epoch cannot be mapped; RNG states are restored and the resumed epoch starts from its first"
+                " batch", RuntimeWarning, stacklevel=2)
+            pending = dict(pending, mid_epoch=False)
+            self._pending = pending
         # DataLoader refuses a new batch_sampler after construction: set it underneath.
         object.__setattr__(loader, "batch_sampler", _TrackedBatchSampler(loader.batch_sampler, self))
         self._length = len(loader)
+        self._batch_size = loader.batch_size
         self._tracked = True
 
     # -- the data stream -----------------------------------------------------------------------------------------
@@ -189,7 +201,8 @@ class ResumeStateCallback(Callback):
         # Lightning writes only global rank 0's callback state but calls this on every rank: gather them all.
         total = self._length
         mine = {"epoch_rng": self._epoch_rng, "now_rng": capture_rng(), "consumed": self._consumed,
-                "mid_epoch": bool(total is not None and 0 < self._consumed < total)}
+                "mid_epoch": bool(total is not None and 0 < self._consumed < total), "batches": total,
+                "batch_size": self._batch_size}
         ranks = _gather(mine)
         return {"format": FORMAT, "world_size": len(ranks), "ranks": ranks}
 

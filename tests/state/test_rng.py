@@ -45,3 +45,27 @@ def test_a_changed_world_size_warns_and_resumes_without_rng():
     with pytest.warns(RuntimeWarning, match="written by 2 process\\(es\\) but this run has 1"):
         callback.load_state_dict(saved)
     assert callback._pending is None
+
+
+def test_a_changed_batch_size_warns_and_restarts_the_epoch(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_resilient import AtomicCheckpointIO
+
+    from ..models import TinyModel, tiny_loader
+
+    root = str(tmp_path / "ckpt")
+
+    def fit(batch_size: int, steps: int, resume: bool) -> TinyModel:
+        model = TinyModel()
+        Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                callbacks=[ResumeStateCallback(), ModelCheckpoint(dirpath=root, every_n_train_steps=3)],
+                ).fit(model, tiny_loader(batch_size=batch_size), ckpt_path=root if resume else None)
+        return model
+
+    fit(8, 3, resume=False)  # 8 batches of 8; saved after 3
+    with pytest.warns(RuntimeWarning, match=r"training loader changed .* \(8 batches of 8 then, 4 of 16 now\)"):
+        model = fit(16, 5, resume=True)
+    assert len(model.losses) == 2
