@@ -124,6 +124,7 @@ class ResumeStateCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._tracked = False  # a new fit builds a new loader
         fit_loop = trainer.fit_loop
         load_states = fit_loop._load_combined_loader_states
 
