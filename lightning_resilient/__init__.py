@@ -8,7 +8,7 @@ from lightning_resilient.errors import (
 )
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint, repair_pointer
 from lightning_resilient.precision import AutoPrecision, select_precision
-from lightning_resilient.state import ResumeStateCallback
+from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
 from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __all__ = [
     "AutoPrecision",
     "CheckpointCorruptedError",
     "CheckpointError",
+    "PerSampleSeeded",
     "ResumeStateCallback",
     "StaleWriterError",
     "UnsupportedFormatError",

@@ -25,6 +25,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_resilient.state.rng import capture_rng, restore_rng
+from lightning_resilient.state.seeding import PerSampleSeeded
 
 __all__ = ["ResumeStateCallback"]
 
@@ -115,6 +116,8 @@ class ResumeStateCallback(Callback):
         self._tracked = False
         self._length: int | None = None
         self._batch_size: int | None = None
+        self._dataset: PerSampleSeeded | None = None
+        self._trainer: Trainer | None = None
 
     @property
     def state_key(self) -> str:
@@ -125,6 +128,7 @@ class ResumeStateCallback(Callback):
         if stage != "fit":
             return
         self._tracked = False  # a new fit builds a new loader
+        self._trainer = trainer
         fit_loop = trainer.fit_loop
         load_states = fit_loop._load_combined_loader_states
 
@@ -166,6 +170,7 @@ class ResumeStateCallback(Callback):
             self._pending = pending
         # DataLoader refuses a new batch_sampler after construction: set it underneath.
         object.__setattr__(loader, "batch_sampler", _TrackedBatchSampler(loader.batch_sampler, self))
+        self._dataset = loader.dataset if isinstance(loader.dataset, PerSampleSeeded) else None
         self._length = len(loader)
         self._batch_size = loader.batch_size
         self._tracked = True
@@ -173,6 +178,8 @@ class ResumeStateCallback(Callback):
     # -- the data stream -----------------------------------------------------------------------------------------
     def _epoch_stream_starts(self) -> int:
         """Called when an epoch's index stream starts; returns how many batches to skip."""
+        if self._dataset is not None and self._trainer is not None:
+            self._dataset.set_epoch(self._trainer.current_epoch)  # before workers start: they copy the dataset
         pending, self._pending = self._pending, None
         if pending is not None:
             consumed = int(pending["consumed"])

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from lightning_resilient import (  # noqa: E402
     AtomicCheckpointIO,
+    PerSampleSeeded,
     ResumeStateCallback,
     find_latest_checkpoint,
     warmup_schedule,
@@ -33,6 +34,14 @@ class Noisy(Dataset):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(6, generator=g)
         return x, x.sum(0, keepdim=True)
+
+
+class Augmented(Noisy):
+    """Random jitter drawn from torch's global RNG inside __getitem__, i.e. inside the worker."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        return x + 0.1 * torch.randn(6), y
 
 
 class Net(LightningModule):
@@ -77,7 +86,9 @@ class Announce(AtomicCheckpointIO):
 
 def main(root: str, out: str, options: dict[str, Any]) -> None:
     torch.manual_seed(1234)
-    loader = DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=options["workers"],
+    augment = options.get("augment")
+    dataset = {"seeded": lambda: PerSampleSeeded(Augmented(), seed=3), "raw": Augmented, None: Noisy}[augment]()
+    loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=options["workers"],
                         persistent_workers=options["workers"] > 0)
     callbacks: list[Callback] = [Record(out), ModelCheckpoint(dirpath=root, save_top_k=-1, **options["ckpt"])]
     if options["callback"]:

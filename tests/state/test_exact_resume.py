@@ -81,6 +81,18 @@ def test_mid_epoch_resume_is_bit_exact(tmp_path, workers):
 
 
 @pytest.mark.slow
+def test_worker_side_augmentation_with_per_sample_seeding_is_bit_exact(tmp_path):
+    # Jitter drawn inside 2 worker processes: with PerSampleSeeded it depends on the sample, not the worker.
+    assert_identical(*scenario(tmp_path, opts(workers=2, augment="seeded", epochs=2), kills=[3]))
+
+
+@pytest.mark.slow
+def test_worker_side_augmentation_without_per_sample_seeding_differs(tmp_path):
+    w_full, w_part, _, _ = scenario(tmp_path, opts(workers=2, augment="raw", epochs=2), kills=[3])
+    assert not all(torch.equal(w_full[k], w_part[k]) for k in w_full)
+
+
+@pytest.mark.slow
 def test_epoch_boundary_resume_is_bit_exact(tmp_path):
     assert_identical(*scenario(tmp_path, opts(ckpt={"every_n_epochs": 1}), kills=[10]))
 
