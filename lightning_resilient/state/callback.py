@@ -102,9 +102,9 @@ class ResumeStateCallback(Callback):
     Covered: one map-style training DataLoader with any batch sampler (``shuffle=True``, ``DistributedSampler``
     under DDP), ``num_workers`` 0 or more, gradient accumulation, saves mid-epoch or at an epoch boundary, DDP
     (each rank restores its own RNG states). Not covered yet (a warning says what was resumed instead):
-    iterable datasets, torchdata ``StatefulDataLoader``, several training loaders, a changed world size;
-    randomness drawn inside dataset workers; validation that draws random numbers between a save and the next
-    training step.
+    iterable datasets, torchdata ``StatefulDataLoader``, several training loaders, a changed world size or batch
+    size; validation that draws random numbers between a save and the next training step. Randomness drawn
+    inside dataset workers resumes exactly when the dataset is wrapped in :class:`PerSampleSeeded`.
     """
 
     def __init__(self) -> None:
