@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_resilient.precision import _choose, detect_facts
+from lightning_resilient.precision import choose_for_device, detect_facts
 
 
 def run(precision: str, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     facts = detect_facts(device)
-    choice = _choose(facts["accelerator"], capability=facts.get("capability"), arch=facts.get("arch"),
-                     cpu_flags=facts.get("cpu_flags"), mps_bf16=facts.get("mps_bf16"))
+    choice = choose_for_device(device)
     shown = {k: v for k, v in facts.items() if k != "cpu_flags"}
     lines = [f"device: {device} {shown}", f"AutoPrecision chooses: {choice.precision} ({choice.reason})", "",
              f"TransformerEncoderLayer d_model={args.d_model}, heads={args.heads}, batch={args.batch}x{args.seq},"

@@ -45,7 +45,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-__all__ = ["AutoPrecision", "PrecisionChoice", "detect_facts", "select_precision"]
+__all__ = ["AutoPrecision", "PrecisionChoice", "choose_for_device", "detect_facts", "select_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,14 @@ def detect_facts(device: torch.device | str | None = None) -> dict[str, Any]:
     return {"accelerator": "cpu", "cpu_flags": _cpu_flags(), "name": platform.processor() or platform.machine()}
 
 
+def choose_for_device(device: torch.device | str | None = None, *, allow: Iterable[str] | None = None,
+                      override: str | None = None) -> PrecisionChoice:
+    """The full decision (choice, reason, facts) for a real device, its facts detected."""
+    facts = detect_facts(device)
+    return _choose(facts.pop("accelerator"), capability=facts.get("capability"), arch=facts.get("arch"),
+                   cpu_flags=facts.get("cpu_flags"), mps_bf16=facts.get("mps_bf16"), allow=allow, override=override)
+
+
 _DELEGATED = ("_after_closure", "_clip_gradients", "_wrap_closure", "backward", "clip_grad_by_norm",
               "clip_grad_by_value", "clip_gradients", "connect", "convert_input", "convert_output",
               "forward_context", "main_params", "module_init_context", "optimizer_step", "post_backward",
@@ -248,10 +256,7 @@ class AutoPrecision(Precision):
     # -- the choice --------------------------------------------------------------------------------------------
     def choose(self, device: torch.device | str | None) -> PrecisionChoice:
         """Decide for ``device`` (facts detected from it) without changing this plugin."""
-        facts = detect_facts(device)
-        return _choose(facts.pop("accelerator"), capability=facts.get("capability"), arch=facts.get("arch"),
-                       cpu_flags=facts.get("cpu_flags"), mps_bf16=facts.get("mps_bf16"), allow=self.allow,
-                       override=self.override)
+        return choose_for_device(device, allow=self.allow, override=self.override)
 
     def _choose_for(self, device: torch.device | str | None, *, announce: bool) -> None:
         choice = self.choose(device)
@@ -296,9 +301,7 @@ class AutoPrecision(Precision):
         """An ``FSDPPrecision`` with the automatic choice, for ``FSDPStrategy`` (which accepts no other class)."""
         from lightning.pytorch.plugins.precision import FSDPPrecision
 
-        facts = detect_facts(device)
-        choice = _choose(facts.pop("accelerator"), capability=facts.get("capability"), arch=facts.get("arch"),
-                         cpu_flags=facts.get("cpu_flags"), mps_bf16=facts.get("mps_bf16"), allow=allow)
+        choice = choose_for_device(device, allow=allow)
         rank_zero_info(f"AutoPrecision (FSDP): {choice.precision} ({choice.reason})")
         return FSDPPrecision(choice.precision)  # type: ignore[arg-type]
 

@@ -308,9 +308,8 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
     raises ``FileNotFoundError`` rather than returning None, since a typo there would silently restart
     training from scratch.
     """
-    options = _check_storage_options(storage_options, "storage_options")
-    store = open_store(_normalize(root), options, RetryPolicy())
-    checkpoint_root = CheckpointRoot(store, RootSettings(None, 1, 0.0, True), _SerialExecutor)
+    checkpoint_root = _reader(root, storage_options)
+    store = checkpoint_root.store
     pointer, _ = checkpoint_root.read_pointer()
     candidates = pointer.candidates() if pointer else []
     if pointer is None:
@@ -332,6 +331,13 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
             continue
         return store.url(entry.commit)
     return None
+
+
+def _reader(root: str, storage_options: dict[str, Any] | None) -> CheckpointRoot:
+    """A root opened outside any plugin (find_latest_checkpoint, repair_pointer): default retries, serial I/O."""
+    options = _check_storage_options(storage_options, "storage_options")
+    store = open_store(_normalize(root), options, RetryPolicy())
+    return CheckpointRoot(store, RootSettings(None, 1, 0.0, True), _SerialExecutor)
 
 
 def _check_bucket(store: Store) -> None:
@@ -365,9 +371,8 @@ def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> 
     The newest commit of each name is cataloged; latest is the newest overall; the writer epoch is the highest
     any manifest records, so a job still writing with that epoch continues. Returns the new latest's URL.
     """
-    options = _check_storage_options(storage_options, "storage_options")
-    store = open_store(_normalize(root), options, RetryPolicy())
-    checkpoint_root = CheckpointRoot(store, RootSettings(None, 1, 0.0, True), _SerialExecutor)
+    checkpoint_root = _reader(root, storage_options)
+    store = checkpoint_root.store
     found = _scan_manifests(checkpoint_root)
     pointer = Pointer(writer="repaired")
     for manifest in sorted(found, key=lambda m: (m.step, m.created)):

@@ -84,9 +84,8 @@ def flatten(obj: Any) -> tuple[Any, list[TensorSlot]]:
         if isinstance(node, dict):
             out = copy.copy(node)  # keeps the mapping's type and attributes (state_dict's ``_metadata``)
             for k, v in node.items():
-                if isinstance(k, bool) or not isinstance(k, (str, int)):
-                    out[k] = v  # unusual key type: the value stays in the skeleton, pickled by torch.save
-                else:
+                # An unusual key type keeps its value in the copy: pickled in the skeleton by torch.save.
+                if not isinstance(k, bool) and isinstance(k, (str, int)):
                     out[k] = walk(v, [*key, ["s" if isinstance(k, str) else "i", k]])
             return out
         if isinstance(node, list):

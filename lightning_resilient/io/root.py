@@ -220,9 +220,10 @@ class CheckpointRoot:
 
     def _release(self, old: Pointer, new: Pointer) -> None:
         """Delete folders that the old pointer kept alive and the new one does not."""
-        for folder in sorted(old.live_folders() - new.live_folders()):
+        released = old.live_folders() - new.live_folders()
+        for folder in sorted(released):
             self._discard(folder)
-        self._tidy_names({f.split("/", 1)[0] for f in old.live_folders() - new.live_folders()})
+        self._tidy_names({f.split("/", 1)[0] for f in released})
 
     def _tidy_names(self, names: set[str]) -> None:
         # Local disk keeps empty name folders after their last commit is deleted; object stores have none.

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import fsspec
+from fsspec.asyn import sync
 from fsspec.core import url_to_fs
 
 from lightning_resilient.io._paths import join, split_protocol
@@ -283,25 +284,18 @@ class S3Store(Store):
         path = self.path(rel)
         bucket, key = self._bucket_key(path)
 
-        def read() -> tuple[bytes, str] | None:
-            # Version first, then content: if the object changes in between, the etag we hold is older than
-            # the bytes, and the conditional write fails safely instead of succeeding on a stale base.
-            for _ in range(5):
-                try:
-                    head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
-                except FileNotFoundError:
-                    return None
-                etag = head["ETag"]
-                self.fs.invalidate_cache(path)
-                try:
-                    data = self.fs.cat_file(path)
-                except FileNotFoundError:
-                    return None
-                if hashlib.md5(data, usedforsecurity=False).hexdigest() == etag.strip('"'):
-                    return data, etag
-            return data, etag  # pointer changes very fast: the etag is older, the swap will fail and retry
+        async def get() -> tuple[bytes, str] | None:
+            # One GET returns the bytes and their ETag together: no window in which they can disagree, and
+            # one request per pointer read instead of s3fs's HEAD + HEAD + GET.
+            try:
+                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            except FileNotFoundError:
+                return None
+            async with response["Body"] as body:
+                data = await body.read()
+            return data, response["ETag"]
 
-        return self._call("read", rel, read)
+        return self._call("read", rel, lambda: sync(self.fs.loop, get))
 
     def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
         path = self.path(rel)

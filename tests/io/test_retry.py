@@ -83,7 +83,7 @@ def test_policy_validates_attempts(bad):
 
 
 # The client's own retries are switched off, so any success through the proxy is this package's doing.
-NO_CLIENT_RETRIES = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}},
+NO_CLIENT_RETRIES = {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}},
                      "skip_instance_cache": True}
 
 
@@ -96,7 +96,8 @@ def _options(proxy: FaultyProxy) -> dict:
     return {"client_kwargs": {"endpoint_url": proxy.url}, **NO_CLIENT_RETRIES}
 
 
-def test_saves_and_loads_survive_a_failing_proxy(s3_backend):
+def test_saves_and_loads_survive_a_failing_proxy(s3_backend, caplog):
+    caplog.set_level("WARNING", logger="lightning_resilient.io.retry")
     with FaultyProxy(s3_backend.endpoint, fail_rate=0.3, seed=1) as proxy:
         io = without_s3fs_retries(AtomicCheckpointIO(storage_options=_options(proxy), shard_size=4096,
                                                      retry_attempts=12, retry_base_delay=0.0, retry_max_delay=0.0),
@@ -108,6 +109,7 @@ def test_saves_and_loads_survive_a_failing_proxy(s3_backend):
         latest = find_latest_checkpoint(s3_backend.root, _options(proxy))
         loaded = io.load_checkpoint(latest)
     assert proxy.counts["503"] > 3 and proxy.counts["reset"] > 3, proxy.counts
+    assert sum("retry" in r.getMessage() for r in caplog.records) >= 5  # our backoff did the recovering
     assert_same(loaded, saved[4])
     # Nothing lost: every committed checkpoint reads back directly from the server, bit for bit.
     direct = AtomicCheckpointIO(storage_options=s3_backend.storage_options, claim_on_load=False)
