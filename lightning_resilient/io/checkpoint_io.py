@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import warnings
+from collections import deque
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -16,15 +18,18 @@ from typing_extensions import override
 
 from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError, UnsupportedFormatError
 from lightning_resilient.io import _paths
+from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import CheckpointRoot, RootSettings, commit_time
+from lightning_resilient.io.root import CheckpointRoot, LoadStats, RootSettings, _int, commit_time
 from lightning_resilient.io.store import Store, open_store
 
 __all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "repair_pointer"]
 
 log = logging.getLogger(__name__)
+
+_MAX_OBJECT = 5 * 2**30  # S3's limit for one PUT: every stored object goes up in one request
 
 
 class AtomicCheckpointIO(CheckpointIO):
@@ -52,8 +57,20 @@ class AtomicCheckpointIO(CheckpointIO):
         storage_options: fsspec options for the store (credentials, endpoint, ...); Lightning passes none.
         keep_last: keep only the N newest committed checkpoints (None keeps all that Lightning keeps). The
             pointer's target and the checkpoint this job resumed from are never deleted.
-        shard_size: bytes per tensor shard object (a larger tensor gets a shard of its own).
-        max_concurrency: parallel object uploads/downloads per save or load.
+        shard_size: bytes per stored object of tensor data: the tensors' bytes form one stream, cut into objects
+            of this size (a big tensor spans several), uploaded and downloaded in parallel. At most 5 GiB
+            (S3's single-PUT limit).
+        chunk_size: bytes per checksummed chunk, which is also the unit of ranged reads on load: every chunk of
+            every object is read and verified in parallel.
+        max_concurrency: parallel object uploads and ranged downloads per save or load.
+        async_save: save in the background. ``save_checkpoint`` returns once the tensors are copied into a
+            reusable host buffer (pinned when ``pin_memory``); the upload, the manifest and the pointer move
+            follow in a background thread. At most one save is in flight (a second waits, and the wait is
+            recorded in :attr:`save_stats`); an error is raised by the next save and by ``teardown``, which
+            waits for the last save. A removal Lightning asks for after a save runs only once that save
+            committed.
+        pin_memory: use page-locked host memory for the async snapshot buffer and for loads onto a CUDA device
+            (faster, non-blocking copies). None: when CUDA is available. True requires CUDA.
         orphan_grace_seconds: folders of crashed saves (no manifest, not referenced by the pointer) are
             deleted once older than this, as are incomplete multipart uploads; younger ones may be saves in
             progress.
@@ -72,7 +89,10 @@ class AtomicCheckpointIO(CheckpointIO):
         storage_options: dict[str, Any] | None = None,
         keep_last: int | None = None,
         shard_size: int = 64 * 2**20,
-        max_concurrency: int = 4,
+        chunk_size: int = 16 * 2**20,
+        max_concurrency: int = 8,
+        async_save: bool = False,
+        pin_memory: bool | None = None,
         orphan_grace_seconds: float = 3600.0,
         fallback_on_corruption: bool = True,
         claim_on_load: bool = True,
@@ -84,24 +104,40 @@ class AtomicCheckpointIO(CheckpointIO):
         self.storage_options = _check_storage_options(storage_options, "storage_options")
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-        if not _is_int(shard_size) or shard_size < 1:
-            raise ValueError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
+        if not _is_int(shard_size) or not 1 <= shard_size <= _MAX_OBJECT:
+            raise ValueError(f"shard_size must be a number of bytes from 1 to 5 GiB (S3's single-PUT limit), got"
+                             f" {shard_size!r}")
+        if not _is_int(chunk_size) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of bytes, got {chunk_size!r}")
         if not _is_int(max_concurrency) or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
         if isinstance(orphan_grace_seconds, bool) or not isinstance(orphan_grace_seconds, (int, float)) \
                 or orphan_grace_seconds < 0:
             raise ValueError(f"orphan_grace_seconds must be a number >= 0, got {orphan_grace_seconds!r}")
-        for flag, value in (("fallback_on_corruption", fallback_on_corruption), ("claim_on_load", claim_on_load)):
+        for flag, value in (("fallback_on_corruption", fallback_on_corruption), ("claim_on_load", claim_on_load),
+                            ("async_save", async_save)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be True, False or None (pin when CUDA is available), got {pin_memory!r}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs a CUDA device, and this process sees none: use pin_memory=None"
+                             " to pin only where CUDA is available")
         if not _is_int(retry_attempts) or retry_attempts < 1:
             raise ValueError(f"retry_attempts must be an int >= 1, got {retry_attempts!r}")
         self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
         self.settings = RootSettings(keep_last=keep_last, shard_size=int(shard_size),
                                      orphan_grace_seconds=float(orphan_grace_seconds),
-                                     fallback_on_corruption=fallback_on_corruption)
+                                     fallback_on_corruption=fallback_on_corruption, chunk_size=int(chunk_size))
         self.max_concurrency = max_concurrency
         self.claim_on_load = claim_on_load
+        self.async_save = async_save
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._async = AsyncSaver(pin_memory=self.pin_memory) if async_save else None
+        #: Timings of the most recent saves (what the training loop was blocked for, waits, uploads).
+        self.save_stats: deque[SaveStats] = deque(maxlen=1000)
+        #: What the most recent load read and allocated.
+        self.last_load: LoadStats | None = None
         self._roots: dict[tuple[str, str], CheckpointRoot] = {}
         self._lock = threading.Lock()
 
@@ -136,18 +172,37 @@ class AtomicCheckpointIO(CheckpointIO):
         name = _paths.basename(url)
         if not name:
             raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")
-        self.root(_paths.dirname(url), storage_options).save(checkpoint, name)
+        root = self.root(_paths.dirname(url), storage_options)
+        started = time.perf_counter()
+        stats = self.save_stats_for(name, checkpoint)
+        if self._async is not None:
+            self._async.save(root, checkpoint, name, stats)
+        else:
+            root.save(checkpoint, name)
+            stats.upload = time.perf_counter() - started
+            stats.committed = True
+        stats.blocked = time.perf_counter() - started
+
+    def save_stats_for(self, name: str, checkpoint: dict[str, Any]) -> SaveStats:
+        stats = SaveStats(name=name, step=_int(checkpoint.get("global_step")))
+        self.save_stats.append(stats)
+        return stats
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         url = _normalize(_fspath(path))
+        if self._async is not None:
+            self._async.wait()  # a load never races the save in flight
+            self._async.raise_error()
         found = _resolve(url, lambda u: self.root(u))
         if found is None:
             return _load_plain_file(url, self._options(None), map_location, weights_only)
         root, entry, fallbacks = found
         loaded = _load_with_fallback(root, entry, fallbacks if self.settings.fallback_on_corruption else [],
-                                     map_location=map_location, weights_only=weights_only)
+                                     map_location=map_location, weights_only=weights_only,
+                                     pin_memory=self.pin_memory and _targets_cuda(map_location))
+        self.last_load = loaded.stats
         if self.claim_on_load and _global_rank() == 0 and root.epoch is None:
             resumed = next((e for e in [entry, *fallbacks] if e.commit == loaded.entry_commit), entry)
             try:
@@ -162,11 +217,25 @@ class AtomicCheckpointIO(CheckpointIO):
     @override
     def remove_checkpoint(self, path: Any) -> None:
         url = _normalize(_fspath(path))
-        self.root(_paths.dirname(url)).remove(_paths.basename(url))
+        root, name = self.root(_paths.dirname(url)), _paths.basename(url)
+        if self._async is not None:
+            # Lightning removes the checkpoint a new save replaces right after starting that save: only once
+            # the new one is committed may the old one go.
+            self._async.after_pending(lambda: root.remove(name), f"removal of {url}")
+        else:
+            root.remove(name)
 
     @override
     def teardown(self) -> None:
-        """Nothing runs in the background between operations (saves are synchronous), so nothing to wait for."""
+        """Wait for the save in flight (async saves) and raise its error, if any."""
+        if self._async is not None:
+            self._async.close()
+
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) has committed; raise its error."""
+        if self._async is not None:
+            self._async.wait()
+            self._async.raise_error()
 
     # -- extras ------------------------------------------------------------------------------------------------
     def find_latest_checkpoint(self, root: str) -> str | None:
@@ -221,8 +290,23 @@ def _resolve(url: str, root_for: Any) -> tuple[CheckpointRoot, Entry, list[Entry
     """What ``url`` names: a root (its latest), a name in a root, or one commit folder.
 
     Returns the root, the entry to load, and the older committed entries to fall back to; None when the URL
-    is none of these (a plain file, e.g. a stock Lightning checkpoint).
+    is none of these (a plain file, e.g. a stock Lightning checkpoint). A root or a commit folder (what
+    :func:`find_latest_checkpoint` returns) costs one pointer read: the load then reads the manifest and the
+    data, and nothing else.
     """
+    name = _paths.basename(url)
+    if commit_time(name) is not None:
+        # <root>/<name>/<commit>: what resuming passes. The root's pointer knows the commit and what is older.
+        root: CheckpointRoot = root_for(_paths.dirname(_paths.dirname(url)))
+        commit = f"{_paths.basename(_paths.dirname(url))}/{name}"
+        pointer, _ = root.read_pointer()
+        known = {e.commit: e for e in pointer.candidates()} if pointer is not None else {}
+        if commit in known:
+            return root, known[commit], _older(pointer, known[commit])  # type: ignore[arg-type]
+        if root.store.exists(f"{commit}/{MANIFEST_NAME}"):  # committed, no longer (or never) in the catalog
+            entry = _entry_from_manifest(root.read_manifest(commit))
+            return root, entry, _older(pointer, entry) if pointer else []
+
     as_root: CheckpointRoot = root_for(url)
     pointer, _ = as_root.read_pointer()
     if pointer is not None:
@@ -233,22 +317,12 @@ def _resolve(url: str, root_for: Any) -> tuple[CheckpointRoot, Entry, list[Entry
 
     parent: CheckpointRoot = root_for(_paths.dirname(url))
     pointer, _ = parent.read_pointer()
-    name = _paths.basename(url)
     if pointer is not None:
         entry = pointer.checkpoints.get(name)
         if entry is None and pointer.latest is not None and pointer.latest.name == name:
             entry = pointer.latest
         if entry is not None:
             return parent, entry, _older(pointer, entry)
-
-    # A commit folder: <root>/<name>/<commit>/manifest.json
-    if commit_time(name) is not None and as_root.store.exists(MANIFEST_NAME):
-        root: CheckpointRoot = root_for(_paths.dirname(_paths.dirname(url)))
-        commit = f"{_paths.basename(_paths.dirname(url))}/{name}"
-        manifest = root.read_manifest(commit)
-        entry = _entry_from_manifest(manifest)
-        pointer, _ = root.read_pointer()
-        return root, entry, _older(pointer, entry) if pointer else []
     if parent.store.is_file(name):
         return None  # a plain file
     if pointer is not None:
@@ -263,13 +337,24 @@ def _older(pointer: Pointer, entry: Entry) -> list[Entry]:
     return [e for e in pointer.candidates() if e.commit != entry.commit and e.order <= entry.order]
 
 
+def _targets_cuda(map_location: Any) -> bool:
+    if map_location is None or callable(map_location):
+        return False
+    targets = map_location.values() if isinstance(map_location, dict) else [map_location]
+    try:
+        return any(torch.device(t).type == "cuda" for t in targets)
+    except (TypeError, RuntimeError):
+        return False
+
+
 def _load_with_fallback(root: CheckpointRoot, entry: Entry, fallbacks: list[Entry], *, map_location: Any,
-                        weights_only: bool | None) -> Any:
+                        weights_only: bool | None, pin_memory: bool = False) -> Any:
     first_error: CheckpointCorruptedError | None = None
     tried: list[str] = []
     for candidate in [entry, *fallbacks]:
         try:
-            loaded = root.load(candidate.commit, map_location=map_location, weights_only=weights_only)
+            loaded = root.load(candidate.commit, map_location=map_location, weights_only=weights_only,
+                               pin_memory=pin_memory)
         except CheckpointCorruptedError as exc:
             first_error = first_error or exc
             tried.append(root.store.url(candidate.commit))
@@ -301,12 +386,13 @@ def _load_plain_file(url: str, options: dict[str, Any], map_location: Any, weigh
 
 
 def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The newest committed checkpoint under ``root`` whose objects all exist with their recorded sizes.
+    """The newest committed checkpoint under ``root``, as a URL for ``trainer.fit(model, ckpt_path=...)``.
 
-    Returns its URL, to pass as ``trainer.fit(model, ckpt_path=...)``, or None when the root holds no
-    committed checkpoint (a first run). Checksums are verified when the checkpoint is loaded. A missing bucket
-    raises ``FileNotFoundError`` rather than returning None, since a typo there would silently restart
-    training from scratch.
+    Returns None when the root holds no committed checkpoint (a first run). It reads the pointer and the
+    newest checkpoint's manifest (which must verify); every byte of the data is verified when the checkpoint is
+    loaded, and a damaged one is then replaced by the previous committed checkpoint, with a loud warning. A
+    missing bucket raises ``FileNotFoundError`` rather than returning None, since a typo there would silently
+    restart training from scratch.
     """
     checkpoint_root = _reader(root, storage_options)
     store = checkpoint_root.store
@@ -321,11 +407,10 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
                           f" under {store.root_url}; using the newest, {newest.commit}. Call"
                           f" lightning_resilient.repair_pointer({store.root_url!r}) to restore the pointer.",
                           RuntimeWarning, stacklevel=2)
-            candidates = [_entry_from_manifest(m) for m in sorted(found, key=lambda m: (m.step, m.created),
-                                                                  reverse=True)]
+            return store.url(newest.commit)
     for entry in candidates:
         try:
-            checkpoint_root.check_sizes(entry.commit)
+            checkpoint_root.read_manifest(entry.commit)
         except CheckpointCorruptedError as exc:
             warnings.warn(f"skipping {store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=2)
             continue

@@ -1,37 +1,54 @@
-"""How a checkpoint dict becomes stored objects: tensors as raw bytes in shards, the rest as a skeleton.
+"""How a checkpoint dict becomes stored objects, and back, without holding it twice in host memory.
 
-The skeleton is the checkpoint with every tensor replaced by ``None``; it is saved with ``torch.save`` and
-loads with the ``weights_only`` Lightning asks for. Tensor bytes go into shards, described by the manifest
-(dtype, shape, shard, offset), so reading them needs no unpickling at all.
+The checkpoint is split into a *skeleton* (everything that is not a tensor, saved with ``torch.save`` and loaded
+with the ``weights_only`` Lightning asks for) and a *stream*: every tensor's raw bytes, each at a 64-byte aligned
+offset, one after the other. The stream is cut into fixed windows of ``shard_size`` bytes, one object each, so
+a big tensor spreads over several objects that are uploaded and downloaded in parallel.
+
+Nothing here materialises the stream on the way out: a window is a *gather list* of memoryviews over the
+tensors' own bytes (or over one reusable snapshot buffer, for async saves), which the stores write piece by
+piece. On the way in, each tensor gets its own buffer and the bytes read from the store are scattered straight
+into them.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Shard", "TensorSlot", "flatten", "pack", "tensor_from_bytes", "unflatten"]
+__all__ = [
+    "ALIGN",
+    "Scatter",
+    "Snapshot",
+    "TensorSlot",
+    "flatten",
+    "gather",
+    "plan",
+    "unflatten",
+    "windows",
+]
 
-# Offsets inside a shard are aligned so each tensor can be viewed in place with its own dtype (and, later,
-# copied straight into pinned or device memory).
+# Offsets in the stream are aligned so every tensor can be viewed in place with its own dtype.
 ALIGN = 64
+_ZEROS = memoryview(bytes(ALIGN))
 
 PathElem = list  # ["s", "key"] | ["i", 3] | ["l", 0] | ["t", 0]
+Pieces = list[memoryview]
 
 
 @dataclass
 class TensorSlot:
-    """One tensor found in the checkpoint and where it goes."""
+    """One tensor found in the checkpoint and where its bytes go in the stream."""
 
     key: list[PathElem]
-    tensor: torch.Tensor
-    device: str = "cpu"  # where the tensor lived before it was copied to the host for writing
-    shard: int = -1
+    tensor: torch.Tensor  # where the checkpoint holds it (possibly on an accelerator)
+    device: str
     offset: int = 0
 
     @property
@@ -39,30 +56,13 @@ class TensorSlot:
         return self.tensor.numel() * self.tensor.element_size()
 
 
-@dataclass
-class Shard:
-    slots: list[TensorSlot]
-    size: int
-
-    def buffers(self) -> Iterator[tuple[int, memoryview]]:
-        for slot in self.slots:
-            yield slot.offset, _raw_bytes(slot.tensor)
-
-    def to_bytes(self) -> bytes | memoryview:
-        if len(self.slots) == 1 and self.slots[0].offset == 0:
-            return _raw_bytes(self.slots[0].tensor)  # one big tensor: no copy into a shard buffer
-        out = bytearray(self.size)
-        for offset, raw in self.buffers():
-            out[offset : offset + len(raw)] = raw
-        return out
-
-
 def _storable(t: torch.Tensor) -> bool:
     # Sparse, quantized, nested and meta tensors have no plain byte layout; they stay in the skeleton.
     return t.layout == torch.strided and not t.is_quantized and not t.is_nested and t.device.type != "meta"
 
 
-def _raw_bytes(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a flat memoryview (a host tensor; a copy only when it is not contiguous)."""
     flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -75,11 +75,7 @@ def flatten(obj: Any) -> tuple[Any, list[TensorSlot]]:
 
     def walk(node: Any, key: list[PathElem]) -> Any:
         if isinstance(node, torch.Tensor) and _storable(node):
-            t = node.detach()
-            device = str(t.device)
-            if t.device.type != "cpu":
-                t = t.to("cpu")
-            slots.append(TensorSlot(key, t, device))
+            slots.append(TensorSlot(key, node.detach(), str(node.device)))
             return None
         if isinstance(node, dict):
             out = copy.copy(node)  # keeps the mapping's type and attributes (state_dict's ``_metadata``)
@@ -129,27 +125,162 @@ def key_id(key: list[PathElem]) -> str:
     return "\x1f".join(f"{kind}:{value}" for kind, value in key)
 
 
-def pack(slots: list[TensorSlot], shard_size: int) -> list[Shard]:
-    """Assign tensors to shards of about ``shard_size`` bytes, in order; a bigger tensor gets its own."""
-    shards: list[Shard] = []
-    current: Shard | None = None
-    for slot in slots:
-        n = slot.nbytes
-        if current is None or (current.size and current.size + n > shard_size):
-            current = Shard([], 0)
-            shards.append(current)
-        slot.shard = len(shards) - 1
-        slot.offset = current.size
-        current.slots.append(slot)
-        current.size = _align(current.size + n)
-    for shard in shards:  # the last tensor needs no padding after it
-        last = shard.slots[-1]
-        shard.size = last.offset + last.nbytes
-    return shards
-
-
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan(slots: list[TensorSlot]) -> int:
+    """Give each tensor its aligned offset in the stream; returns the stream's length."""
+    end = 0
+    for slot in slots:
+        slot.offset = _align(end)
+        end = slot.offset + slot.nbytes
+    return end
+
+
+def windows(total: int, shard_size: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of the stream that become one object each."""
+    return [(start, min(start + shard_size, total)) for start in range(0, total, shard_size)]
+
+
+class _Extents:
+    """Sorted (offset, nbytes, index) of the tensors in a stream, for finding those that overlap a range."""
+
+    def __init__(self, extents: list[tuple[int, int]]) -> None:
+        order = sorted(range(len(extents)), key=lambda i: extents[i][0])
+        self.starts = [extents[i][0] for i in order]
+        self.items = [(extents[i][0], extents[i][1], i) for i in order]
+
+    def overlapping(self, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while i < len(self.items) and self.items[i][0] < end:
+            offset, nbytes, index = self.items[i]
+            if nbytes and offset + nbytes > start:
+                yield offset, nbytes, index
+            i += 1
+
+
+def gather(slots: list[TensorSlot], sources: list[memoryview], start: int, end: int) -> Pieces:
+    """The bytes of stream range ``[start, end)`` as memoryviews over ``sources`` (one per slot), padding
+    included: no byte is copied."""
+    pieces: Pieces = []
+    pos = start
+    extents = _Extents([(s.offset, s.nbytes) for s in slots])
+    for offset, nbytes, index in extents.overlapping(start, end):
+        if offset > pos:
+            pieces.extend(_zeros(offset - pos))
+            pos = offset
+        stop = min(offset + nbytes, end)
+        pieces.append(sources[index][pos - offset : stop - offset])
+        pos = stop
+    if pos < end:
+        pieces.extend(_zeros(end - pos))
+    return pieces
+
+
+def _zeros(n: int) -> Pieces:
+    # Gaps are alignment padding, shorter than ALIGN, except in a stream with empty tensors.
+    out: Pieces = []
+    while n > 0:
+        out.append(_ZEROS[: min(n, ALIGN)])
+        n -= ALIGN
+    return out
+
+
+def host_sources(slots: list[TensorSlot]) -> list[memoryview]:
+    """Each slot's bytes on the host: CPU tensors as they are, accelerator tensors copied (a sync save)."""
+    out = []
+    for slot in slots:
+        t = slot.tensor if slot.tensor.device.type == "cpu" else slot.tensor.to("cpu")
+        out.append(raw_bytes(t))
+    return out
+
+
+class Snapshot:
+    """A reusable host buffer holding a copy of every tensor of a checkpoint, laid out as the stream.
+
+    Async saves copy the tensors here (device-to-host, non-blocking into pinned memory when it is pinned) and
+    return to training; the upload then reads windows of this buffer. One buffer, grown when a checkpoint
+    outgrows it and otherwise reused, so repeated saves allocate nothing.
+    """
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._buffer: torch.Tensor | None = None
+        self._event: Any = None
+        self.allocations: list[int] = []  # sizes of every buffer allocated, for accounting
+
+    def fill(self, slots: list[TensorSlot], total: int) -> None:
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = None  # let the old one go before the new one is allocated
+            self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+            self.allocations.append(max(total, 1))
+        buffer = self._buffer
+        on_cuda = False
+        pos = 0
+        for slot in sorted(slots, key=lambda s: s.offset):
+            if slot.offset > pos:
+                buffer[pos : slot.offset].zero_()  # padding: the same bytes a synchronous save writes
+            pos = max(pos, slot.offset + slot.nbytes)
+            if not slot.nbytes:
+                continue
+            src = slot.tensor.detach().resolve_conj().resolve_neg()
+            dst = buffer[slot.offset : slot.offset + slot.nbytes].view(src.dtype).view(src.shape)
+            on_cuda = on_cuda or src.device.type == "cuda"
+            dst.copy_(src, non_blocking=self.pin_memory and src.device.type == "cuda")
+        self._event = None
+        if on_cuda:
+            # Training kernels queued after these copies on the same stream run after them, so the loop may go
+            # on at once; the uploader waits for this event before it reads the buffer.
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def sources(self, total: int) -> memoryview:
+        assert self._buffer is not None
+        return memoryview(self._buffer.numpy())[:total]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+
+def snapshot_gather(view: memoryview, start: int, end: int) -> Pieces:
+    return [view[start:end]]
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
+
+class Scatter:
+    """Destinations for the bytes of a stream being read: each tensor in a buffer of its own.
+
+    :meth:`write` takes a piece of the stream at its stream offset and copies each part to the tensor it
+    belongs to (padding is dropped), so a load holds every tensor once and nothing else but the pieces in
+    flight. Tensors get separate storages, as ``torch.load`` gives them.
+    """
+
+    def __init__(self, extents: list[tuple[int, int]], *, allocate: Callable[[int], torch.Tensor]) -> None:
+        self.buffers = [allocate(nbytes) if nbytes else torch.empty(0, dtype=torch.uint8) for _, nbytes in extents]
+        self._views = [memoryview(b.numpy()) if b.numel() else memoryview(b"") for b in self.buffers]
+        self._extents = _Extents(extents)
+
+    def write(self, stream_offset: int, piece: memoryview | bytes) -> None:
+        view = memoryview(piece).cast("B")
+        end = stream_offset + len(view)
+        for offset, nbytes, index in self._extents.overlapping(stream_offset, end):
+            lo = max(offset, stream_offset)
+            hi = min(offset + nbytes, end)
+            self._views[index][lo - offset : hi - offset] = view[lo - stream_offset : hi - stream_offset]
+
+
+def tensor_view(buffer: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if buffer.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    return buffer.view(dtype).reshape(shape)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -161,14 +292,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown tensor dtype {name!r}")
     return dtype
-
-
-def tensor_from_bytes(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """A tensor viewing ``buf`` (no copy); ``buf`` stays alive as long as the tensor does."""
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-    return raw.view(dtype).reshape(shape)
 
 
 def save_skeleton(skeleton: Any) -> bytes:

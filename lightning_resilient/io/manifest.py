@@ -1,12 +1,17 @@
 """The manifest: written last in a checkpoint folder, it is what makes the checkpoint exist.
 
-It lists every object of the checkpoint with its size and SHA-256, and describes each tensor (dtype, shape,
-object, offset), so a reader can verify every byte and rebuild tensors without unpickling. Object paths are
-relative to the checkpoint root and validated on read: a manifest can never point a load outside the root.
+It lists every object of the checkpoint with its size and the SHA-256 of each ``chunk_size`` piece of it (so
+ranged reads of one object are verified independently, in parallel), names the objects that form the tensor
+stream in order, and describes each tensor by dtype, shape and offset in that stream, so a reader can verify
+every byte and rebuild tensors without unpickling. Object paths are relative to the checkpoint root and
+validated on read: a manifest can never point a load outside the root.
+
+Format 1 (one digest per object, tensors addressed by object and offset) is still read.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,18 +19,43 @@ from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedForm
 from lightning_resilient.io._paths import check_relative
 from lightning_resilient.io._sealed import seal, unseal
 
-__all__ = ["FORMAT", "Manifest", "ObjectEntry", "TensorEntry"]
+__all__ = ["FORMAT", "MANIFEST_NAME", "Manifest", "ObjectEntry", "TensorEntry", "chunk_digests", "object_digest"]
 
-FORMAT = 1
+FORMAT = 2
 KIND = "lightning_resilient.checkpoint"
 MANIFEST_NAME = "manifest.json"
+
+
+def object_digest(chunks: list[str]) -> str:
+    """An object's identity: the SHA-256 of its chunk digests (equal objects have equal chunk lists)."""
+    return hashlib.sha256(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
+
+
+def chunk_digests(pieces: list[memoryview], chunk_size: int) -> list[str]:
+    """SHA-256 of each ``chunk_size`` piece of the bytes ``pieces`` hold in order (one digest for no bytes)."""
+    digests: list[str] = []
+    hasher, filled = hashlib.sha256(), 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        while len(view):
+            take = min(chunk_size - filled, len(view))
+            hasher.update(view[:take])
+            filled += take
+            view = view[take:]
+            if filled == chunk_size:
+                digests.append(hasher.hexdigest())
+                hasher, filled = hashlib.sha256(), 0
+    if filled or not digests:
+        digests.append(hasher.hexdigest())
+    return digests
 
 
 @dataclass(frozen=True)
 class ObjectEntry:
     path: str  # relative to the checkpoint root; may live in another commit's folder (deduplicated data)
     size: int
-    sha256: str
+    sha256: str  # object_digest(chunks)
+    chunks: list[str] = field(default_factory=list)  # SHA-256 of each chunk_size piece, in order
 
 
 @dataclass(frozen=True)
@@ -33,8 +63,7 @@ class TensorEntry:
     key: list[list[Any]]
     dtype: str
     shape: list[int]
-    object: int
-    offset: int
+    offset: int  # in the stream
     nbytes: int
     device: str
 
@@ -47,7 +76,9 @@ class Manifest:
     epoch: int
     created: float
     writer_epoch: int
+    chunk_size: int  # 0: each object is a single chunk (format 1)
     skeleton: int  # index into objects
+    stream: list[int] = field(default_factory=list)  # indices into objects: the tensor stream, in order
     objects: list[ObjectEntry] = field(default_factory=list)
     tensors: list[TensorEntry] = field(default_factory=list)
 
@@ -59,6 +90,24 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(o.size for o in self.objects)
+
+    @property
+    def stream_bytes(self) -> int:
+        return sum(self.objects[i].size for i in self.stream)
+
+    def stream_offsets(self) -> list[int]:
+        """Where each object of :attr:`stream` starts in the stream."""
+        out, pos = [], 0
+        for i in self.stream:
+            out.append(pos)
+            pos += self.objects[i].size
+        return out
+
+    def chunk_ranges(self, index: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` byte ranges of object ``index`` that each chunk digest covers."""
+        size = self.objects[index].size
+        step = self.chunk_size or size
+        return [(a, min(a + step, size)) for a in range(0, size, step)] or [(0, 0)]
 
     def to_bytes(self) -> bytes:
         return seal({"format": FORMAT, "kind": KIND, **asdict(self)})
@@ -77,24 +126,70 @@ class Manifest:
                 " it was written by a newer version. Upgrade lightning_resilient to load it."
             )
         try:
-            objects = [ObjectEntry(check_relative(o["path"], where=f"{where} objects[{i}].path"), int(o["size"]),
-                                   str(o["sha256"]))
-                       for i, o in enumerate(raw["objects"])]
-            tensors = [TensorEntry(list(t["key"]), str(t["dtype"]), [int(d) for d in t["shape"]], int(t["object"]),
-                                   int(t["offset"]), int(t["nbytes"]), str(t["device"]))
-                       for t in raw["tensors"]]
-            manifest = cls(name=str(raw["name"]), commit=check_relative(raw["commit"], where=f"{where} commit"),
-                           step=int(raw["step"]), epoch=int(raw["epoch"]), created=float(raw["created"]),
-                           writer_epoch=int(raw["writer_epoch"]), skeleton=int(raw["skeleton"]),
-                           objects=objects, tensors=tensors)
+            manifest = _parse_v1(raw, where) if fmt == 1 else _parse_v2(raw, where)
         except ValueError as exc:
             raise CheckpointCorruptedError(f"manifest {where} is invalid: {exc}", object=where) from exc
         except (KeyError, TypeError) as exc:
             raise CheckpointCorruptedError(f"manifest {where} is missing or mistypes field {exc}",
                                            object=where) from exc
-        for i, t in enumerate(tensors):
-            if not 0 <= t.object < len(objects) or t.offset < 0 or t.offset + t.nbytes > objects[t.object].size:
-                raise CheckpointCorruptedError(f"manifest {where} tensors[{i}] lies outside its object", object=where)
-        if not 0 <= manifest.skeleton < len(objects):
-            raise CheckpointCorruptedError(f"manifest {where} names no valid skeleton object", object=where)
+        _check_consistent(manifest, where)
         return manifest
+
+
+def _header(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    return {"name": str(raw["name"]), "commit": check_relative(raw["commit"], where=f"{where} commit"),
+            "step": int(raw["step"]), "epoch": int(raw["epoch"]), "created": float(raw["created"]),
+            "writer_epoch": int(raw["writer_epoch"]), "skeleton": int(raw["skeleton"])}
+
+
+def _parse_v2(raw: dict[str, Any], where: str) -> Manifest:
+    objects = [ObjectEntry(check_relative(o["path"], where=f"{where} objects[{i}].path"), int(o["size"]),
+                           str(o["sha256"]), [str(c) for c in o["chunks"]])
+               for i, o in enumerate(raw["objects"])]
+    tensors = [TensorEntry(list(t["key"]), str(t["dtype"]), [int(d) for d in t["shape"]], int(t["offset"]),
+                           int(t["nbytes"]), str(t["device"]))
+               for t in raw["tensors"]]
+    chunk_size = int(raw["chunk_size"])
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return Manifest(**_header(raw, where), chunk_size=chunk_size, stream=[int(i) for i in raw["stream"]],
+                    objects=objects, tensors=tensors)
+
+
+def _parse_v1(raw: dict[str, Any], where: str) -> Manifest:
+    # Format 1: one SHA-256 per object; tensors addressed by (object, offset). Its shards, concatenated in
+    # object order, are exactly a stream, so it maps onto format 2 with one chunk per object.
+    objects = [ObjectEntry(check_relative(o["path"], where=f"{where} objects[{i}].path"), int(o["size"]),
+                           str(o["sha256"]), [str(o["sha256"])])
+               for i, o in enumerate(raw["objects"])]
+    skeleton = int(raw["skeleton"])
+    stream = [i for i in range(len(objects)) if i != skeleton]
+    starts, pos = {}, 0
+    for i in stream:
+        starts[i] = pos
+        pos += objects[i].size
+    tensors = []
+    for n, t in enumerate(raw["tensors"]):
+        obj, offset, nbytes = int(t["object"]), int(t["offset"]), int(t["nbytes"])
+        if obj not in starts or offset < 0 or offset + nbytes > objects[obj].size:
+            raise ValueError(f"tensors[{n}] lies outside its object")
+        tensors.append(TensorEntry(list(t["key"]), str(t["dtype"]), [int(d) for d in t["shape"]],
+                                   starts[obj] + offset, nbytes, str(t["device"])))
+    return Manifest(**_header(raw, where), chunk_size=0, stream=stream, objects=objects, tensors=tensors)
+
+
+def _check_consistent(manifest: Manifest, where: str) -> None:
+    objects = manifest.objects
+    if not 0 <= manifest.skeleton < len(objects):
+        raise CheckpointCorruptedError(f"manifest {where} names no valid skeleton object", object=where)
+    if any(not 0 <= i < len(objects) or i == manifest.skeleton for i in manifest.stream) \
+            or len(set(manifest.stream)) != len(manifest.stream):
+        raise CheckpointCorruptedError(f"manifest {where} has an invalid stream", object=where)
+    for i, obj in enumerate(objects):
+        if obj.size < 0 or len(obj.chunks) != len(manifest.chunk_ranges(i)):
+            raise CheckpointCorruptedError(f"manifest {where} objects[{i}] has {len(obj.chunks)} chunk digest(s)"
+                                           f" for {obj.size} bytes", object=where)
+    total = manifest.stream_bytes
+    for i, t in enumerate(manifest.tensors):
+        if t.offset < 0 or t.nbytes < 0 or t.offset + t.nbytes > total:
+            raise CheckpointCorruptedError(f"manifest {where} tensors[{i}] lies outside the stream", object=where)

@@ -7,6 +7,7 @@ orphan (collected after a grace period); a crash after it leaves at worst undele
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -16,7 +17,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +25,18 @@ import torch
 
 from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError
 from lightning_resilient.io import layout
-from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
+from lightning_resilient.io.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    chunk_digests,
+    object_digest,
+)
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.store import LocalStore, Store
 
-__all__ = ["CheckpointRoot", "RootSettings"]
+__all__ = ["CheckpointRoot", "LoadStats", "Prepared", "RootSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,35 @@ class RootSettings:
     shard_size: int
     orphan_grace_seconds: float
     fallback_on_corruption: bool
+    chunk_size: int = 16 * 2**20
+
+
+@dataclass
+class Prepared:
+    """A checkpoint captured for saving: its skeleton, its tensors' layout, and how to read their bytes."""
+
+    name: str
+    step: int
+    epoch: int
+    created: float
+    skeleton: bytes
+    tensors: list[TensorEntry]
+    total: int  # bytes in the tensor stream
+    pieces: Callable[[int, int], list[memoryview]]  # the stream's bytes [start, end) as memoryviews
+    ready: Callable[[], None]  # waits until those bytes are on the host (device-to-host copies done)
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What one load did: for benchmarks, and tests of the memory bound."""
+
+    commit: str
+    bytes: int  # bytes read and verified
+    objects: int
+    requests: int  # ranged reads issued
+    host_buffer_bytes: int  # host memory allocated for tensors
+    host_buffers: int
+    seconds: float
 
 
 @dataclass
@@ -61,6 +98,22 @@ class Loaded:
     checkpoint: dict[str, Any]
     entry_commit: str
     manifest: Manifest
+    stats: LoadStats | None = None
+
+
+Job = Callable[[], int]
+
+
+def _nothing() -> None:
+    pass
+
+
+def _shifted(write: Callable[[int, memoryview], None], start: int, offset: int, piece: memoryview) -> None:
+    write(start + offset, piece)
+
+
+def _discard_piece(offset: int, piece: memoryview) -> None:
+    pass
 
 
 class CheckpointRoot:
@@ -139,45 +192,67 @@ class CheckpointRoot:
         return self.epoch
 
     # -- save --------------------------------------------------------------------------------------------------
+    def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None) -> Prepared:
+        """Everything a save needs from the live checkpoint: after this returns, training may change it.
+
+        Without a snapshot the upload reads the tensors in place (a synchronous save); with one, every tensor is
+        first copied into the snapshot's reusable buffer (an async save's only blocking work).
+        """
+        skeleton, slots = layout.flatten(checkpoint)
+        total = layout.plan(slots)
+        tensors = [TensorEntry(slot.key, layout.dtype_name(slot.tensor.dtype), list(slot.tensor.shape),
+                               slot.offset, slot.nbytes, slot.device) for slot in slots]
+        skeleton_bytes = layout.save_skeleton(skeleton)
+        if snapshot is not None:
+            snapshot.fill(slots, total)
+            view = snapshot.sources(total)
+            pieces: Callable[[int, int], list[memoryview]] = lambda a, b: [view[a:b]]  # noqa: E731
+            ready: Callable[[], None] = snapshot.wait
+        else:
+            sources = layout.host_sources(slots)
+            pieces = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
+            ready = _nothing
+        return Prepared(name=name, step=_int(checkpoint.get("global_step")), epoch=_int(checkpoint.get("epoch")),
+                        created=time.time(), skeleton=skeleton_bytes, tensors=tensors, total=total,
+                        pieces=pieces, ready=ready)
+
     def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
+        return self.commit(self.prepare(checkpoint, name))
+
+    def commit(self, prepared: Prepared) -> Entry:
+        """Upload a prepared checkpoint, write its manifest, then move the pointer to it."""
         if self.epoch is None:
             self.claim()
         assert self.epoch is not None
-        epoch = self.epoch
-        created = time.time()
-        commit = f"{name}/c{int(created * 1000):013d}-e{epoch}-{uuid.uuid4().hex[:8]}"
-        skeleton, slots = layout.flatten(checkpoint)
-        shards = layout.pack(slots, self.settings.shard_size)
-        skeleton_bytes = layout.save_skeleton(skeleton)
-        step = _int(checkpoint.get("global_step"))
+        epoch, name, step = self.epoch, prepared.name, prepared.step
+        commit = f"{name}/c{int(prepared.created * 1000):013d}-e{epoch}-{uuid.uuid4().hex[:8]}"
         known = self._known if step == self._known_step else {}
+        chunk_size = self.settings.chunk_size
 
-        def put(rel: str, data: bytes | bytearray | memoryview) -> ObjectEntry:
-            digest = hashlib.sha256(data).hexdigest()
-            size = len(data) if not isinstance(data, memoryview) else data.nbytes
+        def put(rel: str, pieces: list[memoryview]) -> ObjectEntry:
+            chunks = chunk_digests(pieces, chunk_size)
+            digest, size = object_digest(chunks), sum(len(p) for p in pieces)
             existing = known.get((digest, size))
             if existing is not None:
-                return ObjectEntry(existing, size, digest)
-            self.store.write(rel, data)
-            return ObjectEntry(rel, size, digest)
+                return ObjectEntry(existing, size, digest, chunks)
+            self.store.write_pieces(rel, pieces)
+            return ObjectEntry(rel, size, digest, chunks)
 
         try:
-            jobs = [(f"{commit}/shard-{i:05d}.bin", shard) for i, shard in enumerate(shards)]
+            prepared.ready()
+            spans = layout.windows(prepared.total, self.settings.shard_size)
             with self._executor() as pool:
-                objects = list(pool.map(lambda job: put(job[0], job[1].to_bytes()), jobs))
-            objects.append(put(f"{commit}/{SKELETON_NAME}", skeleton_bytes))
-            tensors = [
-                TensorEntry(slot.key, layout.dtype_name(slot.tensor.dtype), list(slot.tensor.shape), slot.shard,
-                            slot.offset, slot.nbytes, slot.device)
-                for slot in slots
-            ]
-            manifest = Manifest(name=name, commit=commit, step=step,
-                                epoch=_int(checkpoint.get("epoch")), created=created, writer_epoch=epoch,
-                                skeleton=len(objects) - 1, objects=objects, tensors=tensors)
+                objects = list(pool.map(lambda i: put(f"{commit}/shard-{i:05d}.bin", prepared.pieces(*spans[i])),
+                                        range(len(spans))))
+            objects.append(put(f"{commit}/{SKELETON_NAME}", [memoryview(prepared.skeleton)]))
+            manifest = Manifest(name=name, commit=commit, step=step, epoch=prepared.epoch, created=prepared.created,
+                                writer_epoch=epoch, chunk_size=chunk_size, skeleton=len(objects) - 1,
+                                stream=list(range(len(spans))), objects=objects, tensors=prepared.tensors)
             # The manifest goes last: until it exists, this folder is not a checkpoint.
             self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
-            entry = Entry(name=name, commit=commit, step=manifest.step, epoch=manifest.epoch, created=created,
-                          writer_epoch=epoch, folders=tuple(manifest.folders), size=manifest.total_bytes)
+            entry = Entry(name=name, commit=commit, step=manifest.step, epoch=manifest.epoch,
+                          created=prepared.created, writer_epoch=epoch, folders=tuple(manifest.folders),
+                          size=manifest.total_bytes)
 
             def add(p: Pointer) -> Pointer:
                 p.writer_epoch = max(p.writer_epoch, epoch)
@@ -287,47 +362,115 @@ class CheckpointRoot:
                 raise CheckpointCorruptedError(f"{url} has {size} bytes, the manifest says {obj.size}", object=url)
         return manifest
 
-    def _read_verified(self, obj: ObjectEntry) -> bytearray:
+    def _read_chunks(self, manifest: Manifest, index: int, sink: Callable[[int, memoryview], None]) -> list[Job]:
+        """Jobs that read object ``index`` chunk by chunk, verify each chunk and hand its pieces to ``sink``
+        (with their offset in the object)."""
+        obj = manifest.objects[index]
         url = self.store.url(obj.path)
-        try:
-            data = self.store.read(obj.path)
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptedError(f"{url} is missing", object=url) from exc
-        if len(data) != obj.size:
-            raise CheckpointCorruptedError(f"{url} has {len(data)} bytes, the manifest says {obj.size}"
-                                           " (truncated or replaced)", object=url)
-        if hashlib.sha256(data).hexdigest() != obj.sha256:
-            raise CheckpointCorruptedError(f"{url} fails its SHA-256 check: its bytes were corrupted", object=url)
-        return bytearray(data)
 
-    def load(self, commit: str, *, map_location: Any, weights_only: bool | None) -> Loaded:
-        manifest = self.read_manifest(commit)
+        def job(j: int, a: int, b: int) -> int:
+            def consume(pieces: Any) -> tuple[int, str]:
+                hasher, got = hashlib.sha256(), 0
+                for piece in pieces:
+                    hasher.update(piece)
+                    sink(a + got, piece)
+                    got += len(piece)
+                return got, hasher.hexdigest()
+
+            try:
+                got, digest = self.store.read_range(obj.path, a, b, consume)
+            except FileNotFoundError as exc:
+                raise CheckpointCorruptedError(f"{url} is missing", object=url) from exc
+            if got != b - a:
+                raise CheckpointCorruptedError(f"{url} ends at byte {a + got}, the manifest says it has {obj.size}"
+                                               " (truncated or replaced)", object=url)
+            if digest != obj.chunks[j]:
+                raise CheckpointCorruptedError(f"{url} fails its SHA-256 check at bytes {a}-{b}: its bytes were"
+                                               " corrupted", object=url)
+            return got
+
+        return [functools.partial(job, j, a, b) for j, (a, b) in enumerate(manifest.chunk_ranges(index))]
+
+    def _run(self, jobs: list[Job], on_done: Callable[[int], None] | None = None) -> None:
+        """Run read jobs in parallel; the first failure cancels what has not started and is raised."""
         with self._executor() as pool:
-            buffers = list(pool.map(self._read_verified, manifest.objects))
+            futures = [pool.submit(job) for job in jobs]
+            try:
+                for future in as_completed(futures):
+                    n = future.result()
+                    if on_done is not None:
+                        on_done(n)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def load(self, commit: str, *, map_location: Any, weights_only: bool | None,
+             pin_memory: bool = False) -> Loaded:
+        """Read, verify and rebuild one commit: one manifest read, then every chunk of every object in parallel,
+        scattered straight into one buffer per tensor (pinned when ``pin_memory``)."""
+        started = time.perf_counter()
+        manifest = self.read_manifest(commit)
+        allocated: list[int] = []
+
+        def allocate(n: int) -> torch.Tensor:
+            allocated.append(n)
+            return torch.empty(n, dtype=torch.uint8, pin_memory=pin_memory)
+
+        scatter = layout.Scatter([(t.offset, t.nbytes) for t in manifest.tensors], allocate=allocate)
         skeleton_obj = manifest.objects[manifest.skeleton]
+        skeleton_buf = bytearray(skeleton_obj.size)
+
+        def to_skeleton(offset: int, piece: memoryview) -> None:
+            skeleton_buf[offset : offset + len(piece)] = piece
+
+        jobs = self._read_chunks(manifest, manifest.skeleton, to_skeleton)
+        for index, start in zip(manifest.stream, manifest.stream_offsets()):
+            jobs += self._read_chunks(manifest, index, functools.partial(_shifted, scatter.write, start))
+        self._run(jobs)
+        skeleton_url = self.store.url(skeleton_obj.path)
         try:
-            skeleton = layout.load_skeleton(bytes(buffers[manifest.skeleton]), weights_only=weights_only,
+            skeleton = layout.load_skeleton(bytes(skeleton_buf), weights_only=weights_only,
                                             map_location=map_location if map_location is not None else "cpu")
         except Exception as exc:
             if type(exc).__name__ == "UnpicklingError" and weights_only:
                 raise  # a weights_only refusal is the user's decision to make, not corruption
-            raise CheckpointCorruptedError(f"{self.store.url(skeleton_obj.path)} does not unpickle: {exc}",
-                                           object=self.store.url(skeleton_obj.path)) from exc
+            raise CheckpointCorruptedError(f"{skeleton_url} does not unpickle: {exc}", object=skeleton_url) from exc
         tensors = {}
-        for t in manifest.tensors:
+        moved = False
+        for t, buffer in zip(manifest.tensors, scatter.buffers):
             try:
-                tensor = layout.tensor_from_bytes(buffers[t.object], t.offset, t.nbytes, layout.parse_dtype(t.dtype),
-                                                  t.shape)
+                tensor = layout.tensor_view(buffer, layout.parse_dtype(t.dtype), t.shape)
             except (ValueError, RuntimeError) as exc:
-                url = self.store.url(manifest.objects[t.object].path)
-                raise CheckpointCorruptedError(f"tensor {layout.key_id(t.key)!r} in {url}: {exc}", object=url) from exc
-            tensors[layout.key_id(t.key)] = _map(tensor, t.device, map_location)
+                where = self.store.url(f"{commit}/{MANIFEST_NAME}")
+                raise CheckpointCorruptedError(f"tensor {layout.key_id(t.key)!r} in {where}: {exc}",
+                                               object=where) from exc
+            mapped = _map(tensor, t.device, map_location, non_blocking=pin_memory)
+            moved = moved or mapped is not tensor
+            tensors[layout.key_id(t.key)] = mapped
+        if moved and pin_memory and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the pinned host buffers may be freed once this returns
         try:
             checkpoint = layout.unflatten(skeleton, tensors)
         except ValueError as exc:
             where = self.store.url(f"{commit}/{MANIFEST_NAME}")
             raise CheckpointCorruptedError(f"{where} does not match its skeleton: {exc}", object=where) from exc
-        return Loaded(checkpoint, commit, manifest)
+        stats = LoadStats(commit=commit, bytes=manifest.total_bytes, objects=len(manifest.objects),
+                          requests=len(jobs), host_buffer_bytes=sum(allocated), host_buffers=len(allocated),
+                          seconds=time.perf_counter() - started)
+        return Loaded(checkpoint, commit, manifest, stats)
+
+    def verify(self, commit: str, progress: Callable[[int], None] | None = None) -> Manifest:
+        """Read every byte of a commit and check every checksum, keeping nothing; raises on the first failure.
+
+        ``progress`` is called with the number of bytes of each chunk verified.
+        """
+        manifest = self.read_manifest(commit)
+        jobs: list[Job] = []
+        for index in range(len(manifest.objects)):
+            jobs += self._read_chunks(manifest, index, _discard_piece)
+        self._run(jobs, progress)
+        return manifest
 
     def remember_loaded(self, loaded: Loaded) -> None:
         self._remember(loaded.manifest)
@@ -387,15 +530,16 @@ def _int(value: Any) -> int:
     return int(value) if isinstance(value, (int, float)) else 0
 
 
-def _map(tensor: torch.Tensor, saved_device: str, map_location: Any) -> torch.Tensor:
+def _map(tensor: torch.Tensor, saved_device: str, map_location: Any, *, non_blocking: bool = False) -> torch.Tensor:
+    """Where ``map_location`` puts a tensor saved on ``saved_device`` (loads keep tensors on the CPU without one)."""
     if map_location is None:
         return tensor
     if isinstance(map_location, dict):
         target = map_location.get(saved_device, saved_device)
-        return tensor if target == "cpu" else tensor.to(target)
-    if callable(map_location):
+        device = torch.device(target)
+    elif callable(map_location):
         storage = map_location(tensor.untyped_storage(), saved_device)
         device = getattr(storage, "device", torch.device("cpu"))
-        return tensor if device.type == "cpu" else tensor.to(device)
-    device = torch.device(map_location)
-    return tensor if device.type == "cpu" else tensor.to(device)
+    else:
+        device = torch.device(map_location)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=non_blocking)

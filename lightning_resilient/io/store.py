@@ -17,16 +17,18 @@ built-in exceptions whose messages name the URL and what to fix.
 from __future__ import annotations
 
 import base64
+import bisect
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -37,10 +39,15 @@ from fsspec.core import url_to_fs
 from lightning_resilient.io._paths import join, split_protocol
 from lightning_resilient.io.retry import RetryPolicy
 
-__all__ = ["Store", "open_store"]
+__all__ = ["GatherReader", "Store", "open_store"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Pieces = list[memoryview]
+Consume = Callable[[Iterable[memoryview]], T]
+
+# Ranged reads hand their bytes on in pieces of this size, so a read in flight holds one piece, not its range.
+READ_PIECE = 4 * 2**20
 
 _warned_no_cas: set[str] = set()
 _warned_lock = threading.Lock()
@@ -79,12 +86,29 @@ class Store:
     def read(self, rel: str) -> bytes:
         return self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
 
+    def read_range(self, rel: str, start: int, end: int, consume: Consume[T]) -> T:
+        """Read bytes ``[start, end)`` of ``rel`` and pass them, as consecutive pieces, to ``consume``.
+
+        A retry re-runs ``consume`` over a fresh stream, so it must not depend on an earlier, failed attempt
+        (writing each piece at its absolute offset is fine). An object shorter than ``end`` yields fewer
+        bytes; the caller's checksum catches that.
+        """
+        return self._call("read", rel, lambda: consume(self._range_pieces(self.path(rel), start, end)))
+
+    def _range_pieces(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        if end > start:
+            yield memoryview(self.fs.cat_file(path, start=start, end=end))
+
     def write(self, rel: str, data: bytes | bytearray | memoryview) -> None:
         """Write an immutable object (its name is unique to one save, so a retry rewrites the same bytes)."""
-        self._call("write", rel, lambda: self._write(self.path(rel), data))
+        self.write_pieces(rel, [memoryview(data)])
 
-    def _write(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data)
+    def write_pieces(self, rel: str, pieces: Pieces) -> None:
+        """Write an immutable object whose bytes are ``pieces`` in order, copying them only if the client must."""
+        self._call("write", rel, lambda: self._write(self.path(rel), pieces))
+
+    def _write(self, path: str, pieces: Pieces) -> None:
+        self.fs.pipe_file(path, _joined(pieces))
 
     def exists(self, rel: str) -> bool:
         return self._call("stat", rel, lambda: self._exists(self.path(rel)))
@@ -177,8 +201,20 @@ class LocalStore(Store):
 
     supports_cas = True
 
-    def _write(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        _atomic_local_write(path, data)
+    def _write(self, path: str, pieces: Pieces) -> None:
+        _atomic_local_write(path, pieces)
+
+    def _range_pieces(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        buf = bytearray(min(READ_PIECE, max(end - start, 0)))
+        with open(path, "rb", buffering=0) as f:
+            pos = start
+            while pos < end:
+                want = min(len(buf), end - pos)
+                got = os.preadv(f.fileno(), [memoryview(buf)[:want]], pos)
+                if got <= 0:
+                    return  # the file is shorter than the manifest says
+                yield memoryview(buf)[:got]
+                pos += got
 
     @contextmanager
     def _locked(self, path: str) -> Iterator[None]:
@@ -202,13 +238,13 @@ class LocalStore(Store):
                     current = None
                 if current != expected:
                     return False
-                _atomic_local_write(path, data)
+                _atomic_local_write(path, [memoryview(data)])
                 return True
 
         return self._call("conditional write", rel, swap)
 
 
-def _atomic_local_write(path: str, data: bytes | bytearray | memoryview) -> None:
+def _atomic_local_write(path: str, pieces: Pieces) -> None:
     # Same-folder temp file: os.replace is atomic only within one filesystem, and a crash mid-write must
     # leave either the old object or nothing under the final name, never a torn one.
     directory = os.path.dirname(path) or "."
@@ -216,7 +252,8 @@ def _atomic_local_write(path: str, data: bytes | bytearray | memoryview) -> None
     tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for piece in pieces:
+                f.write(piece)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -279,6 +316,45 @@ class S3Store(Store):
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(path)
         return bucket, key
+
+    def _write(self, path: str, pieces: Pieces) -> None:
+        # botocore takes bytes or a file-like body: a reader over the pieces uploads them without joining.
+        # One PUT per object; shard_size is capped at S3's single-PUT limit when the plugin is built.
+        bucket, key = self._bucket_key(path)
+        try:
+            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=GatherReader(pieces))
+        finally:
+            self.fs.invalidate_cache(path)
+
+    def _range_pieces(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        if end <= start:
+            return
+        bucket, key = self._bucket_key(path)
+        response = sync(self.fs.loop, self.fs._call_s3, "get_object", Bucket=bucket, Key=key,
+                        Range=f"bytes={start}-{end - 1}")
+        body = response["Body"]
+        try:
+            while True:
+                # Each piece is pulled from the event loop into this worker thread, so checksums and copies
+                # of concurrent reads run in parallel threads instead of on s3fs's single loop thread.
+                piece = sync(self.fs.loop, body.read, READ_PIECE)
+                if not piece:
+                    return
+                yield memoryview(piece)
+        finally:
+            body.close()
+
+    def read(self, rel: str) -> bytes:
+        # One GET (s3fs's cat_file adds a HEAD first): manifests and skeletons are read on every resume.
+        path = self.path(rel)
+        bucket, key = self._bucket_key(path)
+
+        async def get() -> bytes:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            async with response["Body"] as body:
+                return bytes(await body.read())
+
+        return self._call("read", rel, lambda: sync(self.fs.loop, get))
 
     def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
         path = self.path(rel)
@@ -406,6 +482,57 @@ class GCSStore(Store):
             return True
 
         return self._call("conditional write", rel, put)
+
+
+def _joined(pieces: Pieces) -> bytes | memoryview:
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+class GatherReader(io.RawIOBase):
+    """A read-only, seekable file over a list of memoryviews: uploads them without joining them."""
+
+    def __init__(self, pieces: Pieces) -> None:
+        super().__init__()
+        self._pieces = [memoryview(p).cast("B") for p in pieces if len(p)]
+        self._starts: list[int] = []
+        total = 0
+        for p in self._pieces:
+            self._starts.append(total)
+            total += len(p)
+        self._size = total
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        written = 0
+        i = max(0, bisect.bisect_right(self._starts, self._pos) - 1)
+        while written < len(out) and i < len(self._pieces) and self._pos < self._size:
+            piece, start = self._pieces[i], self._starts[i]
+            inner = self._pos - start
+            n = min(len(piece) - inner, len(out) - written)
+            if n > 0:
+                out[written : written + n] = piece[inner : inner + n]
+                written += n
+                self._pos += n
+            i += 1
+        return written
 
 
 def _translate(exc: Exception, url: str, what: str) -> Exception:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import lightning_resilient
 from lightning_resilient import AtomicCheckpointIO
@@ -12,7 +13,9 @@ from lightning_resilient import AtomicCheckpointIO
     ({"keep_last": 0}, "keep_last must be an int >= 1 or None, got 0"),
     ({"keep_last": 2.5}, "keep_last must be an int >= 1 or None, got 2.5"),
     ({"keep_last": True}, "keep_last must be an int >= 1 or None, got True"),
-    ({"shard_size": 0}, "shard_size must be a positive number of bytes, got 0"),
+    ({"shard_size": 0}, "shard_size must be a number of bytes from 1 to 5 GiB (S3's single-PUT limit), got 0"),
+    ({"shard_size": 6 * 2**30}, "shard_size must be a number of bytes from 1 to 5 GiB"),
+    ({"chunk_size": 0}, "chunk_size must be a positive number of bytes, got 0"),
     ({"max_concurrency": 0}, "max_concurrency must be an int >= 1, got 0"),
     ({"orphan_grace_seconds": -1}, "orphan_grace_seconds must be a number >= 0, got -1"),
     ({"retry_attempts": 0}, "retry_attempts must be an int >= 1, got 0"),
@@ -28,10 +31,19 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
     ({"storage_options": {1: 2}}, "storage_options must be a dict of fsspec options"),
     ({"fallback_on_corruption": "yes"}, "fallback_on_corruption must be True or False"),
     ({"claim_on_load": 1}, "claim_on_load must be True or False"),
+    ({"async_save": "no"}, "async_save must be True or False"),
+    ({"pin_memory": 1}, "pin_memory must be True, False or None"),
 ])
 def test_bad_types_fail_at_construction(kwargs, message):
     with pytest.raises(TypeError, match=message):
         AtomicCheckpointIO(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_pin_memory_true_without_cuda_fails_at_construction():
+    with pytest.raises(ValueError, match="pin_memory=True needs a CUDA device"):
+        AtomicCheckpointIO(pin_memory=True)
+    assert AtomicCheckpointIO(pin_memory=None).pin_memory is False
 
 
 def test_arguments_are_keyword_only():

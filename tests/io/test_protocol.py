@@ -60,8 +60,9 @@ def test_tensors_are_raw_bytes_not_pickles(backend):
     manifest = json.loads(backend.fs().cat_file(manifest_path))["body"]
     skeleton = manifest["objects"][manifest["skeleton"]]
     weight = next(t for t in manifest["tensors"] if t["key"] == [["s", "state_dict"], ["s", "layer.weight"]])
-    shard = backend.fs().cat_file(backend.path(manifest["objects"][weight["object"]]["path"]))
-    raw = shard[weight["offset"]: weight["offset"] + weight["nbytes"]]
+    # The tensor stream is the stream objects' bytes in order; every tensor sits at its offset in it.
+    stream = b"".join(backend.fs().cat_file(backend.path(manifest["objects"][i]["path"])) for i in manifest["stream"])
+    raw = stream[weight["offset"]: weight["offset"] + weight["nbytes"]]
     assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(4096, 8),
                        ckpt["state_dict"]["layer.weight"])
     assert skeleton["size"] < 4096, "tensor bytes leaked into the pickled skeleton"
@@ -271,13 +272,30 @@ def test_corruption_with_no_valid_fallback_raises_naming_the_object(backend):
     assert info.value.object == backend.url(f"{commit}/shard-00000.bin")
 
 
-def test_missing_object_skipped_by_find_latest(backend):
+def test_missing_object_makes_the_resume_fall_back(backend):
     io = make_io(backend)
     io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
     io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
     io.teardown()
     commit = read_pointer(backend).latest.commit
     backend.fs().rm(backend.path(f"{commit}/shard-00000.bin"))
+    # Resolving the latest reads only the pointer and the manifest; the missing object shows when it is read.
+    latest = find_latest_checkpoint(backend.root, backend.storage_options)
+    assert latest == backend.url(commit)
+    with pytest.warns(RuntimeWarning, match="is missing"):
+        assert make_io(backend, claim_on_load=False).load_checkpoint(latest)["global_step"] == 1
+    with pytest.raises(CheckpointCorruptedError, match="is missing") as info:
+        make_io(backend, claim_on_load=False, fallback_on_corruption=False).load_checkpoint(latest)
+    assert info.value.object == backend.url(f"{commit}/shard-00000.bin")
+
+
+def test_missing_manifest_is_skipped_by_find_latest(backend):
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
+    io.teardown()
+    commit = read_pointer(backend).latest.commit
+    backend.fs().rm(backend.path(f"{commit}/{MANIFEST_NAME}"))
     with pytest.warns(RuntimeWarning, match="is missing"):
         latest = find_latest_checkpoint(backend.root, backend.storage_options)
     assert latest.startswith(backend.url("a.ckpt/"))

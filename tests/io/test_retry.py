@@ -10,7 +10,7 @@ import torch
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.retry import RetryPolicy, is_transient
 
-from ..faulty_proxy import FaultyProxy
+from lightning_resilient.testing import StoreProxy
 from .helpers import assert_same, make_checkpoint
 
 
@@ -92,13 +92,13 @@ def without_s3fs_retries(io: AtomicCheckpointIO, root: str) -> AtomicCheckpointI
     return io
 
 
-def _options(proxy: FaultyProxy) -> dict:
+def _options(proxy: StoreProxy) -> dict:
     return {"client_kwargs": {"endpoint_url": proxy.url}, **NO_CLIENT_RETRIES}
 
 
 def test_saves_and_loads_survive_a_failing_proxy(s3_backend, caplog):
     caplog.set_level("WARNING", logger="lightning_resilient.io.retry")
-    with FaultyProxy(s3_backend.endpoint, fail_rate=0.3, seed=1) as proxy:
+    with StoreProxy(s3_backend.endpoint, fail_rate=0.3, seed=1) as proxy:
         io = without_s3fs_retries(AtomicCheckpointIO(storage_options=_options(proxy), shard_size=4096,
                                                      retry_attempts=12, retry_base_delay=0.0, retry_max_delay=0.0),
                                   s3_backend.root)
@@ -119,7 +119,7 @@ def test_saves_and_loads_survive_a_failing_proxy(s3_backend, caplog):
 
 def test_without_retries_the_same_faults_fail(s3_backend):
     """The mechanism matters: with one attempt per request the faulty proxy breaks the save."""
-    with FaultyProxy(s3_backend.endpoint, fail_rate=0.3, seed=1) as proxy:
+    with StoreProxy(s3_backend.endpoint, fail_rate=0.3, seed=1) as proxy:
         io = without_s3fs_retries(AtomicCheckpointIO(storage_options=_options(proxy), shard_size=4096,
                                                      retry_attempts=1), s3_backend.root)
         with pytest.raises(Exception) as info:

@@ -82,3 +82,18 @@ def test_list_and_remove(backend):
     store.remove("a/never-existed")
     assert store.list_dir("a") == ["c2"]
     assert store.is_file("b/z.bin") and not store.is_file("a")
+
+
+def test_gather_reader_reads_and_seeks_across_pieces():
+    from lightning_resilient.io.store import GatherReader
+
+    data = bytes(range(200))
+    view = memoryview(data)
+    reader = GatherReader([view[:7], view[7:7], view[7:150], view[150:]])
+    assert len(reader) == 200 and reader.seek(0, 2) == 200
+    reader.seek(0)
+    assert reader.read(5) + reader.read(100) + reader.read() == data
+    reader.seek(148)
+    assert reader.read(4) == data[148:152]
+    reader.seek(-10, 2)
+    assert reader.read() == data[190:] and reader.read(3) == b""

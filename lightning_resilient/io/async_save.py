@@ -1,0 +1,139 @@
+"""Background saves: the training loop waits only for a copy of the tensors into a reusable host buffer.
+
+At most one save is in flight, because the next one reuses the same snapshot buffer: a save that finds the
+previous one still uploading waits for it, and that wait is measured. The pointer moves when the upload has
+completed (it is the last step of the background commit), so a crash or an error mid-upload leaves the
+previous checkpoint latest. An error is never lost: it is raised by the next save, the next removal or load,
+and by teardown, which also waits for the last save.
+
+Removals that Lightning asks for right after a save (top-k rotation) run behind that save, and are dropped if
+it failed: the checkpoint being replaced is only deleted once its replacement is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from lightning_resilient.io import layout
+from lightning_resilient.io.root import CheckpointRoot
+
+__all__ = ["AsyncSaver", "SaveStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveStats:
+    """Timings of one save, in seconds. ``blocked`` is what the training loop waited for."""
+
+    name: str
+    step: int
+    bytes: int = 0
+    blocked: float = 0.0  # the whole save_checkpoint call
+    waited: float = 0.0  # of which: waiting for the previous async save to finish
+    snapshot: float = 0.0  # of which: copying tensors into the snapshot buffer (async) / nothing (sync)
+    upload: float | None = None  # upload + commit; None while in flight
+    committed: bool = False
+    asynchronous: bool = False
+
+
+class AsyncSaver:
+    """One background commit at a time, for one :class:`~lightning_resilient.AtomicCheckpointIO`."""
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        self.snapshot = layout.Snapshot(pin_memory=pin_memory)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lightning_resilient-async")
+        return self._pool
+
+    def save(self, root: CheckpointRoot, checkpoint: dict, name: str, stats: SaveStats) -> None:
+        """Snapshot ``checkpoint`` and commit it in the background; returns once training may go on."""
+        started = time.perf_counter()
+        self.raise_error()
+        self.wait()
+        self.raise_error()
+        waited = time.perf_counter()
+        prepared = root.prepare(checkpoint, name, snapshot=self.snapshot)
+        stats.bytes = prepared.total + len(prepared.skeleton)
+        stats.waited = waited - started
+        stats.snapshot = time.perf_counter() - waited
+        stats.asynchronous = True
+
+        def commit() -> None:
+            t0 = time.perf_counter()
+            try:
+                root.commit(prepared)
+            except BaseException as exc:
+                with self._lock:
+                    self._error = self._error or exc
+                log.error("background save of %s failed; the previous checkpoint stays latest: %s",
+                          root.store.url(name), exc)
+                raise
+            finally:
+                stats.upload = time.perf_counter() - t0
+            stats.committed = True
+
+        self._pending = self._executor().submit(commit)
+
+    def after_pending(self, action: Callable[[], None], what: str) -> None:
+        """Run ``action`` once the save in flight is committed; drop it if that save failed."""
+        if self._pending is None or self._pending.done():
+            self.raise_error()
+            action()
+            return
+
+        def guarded() -> None:
+            with self._lock:
+                failed = self._error is not None
+            if failed:
+                log.warning("not running %s: the save before it failed", what)
+                return
+            try:
+                action()
+            except BaseException as exc:
+                with self._lock:
+                    self._error = self._error or exc
+                raise
+
+        self._pending = self._executor().submit(guarded)
+
+    def wait(self) -> None:
+        """Block until nothing is in flight (errors are kept for :meth:`raise_error`)."""
+        pending = self._pending
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException:
+                pass  # recorded by the job itself
+            self._pending = None
+
+    def raise_error(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            # The original exception (a StaleWriterError stays one), marked as coming from the background.
+            note = "raised by a background (async) checkpoint save or removal; nothing of it was committed"
+            if note not in getattr(error, "__notes__", []) and hasattr(error, "add_note"):
+                error.add_note(note)
+            raise error
+
+    def close(self) -> None:
+        """Wait for the last save, stop the thread, and raise any error not raised yet."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        self.raise_error()
