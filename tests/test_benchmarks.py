@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
@@ -22,3 +25,20 @@ def test_precision_benchmark_smoke():
     assert text.count("(chosen)") == 1
     for precision in ("bf16-mixed", "16-mixed", "32-true"):
         assert f"| {precision}" in text
+
+
+@pytest.mark.slow
+def test_checkpoint_io_benchmark_smoke(tmp_path):
+    bench = load("checkpoint_io")
+    out = tmp_path / "result"
+    text = bench.main(["--sizes", "4", "--runs", "1", "--stores", "local", "--out", str(out)])
+    for method in bench.METHODS:
+        assert f"| local | {method} |" in text
+    assert "## Targets" in text and (tmp_path / "result.png").stat().st_size > 0
+    runs = json.loads((tmp_path / "result.json").read_text())["runs"]
+    assert {r["method"] for r in runs} == set(bench.METHODS)
+    assert all(r["save"] > 0 and r["load"] > 0 and r["blocked"] <= r["save"] for r in runs)
+    # The modelled store: moto and the latency proxy, each in their own process, stopped afterwards.
+    text = bench.main(["--sizes", "4", "--runs", "1", "--stores", "s3-latency", "--methods", "raw", "ours-async",
+                       "--latency", "0.01", "--out", str(out)])
+    assert "| s3-latency | ours-async |" in text

@@ -8,7 +8,6 @@ orphan (collected after a grace period); a crash after it leaves at worst undele
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import random
@@ -31,6 +30,7 @@ from lightning_resilient.io.manifest import (
     ObjectEntry,
     TensorEntry,
     chunk_digests,
+    hasher,
     object_digest,
 )
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
@@ -127,7 +127,7 @@ class CheckpointRoot:
         self.writer = writer_identity()
         self.epoch: int | None = None  # writer epoch this process claimed, once it did
         self.resumed_from: str | None = None
-        # (sha256, size) -> root-relative path of the objects of the last commit, and its step. A save of the
+        # (digest, size) -> root-relative path of the objects of the last commit, and its step. A save of the
         # same step whose shard is byte-identical (ModelCheckpoint's save_last right after a top-k save)
         # references the object instead of uploading it again. Only at the same step: checkpoints of
         # different steps never share bytes, so one corrupted object can never take several of them down.
@@ -317,7 +317,7 @@ class CheckpointRoot:
         live = pointer.live_folders() if pointer is not None else None
         self._known = {k: v for k, v in self._known.items() if live is None or v.rsplit("/", 1)[0] in live}
         for obj in manifest.objects:
-            self._known[(obj.sha256, obj.size)] = obj.path
+            self._known[(obj.digest, obj.size)] = obj.path
 
     # -- remove ------------------------------------------------------------------------------------------------
     def remove(self, name: str) -> None:
@@ -370,12 +370,12 @@ class CheckpointRoot:
 
         def job(j: int, a: int, b: int) -> int:
             def consume(pieces: Any) -> tuple[int, str]:
-                hasher, got = hashlib.sha256(), 0
+                digest, got = hasher(manifest.hash), 0
                 for piece in pieces:
-                    hasher.update(piece)
+                    digest.update(piece)
                     sink(a + got, piece)
                     got += len(piece)
-                return got, hasher.hexdigest()
+                return got, digest.hexdigest()
 
             try:
                 got, digest = self.store.read_range(obj.path, a, b, consume)
@@ -385,8 +385,8 @@ class CheckpointRoot:
                 raise CheckpointCorruptedError(f"{url} ends at byte {a + got}, the manifest says it has {obj.size}"
                                                " (truncated or replaced)", object=url)
             if digest != obj.chunks[j]:
-                raise CheckpointCorruptedError(f"{url} fails its SHA-256 check at bytes {a}-{b}: its bytes were"
-                                               " corrupted", object=url)
+                raise CheckpointCorruptedError(f"{url} fails its {manifest.hash} checksum at bytes {a}-{b}: its bytes"
+                                               " were corrupted", object=url)
             return got
 
         return [functools.partial(job, j, a, b) for j, (a, b) in enumerate(manifest.chunk_ranges(index))]

@@ -105,7 +105,7 @@ def run_crash_loop(backend, env: dict[str, str]) -> None:
             continue  # killed inside the very first save: a restart correctly starts fresh
         reader = AtomicCheckpointIO(storage_options=backend.storage_options, claim_on_load=False,
                                     fallback_on_corruption=False)
-        loaded = reader.load_checkpoint(latest)  # full SHA-256 verification, no fallback allowed
+        loaded = reader.load_checkpoint(latest)  # every byte verified, no fallback allowed
         allowed = {committed} | ({in_flight} if in_flight is not None else set())
         assert loaded["global_step"] in allowed, (loaded["global_step"], allowed, lines[-4:])
         committed = loaded["global_step"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+import blake3
+
 import pytest
 import torch
 
@@ -72,7 +74,7 @@ def test_snapshot_is_a_copy_and_its_buffer_is_reused():
 
 def test_chunk_digests_do_not_depend_on_how_the_bytes_are_split():
     data = bytes(range(256)) * 41
-    expected = [hashlib.sha256(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
+    expected = [blake3.blake3(data[i : i + 1000]).hexdigest() for i in range(0, len(data), 1000)]
     view = memoryview(data)
     for cuts in ([len(data)], [1, 999, 1, 5000], [3000, 3000, 4496]):
         pieces, pos = [], 0
@@ -81,4 +83,6 @@ def test_chunk_digests_do_not_depend_on_how_the_bytes_are_split():
             pos += n
         pieces.append(view[pos:])
         assert chunk_digests(pieces, 1000) == expected
-    assert chunk_digests([], 1000) == [hashlib.sha256(b"").hexdigest()]
+    assert chunk_digests([], 1000) == [blake3.blake3(b"").hexdigest()]
+    assert chunk_digests([view[:10]], 4, "sha256") == [hashlib.sha256(data[i : min(i + 4, 10)]).hexdigest()
+                                                       for i in range(0, 10, 4)]

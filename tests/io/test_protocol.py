@@ -267,7 +267,7 @@ def test_corruption_with_no_valid_fallback_raises_naming_the_object(backend):
     commit = read_pointer(backend).latest.commit
     shard = [p for p in _objects(backend, commit) if "shard-" in p][0]
     _damage(backend.fs(), shard, "bitflip")
-    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointCorruptedError, match="SHA-256") as info:
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointCorruptedError, match="blake3 checksum") as info:
         make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
     assert info.value.object == backend.url(f"{commit}/shard-00000.bin")
 
@@ -426,3 +426,36 @@ def test_incomplete_multipart_uploads_under_the_root_are_aborted(s3_backend):
     io.save_checkpoint(make_checkpoint(1), s3_backend.url("a.ckpt"))  # the first save claims, and collects
     left = {u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
     assert left == {outside["UploadId"]} and inside["UploadId"] not in left
+
+
+def test_format_1_checkpoints_still_load(backend):
+    """Checkpoints written before the stream layout (one SHA-256 per object) load and verify."""
+    import hashlib
+    import io as _io
+
+    w, b = torch.arange(12.0).reshape(3, 4), torch.tensor([7], dtype=torch.int64)
+    shard = bytearray(w.numpy().tobytes()) + bytes(16) + b.numpy().tobytes()  # b at offset 64
+    buf = _io.BytesIO()
+    torch.save({"global_step": 5, "epoch": 0, "state_dict": {"w": None, "b": None}}, buf)
+    skeleton = buf.getvalue()
+    commit = "old.ckpt/c1700000000000-e1-0123abcd"
+    put(backend, f"{commit}/shard-00000.bin", bytes(shard))
+    put(backend, f"{commit}/skeleton.pt", skeleton)
+
+    def obj(path, data):
+        return {"path": path, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    manifest = {"format": 1, "kind": "lightning_resilient.checkpoint", "name": "old.ckpt", "commit": commit, "step": 5,
+                "epoch": 0, "created": 1.7e9, "writer_epoch": 1, "skeleton": 1,
+                "objects": [obj(f"{commit}/shard-00000.bin", bytes(shard)), obj(f"{commit}/skeleton.pt", skeleton)],
+                "tensors": [{"key": [["s", "state_dict"], ["s", "w"]], "dtype": "float32", "shape": [3, 4], "object": 0,
+                             "offset": 0, "nbytes": 48, "device": "cpu"},
+                            {"key": [["s", "state_dict"], ["s", "b"]], "dtype": "int64", "shape": [1], "object": 0,
+                             "offset": 64, "nbytes": 8, "device": "cpu"}]}
+    put(backend, f"{commit}/{MANIFEST_NAME}", seal(manifest))
+    loaded = make_io(backend, claim_on_load=False).load_checkpoint(backend.url(commit))
+    assert torch.equal(loaded["state_dict"]["w"], w) and torch.equal(loaded["state_dict"]["b"], b)
+    shard[3] ^= 0x10
+    put(backend, f"{commit}/shard-00000.bin", bytes(shard))
+    with pytest.raises(CheckpointCorruptedError, match="sha256 checksum"):
+        make_io(backend, claim_on_load=False, fallback_on_corruption=False).load_checkpoint(backend.url(commit))

@@ -1,0 +1,550 @@
+"""Checkpoint save/load against the peers and the raw I/O limit, on the same checkpoint and the same store.
+
+    python benchmarks/checkpoint_io.py                          # 100 MB and 1 GB; local, S3, S3 with latency
+    python benchmarks/checkpoint_io.py --size-mb 250 --runs 5   # a size of your own, more runs
+    python benchmarks/checkpoint_io.py --stores local --sizes 100
+
+Methods (each measured in a fresh worker process, so peak RSS belongs to it alone):
+
+- ``raw``: the limit. The checkpoint's tensor bytes, already in one buffer, written and read as the same objects
+  at the same concurrency with plain ``fs.pipe``/``fs.cat`` (local disk: one file, written sequentially and
+  fsynced, ``dd conv=fsync``-style, and read back in one pass);
+- ``ours-sync`` / ``ours-async``: ``AtomicCheckpointIO`` (``async_save=True`` for the second);
+- ``lightning``: stock ``TorchCheckpointIO``; ``lightning-async``: Lightning's ``AsyncCheckpointIO`` around it;
+- ``dcp``: ``torch.distributed.checkpoint`` with its fsspec writer (``thread_count`` = our concurrency) and reader.
+
+Stores: ``local`` (a folder on this disk), ``s3`` (moto's server, in its own process, on loopback), and
+``s3-latency``: the same server behind a loopback proxy that adds ``--latency`` seconds to every request and
+caps every connection at ``--bandwidth`` bytes/s, a model of a cloud object store (which serves one
+connection far slower than its aggregate: parallel connections add up, as they do on S3 or GCS).
+
+Reported per method: save time (until the checkpoint is durable and visible), the time the training loop was
+blocked (equal to save time for synchronous methods), load time, and peak RSS above the process's RSS before
+the operation, as a multiple of the checkpoint size (a save of tensors already in memory; a load creates them,
+so 1.0x is its floor). Medians over ``--runs``; ratios against stock Lightning and against the raw limit.
+Writes a markdown table, a JSON file of every run and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+MB = 10**6
+METHODS = ["raw", "ours-sync", "ours-async", "lightning", "lightning-async", "dcp"]
+STORES = ["local", "s3", "s3-latency"]
+BUCKET = "bench"
+CONCURRENCY = 8
+
+
+# -- the worker: one method on one store, every run, in its own process --------------------------------------------
+
+def _rss_peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _rss_now_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@contextlib.contextmanager
+def _peak_rss(out: dict[str, float], key: str) -> Iterator[None]:
+    """Peak RSS above the RSS at entry, in MB (Linux: the high-water mark is reset on entry)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    before = _rss_now_mb()
+    yield
+    out[key] = max(0.0, _rss_peak_mb() - before)
+
+
+def make_checkpoint(size_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """A Lightning-shaped checkpoint of about ``size_bytes``: fp32 weights plus Adam's two moments."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    per_tensor = 4 * 2**20  # 4 MiB tensors, as in a transformer's projections
+    n = max(1, size_bytes // (3 * per_tensor))
+    rest = max(0, size_bytes - 3 * n * per_tensor) // 3 // 4
+    shapes = [(1024, per_tensor // 4096)] * n + ([(rest,)] if rest else [])
+    weights = {f"layer{i}.weight": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
+    state = {i: {"step": torch.tensor(100.0), "exp_avg": torch.randn(s, generator=g),
+                 "exp_avg_sq": torch.rand(s, generator=g)} for i, s in enumerate(shapes)}
+    return {"epoch": 3, "global_step": 1000, "pytorch-lightning_version": "2.6.6", "state_dict": weights,
+            "optimizer_states": [{"state": state, "param_groups": [{"lr": 1e-3, "params": list(state)}]}],
+            "loops": {}, "callbacks": {}, "lr_schedulers": []}
+
+
+def tensor_bytes(ckpt: dict[str, Any]) -> int:
+    import torch
+
+    total = 0
+
+    def walk(node: Any) -> None:
+        nonlocal total
+        if isinstance(node, torch.Tensor):
+            total += node.numel() * node.element_size()
+        elif isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+
+    walk(ckpt)
+    return total
+
+
+def _dcp_state(ckpt: dict[str, Any]) -> dict[str, Any]:
+    # DCP takes a dict of tensors (nested dicts allowed); the optimizer state goes in as such a dict.
+    opt = {f"{i}.{k}": v for i, s in ckpt["optimizer_states"][0]["state"].items() for k, v in s.items()}
+    return {"model": ckpt["state_dict"], "optim": opt}
+
+
+class Store:
+    """Where a worker writes: a URL prefix, fsspec options, and cleanup."""
+
+    def __init__(self, kind: str, location: str, endpoint: str | None) -> None:
+        self.kind = kind
+        self.location = location
+        self.endpoint = endpoint
+        self.options: dict[str, Any] = {}
+        if endpoint:
+            self.options = {"client_kwargs": {"endpoint_url": endpoint}}
+
+    def url(self, name: str) -> str:
+        return f"{self.location.rstrip('/')}/{name}"
+
+    def fs(self) -> Any:
+        import fsspec
+
+        return fsspec.core.url_to_fs(self.location, **self.options)[0]
+
+    def clean(self) -> None:
+        fs = self.fs()
+        path = fsspec_path(self.location, self.options)
+        try:
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        fs.invalidate_cache()
+
+
+def fsspec_path(url: str, options: dict[str, Any]) -> str:
+    import fsspec
+
+    return fsspec.core.url_to_fs(url, **options)[1]
+
+
+def run_method(method: str, store: Store, ckpt: dict[str, Any], size: int) -> dict[str, float]:
+    """One save and one load; returns timings (s) and peak RSS increases (MB)."""
+    import torch
+
+    out: dict[str, float] = {}
+    name = f"run-{uuid.uuid4().hex[:8]}"
+    target = store.url(name)
+
+    if method in ("ours-sync", "ours-async"):
+        from lightning_resilient import AtomicCheckpointIO
+
+        io = AtomicCheckpointIO(storage_options=store.options, async_save=method == "ours-async",
+                                max_concurrency=CONCURRENCY, claim_on_load=False)
+        with _peak_rss(out, "save_rss"):
+            t0 = time.perf_counter()
+            io.save_checkpoint(ckpt, f"{target}/step.ckpt")
+            out["blocked"] = time.perf_counter() - t0
+            io.wait()
+            out["save"] = time.perf_counter() - t0
+        io.teardown()
+        del io
+        loader = AtomicCheckpointIO(storage_options=store.options, max_concurrency=CONCURRENCY, claim_on_load=False)
+        with _peak_rss(out, "load_rss"):
+            t0 = time.perf_counter()
+            loaded = loader.load_checkpoint(target)
+            out["load"] = time.perf_counter() - t0
+        _check(loaded["state_dict"], ckpt["state_dict"])
+    elif method in ("lightning", "lightning-async"):
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        stock = TorchCheckpointIO()
+        io = AsyncCheckpointIO(stock) if method == "lightning-async" else stock
+        path = f"{target}/step.ckpt"
+        with _peak_rss(out, "save_rss"):
+            t0 = time.perf_counter()
+            io.save_checkpoint(ckpt, path)
+            out["blocked"] = time.perf_counter() - t0
+            io.teardown()  # AsyncCheckpointIO: waits for the pending save
+            out["save"] = time.perf_counter() - t0
+        with _peak_rss(out, "load_rss"):
+            t0 = time.perf_counter()
+            loaded = stock.load_checkpoint(path)
+            out["load"] = time.perf_counter() - t0
+        _check(loaded["state_dict"], ckpt["state_dict"])
+    elif method == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        state = _dcp_state(ckpt)
+        with _peak_rss(out, "save_rss"):
+            t0 = time.perf_counter()
+            dcp.save(state, storage_writer=FsspecWriter(target, thread_count=CONCURRENCY, **store.options))
+            out["save"] = out["blocked"] = time.perf_counter() - t0
+        with _peak_rss(out, "load_rss"):
+            # DCP loads in place: the destination tensors are part of what a load creates, as for the others.
+            template = {k: {n: torch.empty_like(t) for n, t in v.items()} for k, v in state.items()}
+            t0 = time.perf_counter()
+            dcp.load(template, storage_reader=FsspecReader(target, **store.options))
+            out["load"] = time.perf_counter() - t0
+        _check(template["model"], ckpt["state_dict"])
+    elif method == "raw":
+        out.update(_raw(store, ckpt, target, size))
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return out
+
+
+def _check(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
+    import torch
+
+    bad = [k for k in expected if not torch.equal(loaded[k].cpu(), expected[k])]
+    if bad:
+        raise AssertionError(f"loaded tensors differ from the saved ones: {bad[:3]}")
+
+
+def _raw(store: Store, ckpt: dict[str, Any], target: str, size: int) -> dict[str, float]:
+    """The I/O limit: the same bytes, already serialized, as the same objects at the same concurrency."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_resilient.io import layout
+
+    out: dict[str, float] = {}
+    _, slots = layout.flatten(ckpt)
+    total = layout.plan(slots)
+    snapshot = layout.Snapshot(pin_memory=False)
+    snapshot.fill(slots, total)
+    view = snapshot.sources(total)
+    shard = 64 * 2**20
+    spans = layout.windows(total, shard)
+    fs = store.fs()
+    base = fsspec_path(target, store.options)
+    if store.kind == "local":
+        os.makedirs(base, exist_ok=True)
+        path = os.path.join(base, "stream.bin")
+        with _peak_rss(out, "save_rss"):
+            t0 = time.perf_counter()
+            with open(path, "wb", buffering=0) as f:
+                for a in range(0, total, 16 * 2**20):
+                    f.write(view[a : a + 16 * 2**20])
+                os.fsync(f.fileno())
+            out["save"] = out["blocked"] = time.perf_counter() - t0
+        with _peak_rss(out, "load_rss"):
+            t0 = time.perf_counter()
+            buf = bytearray(total)
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(buf)
+            out["load"] = time.perf_counter() - t0
+        return out
+    from lightning_resilient.io.store import GatherReader
+
+    bucket, key, _ = fs.split_path(base)
+
+    def put(i: int) -> None:
+        a, b = spans[i]
+        # One PUT per object, from the buffer without a copy (what fs.pipe would do given bytes).
+        fs.call_s3("put_object", Bucket=bucket, Key=f"{key}/obj-{i:05d}", Body=GatherReader([view[a:b]]))
+
+    with _peak_rss(out, "save_rss"):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            list(pool.map(put, range(len(spans))))
+        out["save"] = out["blocked"] = time.perf_counter() - t0
+    with _peak_rss(out, "load_rss"):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            parts = list(pool.map(lambda i: fs.cat_file(f"{base}/obj-{i:05d}"), range(len(spans))))
+        out["load"] = time.perf_counter() - t0
+    assert sum(len(p) for p in parts) == total
+    return out
+
+
+def worker(spec: dict[str, Any]) -> None:
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    store = Store(spec["store"], spec["location"], spec.get("endpoint"))
+    ckpt = make_checkpoint(spec["size"])
+    size = tensor_bytes(ckpt)
+    for run in range(spec["runs"]):
+        store.clean()
+        result = run_method(spec["method"], store, ckpt, size)
+        result.update(run=run, bytes=size)
+        print("RESULT " + json.dumps(result), flush=True)
+    store.clean()
+
+
+# -- the driver -------------------------------------------------------------------------------------------------
+
+class Servers:
+    """moto's S3 server and the latency proxy, each in its own process."""
+
+    def __init__(self, latency: float, bandwidth: float) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.latency = latency
+        self.bandwidth = bandwidth
+        self.s3: str | None = None
+        self.proxy: str | None = None
+
+    def start(self, stores: list[str]) -> None:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
+        if not any(s.startswith("s3") for s in stores):
+            return
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+        self.procs.append(subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL, start_new_session=True))
+        self.s3 = f"http://127.0.0.1:{port}"
+        _wait_http(self.s3)
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.s3).create_bucket(Bucket=BUCKET)
+        if "s3-latency" in stores:
+            proc = subprocess.Popen([sys.executable, "-m", "lightning_resilient.testing.proxy", self.s3, "--latency",
+                                     str(self.latency), "--bandwidth", str(self.bandwidth)],
+                                    stdout=subprocess.PIPE, text=True, start_new_session=True)
+            self.procs.append(proc)
+            assert proc.stdout is not None
+            self.proxy = proc.stdout.readline().strip()
+
+    def store(self, kind: str, tmp: str) -> dict[str, Any]:
+        if kind == "local":
+            return {"store": kind, "location": os.path.join(tmp, "local")}
+        endpoint = self.s3 if kind == "s3" else self.proxy
+        return {"store": kind, "location": f"s3://{BUCKET}/{kind}", "endpoint": endpoint}
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+def _wait_http(url: str, timeout: float = 30) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def measure(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    env = dict(os.environ)
+    if spec.get("endpoint"):
+        env["AWS_ENDPOINT_URL"] = spec["endpoint"]  # stock Lightning and DCP take no storage options here
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec['method']} on {spec['store']} failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], dict[str, float]]:
+    grouped: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        grouped.setdefault((r["size_mb"], r["store"], r["method"]), []).append(r)
+    out = {}
+    for key, runs in grouped.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in ("save", "blocked", "load", "save_rss", "load_rss")}
+        med["bytes"] = runs[0]["bytes"]
+        med["runs"] = len(runs)
+        out[key] = med
+    return out
+
+
+def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -> str:
+    lines = [f"Machine: {machine}", "",
+             "| size | store | method | save s | blocked s | load s | save MB/s | save vs stock | save vs raw |"
+             " load vs stock | load vs raw | save RSS (x ckpt) | load RSS (x ckpt) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (size_mb, store, method), m in sorted(summary.items(), key=lambda kv: (kv[0][0], STORES.index(kv[0][1]),
+                                                                               METHODS.index(kv[0][2]))):
+        stock = summary.get((size_mb, store, "lightning"))
+        raw = summary.get((size_mb, store, "raw"))
+        mb = m["bytes"] / MB
+
+        def ratio(ref: dict[str, float] | None, key: str) -> str:
+            # "x faster": the reference's time over this one's (above 1: faster than the reference)
+            return f"{ref[key] / m[key]:.2f}x" if ref and m[key] > 0 else "-"
+
+        lines.append(f"| {size_mb} MB | {store} | {method} | {m['save']:.3f} | {m['blocked']:.3f} | {m['load']:.3f} |"
+                     f" {mb / m['save']:.0f} | {ratio(stock, 'save')} | {ratio(raw, 'save')} | {ratio(stock, 'load')} |"
+                     f" {ratio(raw, 'load')} | {m['save_rss'] * MB / 2**20 / mb:.2f} |"
+                     f" {m['load_rss'] * MB / 2**20 / mb:.2f} |")
+    lines += ["", "Ratios are speed-ups: reference time / this method's time (1.00x = as fast; below 1 = slower).",
+              "RSS: peak resident memory above the process's memory before the save or load, over the checkpoint"
+              " size (a load creates the tensors it returns, so 1.0x is its floor)."]
+    return "\n".join(lines)
+
+
+def targets(summary: dict[tuple[int, str, str], dict[str, float]]) -> str:
+    """The issue's targets, checked against the measured medians."""
+    lines = ["| target | store | size | measured | met |", "|---|---|---|---:|---|"]
+    for (size_mb, store, method), m in sorted(summary.items()):
+        stock = summary.get((size_mb, store, "lightning"))
+        raw = summary.get((size_mb, store, "raw"))
+        if method == "ours-async" and stock:
+            frac = m["blocked"] / stock["save"]
+            lines.append(f"| async blocked <= 10% of stock sync save | {store} | {size_mb} MB | {frac:.1%} |"
+                         f" {'yes' if frac <= 0.10 else 'NO'} |")
+        if method == "ours-sync" and raw:
+            r = raw["save"] / m["save"]
+            lines.append(f"| sync save throughput >= 0.8x raw | {store} | {size_mb} MB | {r:.2f}x |"
+                         f" {'yes' if r >= 0.8 else 'NO'} |")
+        if method == "ours-sync" and stock:
+            r = stock["load"] / m["load"]
+            need = 4.0 if store == "s3-latency" and size_mb >= 1000 else 1.0
+            lines.append(f"| load >= {need:.0f}x stock | {store} | {size_mb} MB | {r:.2f}x |"
+                         f" {'yes' if r >= need else 'NO'} |")
+        if method in ("ours-sync", "ours-async"):
+            for phase in ("save", "load"):
+                x = m[f"{phase}_rss"] * MB / 2**20 / (m["bytes"] / MB)
+                lines.append(f"| {method} {phase} peak RSS <= 1.3x | {store} | {size_mb} MB | {x:.2f}x |"
+                             f" {'yes' if x <= 1.3 else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[tuple[int, str, str], dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(k[0], k[1]) for k in summary}, key=lambda k: (k[0], STORES.index(k[1])))
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 2.6 * len(keys)), squeeze=False)
+    for row, (size_mb, store) in enumerate(keys):
+        methods = [m for m in METHODS if (size_mb, store, m) in summary]
+        for col, phase in enumerate(("save", "load")):
+            ax = axes[row][col]
+            values = [summary[(size_mb, store, m)][phase] for m in methods]
+            bars = ax.barh(methods, values, color=["#999" if m == "raw" else "#2a7" if m.startswith("ours")
+                                                   else "#c64" for m in methods])
+            if phase == "save":
+                blocked = [summary[(size_mb, store, m)]["blocked"] for m in methods]
+                ax.barh(methods, blocked, color="none", edgecolor="black", hatch="//", linewidth=0.5)
+            ax.bar_label(bars, fmt="%.2f s", fontsize=7)
+            ax.invert_yaxis()
+            ax.set_title(f"{phase} {size_mb} MB, {store}" + (" (hatched: loop blocked)" if phase == "save" else ""),
+                         fontsize=9)
+            ax.tick_params(labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine_description() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cores = os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.machine()} {cpu}, {cores} cores, {gpu}, Python {platform.python_version()},"
+            f" torch {torch.__version__}")
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000], help="checkpoint sizes in MB")
+    parser.add_argument("--size-mb", type=int, default=None, help="add a size of your own (MB)")
+    parser.add_argument("--stores", nargs="+", default=STORES, choices=STORES)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--latency", type=float, default=0.03, help="s3-latency: seconds added per request")
+    parser.add_argument("--bandwidth", type=float, default=40e6, help="s3-latency: bytes/s per connection")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint_io"),
+                        help="output path prefix (.md, .json and .png are written)")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return ""
+    sizes = sorted(set(args.sizes + ([args.size_mb] if args.size_mb else [])))
+    servers = Servers(args.latency, args.bandwidth)
+    tmp = tempfile.mkdtemp(prefix="ckpt-bench-")
+    rows: list[dict[str, Any]] = []
+    try:
+        servers.start(args.stores)
+        for size_mb in sizes:
+            for store in args.stores:
+                for method in args.methods:
+                    spec = {**servers.store(store, tmp), "method": method, "size": size_mb * MB, "runs": args.runs}
+                    started = time.perf_counter()
+                    results = measure(spec, args.timeout)
+                    rows += [{**r, "size_mb": size_mb, "store": store, "method": method} for r in results]
+                    print(f"{size_mb} MB {store:10s} {method:16s} save {statistics.median(r['save'] for r in results):7.3f} s"
+                          f"  load {statistics.median(r['load'] for r in results):7.3f} s"
+                          f"  ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    finally:
+        servers.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    summary = summarize(rows)
+    machine = machine_description()
+    proxy = (f"s3-latency: moto behind a loopback proxy adding {args.latency * 1000:.0f} ms per request and capping"
+             f" each connection at {args.bandwidth / MB:.0f} MB/s.")
+    text = "\n\n".join([f"# Checkpoint save/load, medians of {args.runs} run(s)", table(summary, machine), proxy,
+                        "## Targets", targets(summary)]) + "\n"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"machine": machine, "args": {k: v for k, v in vars(args).items() if k != "worker"},
+                   "runs": rows}, f, indent=1)
+    plot(summary, args.out + ".png")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
