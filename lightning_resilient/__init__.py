@@ -7,6 +7,7 @@ from lightning_resilient.errors import (
     UnsupportedFormatError,
 )
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint, repair_pointer
+from lightning_resilient.planning import CheckpointCadence, TransferAudit
 from lightning_resilient.precision import AutoPrecision, select_precision
 from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
 from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
@@ -17,11 +18,13 @@ __all__ = [
     "AccumulationAwareScheduler",
     "AtomicCheckpointIO",
     "AutoPrecision",
+    "CheckpointCadence",
     "CheckpointCorruptedError",
     "CheckpointError",
     "PerSampleSeeded",
     "ResumeStateCallback",
     "StaleWriterError",
+    "TransferAudit",
     "UnsupportedFormatError",
     "__version__",
     "find_latest_checkpoint",

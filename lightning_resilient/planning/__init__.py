@@ -1,0 +1,41 @@
+"""Planning tools: how often to checkpoint, which cluster to pay for, and what stalls the GPU.
+
+- :mod:`~lightning_resilient.planning.cadence`: Young's and Daly's optimal checkpoint intervals and the
+  expected waste of any interval.
+- :class:`CheckpointCadence`: a callback that measures each save's blocking cost and the step time, reports
+  the optimal cadence and, with ``adapt=True``, sets it on ``ModelCheckpoint(every_n_train_steps=...)``.
+- :mod:`~lightning_resilient.planning.cost`: wall-clock hours and cost per cluster option, the value of time,
+  and the scaling benchmark's JSON read into options.
+- :class:`TransferAudit`: a callback that flags pageable batch tensors, blocking host-to-device copies and
+  host syncs inside the training step.
+"""
+
+from lightning_resilient.planning.audit import TransferAudit, TransferAuditWarning
+from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
+from lightning_resilient.planning.cadence_callback import CadenceDecision, CheckpointCadence, SaveMeasurement
+from lightning_resilient.planning.cost import (
+    SCALING_SCHEMA,
+    ClusterOption,
+    Comparison,
+    OptionCost,
+    compare,
+    load_scaling,
+)
+
+__all__ = [
+    "CadenceDecision",
+    "CheckpointCadence",
+    "ClusterOption",
+    "Comparison",
+    "OptionCost",
+    "SCALING_SCHEMA",
+    "SaveMeasurement",
+    "TransferAudit",
+    "TransferAuditWarning",
+    "compare",
+    "daly_interval",
+    "expected_waste",
+    "load_scaling",
+    "steps_for_interval",
+    "young_interval",
+]
