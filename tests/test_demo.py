@@ -1,8 +1,11 @@
-"""The demo is the main job: it must run end to end (S3 on loopback, kill mid-upload, resume)."""
+"""The demo is the main job: LightningCLI with every plugin on, S3 on loopback, a kill mid-upload, the same command
+resuming bit for bit. Here in a shortened form (30 steps, killed while uploading step 20's checkpoint)."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +14,37 @@ import pytest
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path):
+def test_demo_runs_end_to_end_and_reports(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc = subprocess.run([sys.executable, "-m", "lightning_resilient.demo"], capture_output=True, text=True,
+    script = shutil.which("lightning-resilient", path=os.path.dirname(sys.executable))
+    assert script, "the package installs the lightning-resilient console script"
+    proc = subprocess.run([script, "demo", "--max-steps", "30", "--kill-step", "20"], capture_output=True, text=True,
                           timeout=400, cwd=tmp_path, env=env, start_new_session=True)
     out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    assert "save interrupted before its manifest" in out
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    assert "$ lightning-resilient train fit -c demo_output/run.yaml     # the same command again" in out
     assert "PARTIAL (no manifest: invisible to resume)" in out
-    assert "partial folders collected since:  1 of 1" in out
-    assert "resumed run finished at step:     60 (of 60), LR 5.00e-05" in out
-    assert "killed + resumed vs uninterrupted: bit-identical final weights" in out
+    report = (tmp_path / "demo_output" / "report.txt").read_text()
+    assert re.search(r"what the kill hit: +training step 2\d, during the background upload of the checkpoint of step"
+                     r" 20 \(\d+ objects stored; never committed: no manifest\)", report), report
+    assert re.search(r"restart resumed from: +s3://lightning-resilient-demo/run-1/checkpoints/\S+ \(step 10\), found"
+                     r" by the same command", report), report
+    assert re.search(r"steps recomputed: +1\d \(step 10 to step 2\d\)", report), report
+    assert "resumed run finished at:  step 30 of 30" in report
+    assert "partial folders collected when the restart claimed the root: 1 of 1" in report
+    assert re.search(r"time spent checkpointing: +\d+\.\d\d s blocked", report)
+    assert ("killed + resumed vs uninterrupted: bit-identical final weights (torch.equal on all 6 tensors); per-step"
+            " losses after the resume identical") in report
+    png = tmp_path / "demo_output" / "loss_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.rstrip().endswith("DEMO OK")
+    # It leaves nothing running: no training job, no server (its port is closed).
+    port = re.search(r"S3 server \(moto\) on http://127\.0\.0\.1:(\d+)", out).group(1)
+    import socket
+
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", int(port))) != 0
+    leftover = subprocess.run(["pgrep", "-f", "lightning_resilient.training_cli fit -c demo_output/"],
+                              capture_output=True, text=True)
+    assert not leftover.stdout.strip()
     assert not (Path(tmp_path) / "lightning_logs").exists()

@@ -1,7 +1,9 @@
 """Background saves: the training loop waits only for a copy of the tensors into a reusable host buffer.
 
 At most one save is in flight, because the next one reuses the same snapshot buffer: a save that finds the
-previous one still uploading waits for it, and that wait is measured. The pointer moves when the upload has
+previous one still uploading waits for it, and that wait is measured. The exception is a second save of the
+same state (``ModelCheckpoint(save_last=True)`` right after a top-k save): it shares the buffer as it is and
+queues behind the first, without waiting. The pointer moves when the upload has
 completed (it is the last step of the background commit), so a crash or an error mid-upload leaves the
 previous checkpoint latest. An error is never lost: it is raised by the next save, the next removal or load,
 and by teardown, which also waits for the last save.
@@ -61,13 +63,19 @@ class AsyncSaver:
         """Snapshot ``checkpoint`` and commit it in the background; returns once training may go on."""
         started = time.perf_counter()
         self.raise_error()
-        self.wait()
-        self.raise_error()
-        waited = time.perf_counter()
-        prepared = root.prepare(checkpoint, name, snapshot=self.snapshot)
+        waited: list[float] = []
+
+        def before_fill() -> None:
+            # The snapshot buffer is about to be overwritten: the uploads still reading it must finish first.
+            t0 = time.perf_counter()
+            self.wait()
+            self.raise_error()
+            waited.append(time.perf_counter() - t0)
+
+        prepared = root.prepare(checkpoint, name, snapshot=self.snapshot, before_fill=before_fill)
         stats.bytes = prepared.total + len(prepared.skeleton)
-        stats.waited = waited - started
-        stats.snapshot = time.perf_counter() - waited
+        stats.waited = sum(waited)
+        stats.snapshot = time.perf_counter() - started - stats.waited
         stats.asynchronous = True
 
         def commit() -> None:

@@ -429,7 +429,7 @@ def _check_bucket(store: Store) -> None:
     protocol = _paths.split_protocol(store.root_url)[0]
     if protocol in ("s3", "s3a", "gs", "gcs"):
         bucket = store.root_path.split("/", 1)[0]
-        if not store.retry.call(f"stat bucket {bucket}", lambda: store.fs.exists(bucket)):
+        if not store.bucket_exists(bucket):
             raise FileNotFoundError(f"bucket {bucket!r} does not exist (looking for checkpoints in"
                                     f" {store.root_url}): create it, fix the checkpoint dirpath, or use"
                                     " credentials that can see it")

@@ -209,8 +209,39 @@ class Snapshot:
         self._buffer: torch.Tensor | None = None
         self._event: Any = None
         self.allocations: list[int] = []  # sizes of every buffer allocated, for accounting
+        # What the buffer holds: the tensors copied in (kept referenced, so no other tensor can take their
+        # addresses), with their version counters at the time of the copy, and the step of that checkpoint.
+        self._held: list[tuple[torch.Tensor, int, int, int]] = []
+        self._step: int | None = None
 
-    def fill(self, slots: list[TensorSlot], total: int) -> None:
+    def match(self, slots: list[TensorSlot], step: int) -> list[bool] | None:
+        """Which of ``slots`` the buffer already holds, unchanged, at their offsets; None when it holds another
+        layout or step.
+
+        A tensor counts as held when it is the very tensor copied in (same storage and view) and its version
+        counter has not moved since (every in-place change bumps it). The step must match as well: between two
+        saves of one step no optimizer step ran, as when ``ModelCheckpoint(save_last=True)`` saves twice.
+        """
+        if self._step != step or len(slots) != len(self._held):
+            return None
+        out = []
+        for slot, (tensor, offset, nbytes, version) in zip(slots, self._held):
+            if slot.offset != offset or slot.nbytes != nbytes:
+                return None
+            t = slot.tensor
+            try:
+                same = (t.data_ptr() == tensor.data_ptr() and t.dtype == tensor.dtype and t.shape == tensor.shape
+                        and t.stride() == tensor.stride() and t.device == tensor.device and t._version == version)
+            except RuntimeError:  # inference tensors keep no version counter: never assume they are unchanged
+                same = False
+            out.append(same)
+        return out
+
+    def slot_view(self, offset: int, nbytes: int) -> memoryview:
+        assert self._buffer is not None
+        return memoryview(self._buffer.numpy())[offset : offset + nbytes]
+
+    def fill(self, slots: list[TensorSlot], total: int, step: int | None = None) -> None:
         if self._buffer is None or self._buffer.numel() < total:
             self._buffer = None  # let the old one go before the new one is allocated
             self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
@@ -228,6 +259,14 @@ class Snapshot:
             dst = buffer[slot.offset : slot.offset + slot.nbytes].view(src.dtype).view(src.shape)
             on_cuda = on_cuda or src.device.type == "cuda"
             dst.copy_(src, non_blocking=self.pin_memory and src.device.type == "cuda")
+        self._held = []
+        for slot in slots:
+            try:
+                version = slot.tensor._version
+            except RuntimeError:
+                version = -1
+            self._held.append((slot.tensor, slot.offset, slot.nbytes, version))
+        self._step = step
         self._event = None
         if on_cuda:
             # Training kernels queued after these copies on the same stream run after them, so the loop may go

@@ -192,27 +192,42 @@ class CheckpointRoot:
         return self.epoch
 
     # -- save --------------------------------------------------------------------------------------------------
-    def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None) -> Prepared:
+    def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
+                before_fill: Callable[[], None] = _nothing) -> Prepared:
         """Everything a save needs from the live checkpoint: after this returns, training may change it.
 
-        Without a snapshot the upload reads the tensors in place (a synchronous save); with one, every tensor is
-        first copied into the snapshot's reusable buffer (an async save's only blocking work).
+        Without a snapshot the upload reads the tensors in place (a synchronous save). With one (an async save),
+        the tensors are copied into the snapshot's reusable buffer, after ``before_fill`` (which waits for the
+        uploads still reading it) returns. A second save of the same state, as ``save_last`` makes right after a
+        top-k save, reuses what the buffer already holds: no wait, and only tensors that changed (a few small
+        ones, such as RNG states) are copied, into memory of their own.
         """
         skeleton, slots = layout.flatten(checkpoint)
         total = layout.plan(slots)
+        step = _int(checkpoint.get("global_step"))
         tensors = [TensorEntry(slot.key, layout.dtype_name(slot.tensor.dtype), list(slot.tensor.shape),
                                slot.offset, slot.nbytes, slot.device) for slot in slots]
         skeleton_bytes = layout.save_skeleton(skeleton)
-        if snapshot is not None:
-            snapshot.fill(slots, total)
-            view = snapshot.sources(total)
-            pieces: Callable[[int, int], list[memoryview]] = lambda a, b: [view[a:b]]  # noqa: E731
-            ready: Callable[[], None] = snapshot.wait
-        else:
+        ready: Callable[[], None] = _nothing
+        if snapshot is None:
             sources = layout.host_sources(slots)
-            pieces = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
-            ready = _nothing
-        return Prepared(name=name, step=_int(checkpoint.get("global_step")), epoch=_int(checkpoint.get("epoch")),
+            pieces: Callable[[int, int], list[memoryview]] = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
+        else:
+            held = snapshot.match(slots, step)
+            changed = sum(s.nbytes for s, ok in zip(slots, held or []) if not ok)
+            if held is not None and changed <= max(2**20, total // 50):
+                own = layout.host_sources([s for s, ok in zip(slots, held) if not ok])
+                own_views = iter([bytes(v) for v in own])  # copies: the live tensors may change once we return
+                sources = [snapshot.slot_view(s.offset, s.nbytes) if ok else memoryview(next(own_views))
+                           for s, ok in zip(slots, held)]
+                pieces = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
+            else:
+                before_fill()
+                snapshot.fill(slots, total, step)
+                view = snapshot.sources(total)
+                pieces = lambda a, b: [view[a:b]]  # noqa: E731
+            ready = snapshot.wait
+        return Prepared(name=name, step=step, epoch=_int(checkpoint.get("epoch")),
                         created=time.time(), skeleton=skeleton_bytes, tensors=tensors, total=total,
                         pieces=pieces, ready=ready)
 
@@ -276,16 +291,30 @@ class CheckpointRoot:
         return entry
 
     def _apply_keep_last(self, p: Pointer) -> None:
-        keep = self.settings.keep_last
-        if keep is None:
-            return
-        ordered = sorted(p.checkpoints.values(), key=lambda e: e.order, reverse=True)
-        for entry in ordered[keep:]:
-            if p.latest is not None and entry.commit == p.latest.commit:
-                continue
-            if _is_resumed(p, entry):
-                continue  # what this job resumed from is kept (it is what a restart would need)
-            del p.checkpoints[entry.name]
+        if self.settings.keep_last is not None:
+            for entry in _beyond(p, self.settings.keep_last):
+                del p.checkpoints[entry.name]
+
+    def retain(self, keep_last: int, *, dry_run: bool = False) -> list[Entry]:
+        """Drop all but the ``keep_last`` newest committed checkpoints now (an operator's retention pass).
+
+        The latest and what a job resumed from are kept. Does not claim the root: a job writing it is not fenced,
+        and the conditional pointer update makes this safe to run beside it. Returns what was (would be) dropped.
+        """
+        pointer, _ = self.read_pointer()
+        if pointer is None or dry_run:
+            return _beyond(pointer, keep_last) if pointer is not None else []
+        dropped: list[Entry] = []
+
+        def drop(p: Pointer) -> Pointer | None:
+            dropped[:] = _beyond(p, keep_last)
+            for entry in dropped:
+                del p.checkpoints[entry.name]
+            return p if dropped else None
+
+        new, old = self._update(drop, fenced=False)
+        self._release(old, new)
+        return dropped
 
     def _discard(self, commit: str) -> None:
         try:
@@ -506,6 +535,13 @@ class CheckpointRoot:
             log.info("%s %d orphaned folder(s) under %s", "would delete" if dry_run else "deleted", len(doomed),
                      self.url)
         return [self.store.url(f) for f in doomed]
+
+
+def _beyond(p: Pointer, keep: int) -> list[Entry]:
+    """Catalog entries past the ``keep`` newest, except the latest and what a job resumed from."""
+    ordered = sorted(p.checkpoints.values(), key=lambda e: e.order, reverse=True)
+    return [e for e in ordered[keep:] if not (p.latest is not None and e.commit == p.latest.commit)
+            and not _is_resumed(p, e)]  # what a job resumed from is what its restart would need
 
 
 def _is_resumed(p: Pointer, entry: Entry) -> bool:

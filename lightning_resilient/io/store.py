@@ -159,6 +159,10 @@ class Store:
         """Abort incomplete multipart uploads under the root started before ``older_than``; S3 only."""
         return []
 
+    def bucket_exists(self, bucket: str) -> bool:
+        """Whether ``bucket`` exists; missing credentials raise (a clear PermissionError), they are not a "no"."""
+        return bool(self._call("stat bucket", "", lambda: self.fs.exists(bucket)))
+
     # -- the pointer -------------------------------------------------------------------------------------------
     def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
         """The object's bytes and a version token for :meth:`write_if`, or None when it does not exist."""
@@ -392,6 +396,17 @@ class S3Store(Store):
             return True
 
         return self._call("conditional write", rel, put)
+
+    def bucket_exists(self, bucket: str) -> bool:
+        # s3fs's exists() answers False for any error, missing credentials included: ask HeadBucket directly.
+        def head() -> bool:
+            try:
+                self.fs.call_s3("head_bucket", Bucket=bucket)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return bool(self._call("stat bucket", "", head))
 
     def abort_stale_uploads(self, older_than: float) -> list[str]:
         bucket, prefix = self._bucket_key(self.root_path)

@@ -149,3 +149,40 @@ def test_trainer_with_async_saves_rotates_and_resumes(request, monkeypatch, kind
     trainer = run(8, find_latest_checkpoint(backend.root, backend.storage_options))
     assert trainer.global_step == 8
     assert read_pointer(backend).latest.step == 8
+
+
+def test_a_second_save_of_the_same_state_does_not_wait(s3_backend):
+    """ModelCheckpoint(save_last=True) saves twice per step: the second shares the first's snapshot."""
+    with StoreProxy(s3_backend.endpoint) as proxy:
+        io = proxied_io(proxy, s3_backend.root, shard_size=1024)
+        ckpt = make_checkpoint(7)
+        ckpt["rng"] = torch.get_rng_state()
+        proxy.pause()
+        io.save_checkpoint(ckpt, s3_backend.url("epoch=0-step=7.ckpt"))
+        ckpt["rng"] = torch.get_rng_state()  # each dump makes fresh small tensors, as ResumeStateCallback's RNGs
+        io.save_checkpoint(ckpt, s3_backend.url("last.ckpt"))  # returns although the first is still held
+        assert io.save_stats[-1].waited == 0.0
+        # A small tensor changed since: it gets a copy of its own, the rest still comes from the snapshot.
+        before = ckpt["state_dict"]["layer.weight"].clone()
+        ckpt["state_dict"]["layer.weight"].add_(1.0)
+        io.save_checkpoint(ckpt, s3_backend.url("changed.ckpt"))
+        assert io.save_stats[-1].waited == 0.0
+        # The next step (an optimizer step ran) overwrites the snapshot: it must wait for the uploads reading it.
+        nxt = dict(ckpt, global_step=8)
+        blocked = threading.Thread(target=io.save_checkpoint, args=(nxt, s3_backend.url("other.ckpt")))
+        blocked.start()
+        blocked.join(timeout=1.0)
+        assert blocked.is_alive()
+        proxy.resume()
+        blocked.join(timeout=60)
+        io.teardown()
+    pointer = read_pointer(s3_backend)
+    last = pointer.checkpoints["last.ckpt"]
+    assert pointer.checkpoints["epoch=0-step=7.ckpt"].commit in last.folders  # its shards were not uploaded again
+    reader = make_io(s3_backend, claim_on_load=False)
+    loaded = reader.load_checkpoint(s3_backend.url("last.ckpt"))
+    assert torch.equal(loaded["rng"], ckpt["rng"])
+    assert torch.equal(loaded["state_dict"]["layer.weight"], before)
+    changed = reader.load_checkpoint(s3_backend.url("changed.ckpt"))
+    assert_same(changed["state_dict"], ckpt["state_dict"])
+    assert io.save_stats[-1].waited > 0.5

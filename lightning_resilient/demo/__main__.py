@@ -1,0 +1,5 @@
+import sys
+
+from lightning_resilient.demo import main
+
+sys.exit(main())

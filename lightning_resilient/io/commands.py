@@ -1,0 +1,265 @@
+"""``lightning-resilient ls | verify | gc``: look at, check and clean a checkpoint root without writing Python.
+
+Exit status: 0 when all is well, 1 when a checkpoint fails verification (or the pointer is damaged), 2 for bad
+input (a URL no filesystem knows, a missing bucket, missing credentials, a checkpoint that does not exist).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
+from lightning_resilient.io.checkpoint_io import _check_bucket, _normalize, _scan_manifests
+from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
+from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.root import RESUMED, CheckpointRoot, RootSettings, commit_time
+from lightning_resilient.io.store import open_store
+
+__all__ = ["add_commands"]
+
+_CONCURRENCY = 8
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register ``ls``, ``verify`` and ``gc`` on the ``lightning-resilient`` parser."""
+    ls = subparsers.add_parser("ls", help="the pointer and every committed checkpoint of a root",
+                               description="Show the pointer (latest, writer epoch) and each committed checkpoint"
+                                           " with its step, size, age and whether it verifies.")
+    ls.add_argument("root", help="the checkpoint root (ModelCheckpoint dirpath): s3://..., gs://..., a path")
+    ls.add_argument("--quick", action="store_true",
+                    help="check manifests and object sizes only, instead of every byte's checksum")
+    _storage_option(ls)
+    ls.set_defaults(func=_guarded(_ls))
+
+    verify = subparsers.add_parser("verify", help="check every checksum of a checkpoint (default: the latest)",
+                                   description="Read every object of a checkpoint and check every checksum, with a"
+                                               " progress bar. Exit status 1 on any failure.")
+    verify.add_argument("root", help="the checkpoint root")
+    verify.add_argument("checkpoint", nargs="?", default=None,
+                        help="a checkpoint name (last.ckpt), commit folder or URL; default: the pointer's latest")
+    verify.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+    verify.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _storage_option(verify)
+    verify.set_defaults(func=_guarded(_verify))
+
+    gc = subparsers.add_parser("gc", help="delete what no committed checkpoint needs (or show it: --dry-run)",
+                               description="Collect folders of crashed or superseded saves older than --grace"
+                                           " seconds and incomplete multipart uploads; with --keep-last N, also drop"
+                                           " all but the N newest committed checkpoints (never the latest, never"
+                                           " one a job resumed from).")
+    gc.add_argument("root", help="the checkpoint root")
+    gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    gc.add_argument("--grace", type=float, default=3600.0,
+                    help="seconds an uncommitted folder is left alone: it may be a save in progress (default 3600)")
+    gc.add_argument("--keep-last", type=int, default=None, help="retention: keep only the N newest checkpoints")
+    _storage_option(gc)
+    gc.set_defaults(func=_guarded(_gc))
+
+
+def _storage_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-options", default=None, metavar="JSON",
+                        help='fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\''
+                             " (credentials and endpoints also come from the usual environment variables)")
+
+
+class _Usage(Exception):
+    """Bad input: printed, exit status 2."""
+
+
+def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except _Usage as exc:
+            print(f"lightning-resilient {args.command}: {exc}", file=sys.stderr)
+            return 2
+        except (FileNotFoundError, PermissionError) as exc:
+            print(f"lightning-resilient {args.command}: {exc}", file=sys.stderr)
+            return 2
+        except CheckpointError as exc:
+            print(f"lightning-resilient {args.command}: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _open(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
+    options: dict[str, Any] = {}
+    if args.storage_options:
+        try:
+            options = json.loads(args.storage_options)
+        except json.JSONDecodeError as exc:
+            raise _Usage(f"--storage-options is not valid JSON ({exc})") from None
+        if not isinstance(options, dict):
+            raise _Usage(f"--storage-options must be a JSON object, got {args.storage_options!r}")
+    try:
+        store = open_store(_normalize(args.root), options, RetryPolicy())
+    except (ValueError, ImportError) as exc:
+        raise _Usage(f"cannot open {args.root!r}: {exc}. Use a local path, s3://bucket/prefix, gs://bucket/prefix"
+                     " or another fsspec URL whose filesystem is installed.") from None
+    _check_bucket(store)
+    settings = RootSettings(keep_last=None, shard_size=1, orphan_grace_seconds=grace, fallback_on_corruption=False)
+    return CheckpointRoot(store, settings, lambda: ThreadPoolExecutor(_CONCURRENCY,
+                                                                      thread_name_prefix="lightning_resilient-cli"))
+
+
+def _pointer(root: CheckpointRoot) -> Pointer | None:
+    pointer, _ = root.read_pointer()
+    return pointer
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _age(created: float) -> str:
+    seconds = max(0.0, time.time() - created)
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= length:
+            return f"{seconds / length:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _check(root: CheckpointRoot, entry: Entry, quick: bool) -> str:
+    try:
+        if quick:
+            root.check_sizes(entry.commit)
+            return "sizes ok"
+        root.verify(entry.commit)
+        return "yes"
+    except CheckpointCorruptedError as exc:
+        return f"NO: {exc}"
+
+
+def _ls(args: argparse.Namespace) -> int:
+    root = _open(args)
+    pointer = _pointer(root)
+    print(f"root:    {root.url}")
+    if pointer is None:
+        found = _scan_manifests(root)
+        if not found:
+            print("no checkpoints (no pointer, no committed checkpoint)")
+            return 0
+        print(f"pointer: MISSING ({POINTER_NAME}); {len(found)} committed checkpoint(s) found by scanning. Rebuild it"
+              f" with: python -c \"import lightning_resilient as lr; lr.repair_pointer({root.url!r})\"")
+        entries = [Entry(m.name, m.commit, m.step, m.epoch, m.created, m.writer_epoch, tuple(m.folders),
+                         m.total_bytes) for m in found]
+    else:
+        latest = f"{pointer.latest.name} (step {pointer.latest.step})" if pointer.latest else "none"
+        print(f"pointer: {POINTER_NAME}, writer epoch {pointer.writer_epoch} ({pointer.writer or 'unknown'}),"
+              f" latest {latest}")
+        entries = pointer.candidates()
+    rows = [(e, _check(root, e, args.quick)) for e in entries]
+    latest_commit = pointer.latest.commit if pointer is not None and pointer.latest else None
+    print()
+    print("| name | step | epoch | size | age | commit | verifies |")
+    print("|---|---:|---:|---:|---:|---|---|")
+    for e, status in rows:
+        marks = (" (latest)" if e.commit == latest_commit else "") + (
+            " (resumed from)" if pointer is not None and pointer.protected.get(e.commit, "").startswith(RESUMED)
+            else "")
+        print(f"| {e.name}{marks} | {e.step} | {e.epoch} | {_size(e.size)} | {_age(e.created)} | {e.commit} |"
+              f" {status} |")
+    live = pointer.live_folders() if pointer is not None else {e.commit for e in entries}
+    uncommitted = [f"{name}/{child}" for name in root.store.list_dir("") if name != POINTER_NAME
+                   and not name.startswith(".") for child in root.store.list_dir(name)
+                   if commit_time(child) is not None and f"{name}/{child}" not in live]
+    if uncommitted:
+        print(f"\n{len(uncommitted)} folder(s) belong to no committed checkpoint (crashed, superseded or in-progress"
+              f" saves): see `lightning-resilient gc {args.root} --dry-run`")
+    bad = [e for e, status in rows if status.startswith("NO")]
+    if bad:
+        print(f"\n{len(bad)} checkpoint(s) FAIL verification", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    root = _open(args)
+    if args.all:
+        pointer = _pointer(root)
+        if pointer is None:
+            raise _Usage(f"no pointer under {root.url}: nothing committed to verify")
+        targets = pointer.candidates()
+    else:
+        targets = [_target(root, args.checkpoint)]
+    failed = 0
+    for entry in targets:
+        url = root.store.url(entry.commit)
+        bar = None if args.no_progress else _progress(entry.size, entry.name)
+        try:
+            manifest = root.verify(entry.commit, progress=bar.update if bar is not None else None)
+        except CheckpointCorruptedError as exc:
+            failed += 1
+            print(f"FAILED {url}: {exc}")
+            continue
+        finally:
+            if bar is not None:
+                bar.close()
+        print(f"OK     {url}: {len(manifest.objects)} objects, {_size(manifest.total_bytes)}, every"
+              f" {manifest.hash} checksum matches")
+    return 1 if failed else 0
+
+
+def _target(root: CheckpointRoot, checkpoint: str | None) -> Entry:
+    """The entry ``checkpoint`` names: a name (last.ckpt), a commit folder, either relative to the root or as a
+    URL under it; the pointer's latest when None."""
+    pointer = _pointer(root)
+    if checkpoint is None:
+        if pointer is None or pointer.latest is None:
+            raise _Usage(f"no committed checkpoint under {root.url} (no {POINTER_NAME}); name one to verify")
+        return pointer.latest
+    rel = checkpoint.strip("/")
+    prefix = root.url.rstrip("/") + "/"
+    if _normalize(checkpoint).startswith(prefix):
+        rel = _normalize(checkpoint)[len(prefix):]
+    known = {e.commit: e for e in pointer.candidates()} if pointer is not None else {}
+    if rel in known:
+        return known[rel]
+    if commit_time(rel.rsplit("/", 1)[-1]) is not None:
+        try:
+            m = root.read_manifest(rel)
+        except CheckpointCorruptedError as exc:
+            raise _Usage(f"{root.store.url(rel)} is not a committed checkpoint: {exc}") from None
+        return Entry(m.name, m.commit, m.step, m.epoch, m.created, m.writer_epoch, tuple(m.folders), m.total_bytes)
+    if pointer is not None:
+        entry = pointer.checkpoints.get(rel) or (pointer.latest if pointer.latest and pointer.latest.name == rel
+                                                 else None)
+        if entry is not None:
+            return entry
+    names = sorted(pointer.checkpoints) if pointer is not None else []
+    raise _Usage(f"no committed checkpoint {checkpoint!r} under {root.url}; committed names: {names}")
+
+
+def _progress(total: int, name: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {name}", leave=False, file=sys.stderr)
+
+
+def _gc(args: argparse.Namespace) -> int:
+    if args.grace < 0:
+        raise _Usage(f"--grace must be >= 0 seconds, got {args.grace}")
+    if args.keep_last is not None and args.keep_last < 1:
+        raise _Usage(f"--keep-last must be >= 1, got {args.keep_last}")
+    root = _open(args, grace=args.grace)
+    verb = "would delete" if args.dry_run else "deleted"
+    dropped = root.retain(args.keep_last, dry_run=args.dry_run) if args.keep_last is not None else []
+    for entry in dropped:
+        print(f"{verb} checkpoint {entry.name} (step {entry.step}): beyond --keep-last {args.keep_last}")
+    doomed = root.collect_garbage(dry_run=args.dry_run)
+    for url in doomed:
+        print(f"{verb} {url}: belongs to no committed checkpoint and is older than {args.grace:g} s")
+    if not dropped and not doomed:
+        print(f"nothing to delete under {root.url}")
+    return 0

@@ -1,0 +1,90 @@
+"""``ResilientCLI``: LightningCLI that resumes by itself.
+
+Rerunning the same ``fit`` command after a kill continues from the newest committed checkpoint under the
+configured checkpoint root (the ``dirpath`` of the run's ``ModelCheckpoint``, written through
+:class:`~lightning_resilient.AtomicCheckpointIO`), and starts fresh when there is none: no ``--ckpt_path`` to
+edit between attempts. An explicit ``--ckpt_path`` still wins; ``--auto_resume false`` turns the lookup off.
+
+Use it in place of ``LightningCLI`` in your script, or run any LightningModule through it::
+
+    lightning-resilient train fit -c configs/base.yaml -c configs/s3.yaml
+    python -m lightning_resilient.training_cli fit -c configs/base.yaml -c configs/local.yaml
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
+
+__all__ = ["ResilientCLI", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class ResilientCLI(LightningCLI):
+    """A ``LightningCLI`` whose ``fit`` resumes from the newest committed checkpoint when run again.
+
+    Takes the arguments of ``LightningCLI``. Two defaults differ, both so that the same command can simply be run
+    again: ``fit`` looks up the checkpoint to resume from (``--auto_resume``, default true), and the saved
+    ``config.yaml`` of a previous attempt is overwritten instead of aborting the run.
+
+    Example::
+
+        from lightning_resilient.training_cli import ResilientCLI
+
+        if __name__ == "__main__":
+            ResilientCLI(MyModel, MyDataModule)
+    """
+
+    def __init__(self, *args: Any, save_config_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        # A rerun after a kill writes the same config into the same folder: that is the point, not a mistake.
+        super().__init__(*args, save_config_kwargs={"overwrite": True, **(save_config_kwargs or {})}, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--auto_resume", type=bool, default=True,
+            help="fit: resume from the newest committed checkpoint under the ModelCheckpoint dirpath when no"
+                 " --ckpt_path is given (lightning_resilient.AtomicCheckpointIO); start fresh when there is none")
+
+    def before_fit(self) -> None:
+        config = self.config_init["fit"]
+        if config.get("ckpt_path") is not None or not config.get("auto_resume", True):
+            return
+        config["ckpt_path"] = resume_path(self.trainer)
+
+
+def resume_path(trainer: Any) -> str | None:
+    """The checkpoint a rerun of ``trainer``'s fit should resume from, or None to start fresh."""
+    roots = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    if not roots:
+        rank_zero_warn("auto_resume: no ModelCheckpoint with a dirpath is configured, so there is no checkpoint root"
+                       " to resume from; training starts fresh. Set dirpath on the ModelCheckpoint callback.")
+        return None
+    io = trainer.strategy.checkpoint_io
+    if not isinstance(io, AtomicCheckpointIO):
+        rank_zero_warn(f"auto_resume needs lightning_resilient.AtomicCheckpointIO in trainer.plugins (this run uses"
+                       f" {type(io).__name__}); training starts fresh. Add it, or pass --ckpt_path.")
+        return None
+    root = str(roots[0])
+    latest = find_latest_checkpoint(root, io.storage_options)
+    if latest is None:
+        rank_zero_info(f"auto_resume: no committed checkpoint under {root}: starting fresh")
+    else:
+        rank_zero_info(f"auto_resume: resuming from {latest}")
+    return latest
+
+
+def main(args: list[str] | None = None) -> None:
+    """Run any LightningModule / LightningDataModule named by ``class_path`` in the config, with auto-resume."""
+    ResilientCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args)
+
+
+if __name__ == "__main__":
+    main()

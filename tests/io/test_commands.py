@@ -1,0 +1,128 @@
+"""``lightning-resilient ls | verify | gc`` on local disk and S3 (moto): output, exit codes, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_resilient.cli import main
+from lightning_resilient.io.manifest import MANIFEST_NAME
+
+from .helpers import make_checkpoint, make_io, put, read_pointer
+
+
+@pytest.fixture(params=["local", "s3"])
+def filled(request):
+    """A root with three committed checkpoints (one save_last sharing data) and a crashed save's folder."""
+    backend = request.getfixturevalue(f"{request.param}_backend")
+    io = make_io(backend, shard_size=4096)
+    for step in (1, 2, 3):
+        io.save_checkpoint(make_checkpoint(step, size=512), backend.url(f"epoch=0-step={step}.ckpt"))
+    io.save_checkpoint(make_checkpoint(3, size=512), backend.url("last.ckpt"))
+    io.teardown()
+    put(backend, "epoch=0-step=4.ckpt/c1700000000000-e1-0badf00d/shard-00000.bin", b"half an upload")
+    return backend
+
+
+def run(backend, *argv: str) -> int:
+    options = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
+    return main([*argv, *options])
+
+
+def corrupt(backend, rel: str) -> None:
+    fs = backend.fs()
+    data = bytearray(fs.cat_file(backend.path(rel)))
+    data[len(data) // 2] ^= 0x40
+    fs.pipe_file(backend.path(rel), bytes(data))
+
+
+def test_ls_shows_pointer_checkpoints_and_leftovers(filled, capsys):
+    assert run(filled, "ls", filled.root) == 0
+    out = capsys.readouterr().out
+    pointer = read_pointer(filled)
+    assert f"writer epoch {pointer.writer_epoch}" in out and "latest last.ckpt (step 3)" in out
+    for name, step in (("last.ckpt (latest)", 3), ("epoch=0-step=3.ckpt", 3), ("epoch=0-step=1.ckpt", 1)):
+        assert any(line.startswith(f"| {name} | {step} |") and line.endswith("| yes |") for line in out.splitlines())
+    assert "1 folder(s) belong to no committed checkpoint" in out
+
+
+def test_ls_and_verify_report_corruption_with_exit_status_1(filled, capsys):
+    commit = read_pointer(filled).checkpoints["epoch=0-step=2.ckpt"].commit
+    shard = next(p for p in filled.fs().find(filled.path(commit)) if "shard-" in p)
+    corrupt(filled, f"{commit}/{shard.rsplit('/', 1)[-1]}")
+    assert run(filled, "ls", filled.root) == 1
+    out = capsys.readouterr().out
+    assert any(line.startswith("| epoch=0-step=2.ckpt |") and "| NO: " in line and "checksum" in line
+               for line in out.splitlines())
+    assert run(filled, "ls", filled.root, "--quick") == 0  # sizes alone cannot see a flipped bit
+    assert run(filled, "verify", filled.root, "--no-progress") == 0  # the latest is intact
+    assert "OK" in capsys.readouterr().out
+    assert run(filled, "verify", filled.root, "epoch=0-step=2.ckpt", "--no-progress") == 1
+    assert "FAILED" in capsys.readouterr().out
+    assert run(filled, "verify", filled.root, "--all", "--no-progress") == 1
+    out = capsys.readouterr().out
+    assert out.count("OK ") == 3 and out.count("FAILED") == 1
+
+
+def test_verify_accepts_a_commit_folder_and_draws_progress(filled, capsys):
+    commit = read_pointer(filled).latest.commit
+    assert run(filled, "verify", filled.root, commit) == 0
+    captured = capsys.readouterr()
+    assert f"OK     {filled.url(commit)}" in captured.out and "verify last.ckpt" in captured.err
+
+
+def test_gc_dry_run_lists_then_gc_deletes(filled, capsys):
+    assert run(filled, "gc", filled.root, "--dry-run", "--grace", "0", "--keep-last", "2") == 0
+    out = capsys.readouterr().out
+    assert "would delete checkpoint epoch=0-step=1.ckpt" in out and "would delete checkpoint epoch=0-step=2.ckpt" in out
+    assert "c1700000000000-e1-0badf00d" in out
+    assert sorted(read_pointer(filled).checkpoints) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt",
+                                                        "epoch=0-step=3.ckpt", "last.ckpt"]  # nothing changed
+    assert run(filled, "gc", filled.root, "--grace", "0", "--keep-last", "2") == 0
+    assert "deleted checkpoint epoch=0-step=1.ckpt" in capsys.readouterr().out
+    pointer = read_pointer(filled)
+    assert sorted(pointer.checkpoints) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    remaining = {p.split("/")[-3] for p in filled.fs().find(filled.path()) if p.endswith(MANIFEST_NAME)}
+    assert remaining == {"epoch=0-step=3.ckpt", "last.ckpt"}
+    assert not any("0badf00d" in p for p in filled.fs().find(filled.path()))
+    assert make_io(filled, claim_on_load=False).load_checkpoint(filled.root)["global_step"] == 3
+    assert run(filled, "gc", filled.root, "--grace", "0") == 0
+    assert "nothing to delete" in capsys.readouterr().out
+
+
+def test_gc_keeps_young_uncommitted_folders(filled, capsys):
+    assert run(filled, "gc", filled.root, "--dry-run") == 0  # default grace: an hour
+    out = capsys.readouterr().out
+    assert "0badf00d" in out  # its name says 2023: old enough
+    assert run(filled, "gc", filled.root, "--dry-run", "--grace", str(10**10)) == 0
+    assert "nothing to delete" in capsys.readouterr().out
+
+
+def test_bad_input_exits_2_with_a_message(s3_backend, local_backend, tmp_path, capsys, monkeypatch):
+    assert main(["ls", "nosuchproto://x/y"]) == 2
+    assert "cannot open 'nosuchproto://x/y'" in capsys.readouterr().err
+    options = json.dumps({"client_kwargs": {"endpoint_url": s3_backend.endpoint}})
+    assert main(["ls", "s3://no-such-bucket-zz/run", "--storage-options", options]) == 2
+    assert "bucket 'no-such-bucket-zz' does not exist" in capsys.readouterr().err
+    assert main(["ls", str(tmp_path), "--storage-options", "{not json"]) == 2
+    assert "--storage-options is not valid JSON" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "empty")]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
+    make_io(local_backend).save_checkpoint(make_checkpoint(1), local_backend.url("a.ckpt"))
+    assert main(["verify", local_backend.root, "b.ckpt"]) == 2
+    assert "committed names: ['a.ckpt']" in capsys.readouterr().err
+    assert main(["gc", local_backend.root, "--keep-last", "0"]) == 2
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_cache = json.dumps({"client_kwargs": {"endpoint_url": s3_backend.endpoint}, "skip_instance_cache": True})
+    assert main(["ls", s3_backend.root, "--storage-options", no_cache]) == 2
+    assert "no credentials" in capsys.readouterr().err
+
+
+def test_empty_root_is_not_an_error(local_backend, capsys):
+    assert main(["ls", local_backend.root]) == 0
+    assert "no checkpoints" in capsys.readouterr().out
