@@ -3,78 +3,62 @@
 Stock Lightning saves no RNG state, and a mid-epoch resume with a plain DataLoader replays the head of the
 epoch and never sees its tail. This callback records, per rank:
 
-- the RNG states at the moment the epoch's index stream starts (they decide the shuffle permutation and the
+- the RNG states at the moment the epoch's data stream starts (they decide the shuffle permutation and the
   worker seeds) and the RNG states at the moment of the save;
-- how many batches of the epoch were trained on.
+- the data position: epoch, batches and samples consumed in it, the sampler's epoch and seed, and for stateful
+  loaders and datasets their own state as of the last consumed batch.
 
-On resume it puts back the epoch-start RNG states when Lightning creates the data iterator, skips the consumed
-batches at the batch-sampler level (indices only: no sample is read), and puts back the save-time RNG states
-before the next training step.
+On resume it puts back the epoch-start RNG states when Lightning creates the data iterator, moves the loader to
+the next unseen batch (map-style: skipped at the batch-sampler level, no sample is read; stateful: its state is
+loaded), and puts back the save-time RNG states before the next training step. How the loader is seen (its
+kind, its epoch starts, its fetches) is in ``_loader.py``.
 """
 
 from __future__ import annotations
 
-import itertools
+import copy
 import logging
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections import deque
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
-
+from lightning_resilient.state._loader import (
+    DATASET,
+    ITERABLE,
+    LOADER,
+    MAP,
+    OTHER,
+    TrackedBatchSampler,
+    batch_len,
+    classify,
+    draw_once_per_epoch,
+    generators,
+    has_state,
+    hook_iterators,
+    sampler_facts,
+    set_data_epoch,
+    sized,
+)
 from lightning_resilient.state.rng import capture_rng, restore_rng
-from lightning_resilient.state.seeding import PerSampleSeeded
 
 __all__ = ["ResumeStateCallback"]
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2  # 1: no epoch / samples / kind / loader state (still loaded)
 
-
-class _Stream:
-    """One epoch's index stream, started lazily so an iterator torch discards unread costs nothing."""
-
-    def __init__(self, inner: Any, skip: int) -> None:
-        self.inner = inner
-        self.skip = skip
-        self.started = False
-        self._it: Iterator[Any] | None = None
-
-    def __iter__(self) -> _Stream:
-        return self
-
-    def __next__(self) -> Any:
-        if self._it is None:
-            self.started = True
-            self._it = itertools.islice(iter(self.inner), self.skip, None)
-        return next(self._it)
-
-
-class _TrackedBatchSampler:
-    """Wraps a loader's batch sampler: each new index stream is the start of an epoch."""
-
-    def __init__(self, inner: Any, owner: ResumeStateCallback) -> None:
-        self.inner = inner
-        self.owner = owner
-        self._last: _Stream | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        if self._last is not None and not self._last.started:
-            # torch's multiprocessing iterator asks for the index stream twice while it is created (once in
-            # the base class, once in its first reset) and throws the first away: same epoch, same skip.
-            stream = _Stream(self.inner, self._last.skip)
-        else:
-            stream = _Stream(self.inner, self.owner._epoch_stream_starts())
-        self._last = stream
-        return stream
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+_DESCRIBE = {
+    MAP: "map-style DataLoader",
+    LOADER: "stateful DataLoader (state_dict/load_state_dict)",
+    DATASET: "DataLoader over an IterableDataset with state_dict/load_state_dict",
+    ITERABLE: "DataLoader over an IterableDataset without a usable state",
+    OTHER: "iterable that is not a DataLoader",
+}
+_FIX = ("To resume the data exactly, give the IterableDataset state_dict()/load_state_dict() (read with"
+        " num_workers=0) or load it with torchdata's StatefulDataLoader.")
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -99,25 +83,73 @@ class ResumeStateCallback(Callback):
 
         Trainer(plugins=[AtomicCheckpointIO()], callbacks=[ResumeStateCallback(), ModelCheckpoint(...)])
 
-    Covered: one map-style training DataLoader with any batch sampler (``shuffle=True``, ``DistributedSampler``
-    under DDP), ``num_workers`` 0 or more, gradient accumulation, saves mid-epoch or at an epoch boundary, DDP
-    (each rank restores its own RNG states). Not covered yet (a warning says what was resumed instead):
-    iterable datasets, torchdata ``StatefulDataLoader``, several training loaders, a changed world size or batch
-    size; validation that draws random numbers between a save and the next training step. Randomness drawn
-    inside dataset workers resumes exactly when the dataset is wrapped in :class:`PerSampleSeeded`.
+    Per rank it saves Python's, NumPy's, torch's and each CUDA device's RNG; the states of the loader's own
+    ``torch.Generator`` objects (``DataLoader(generator=...)``, a sampler's ``generator``, torchdata's
+    ``RandomSampler``), at the epoch start and now; and the data position: epoch, batches and samples consumed in
+    it, the sampler's ``epoch``/``seed`` where it has them (``DistributedSampler``), and for stateful data its
+    state as of the last *consumed* batch. Everything is tensors, lists, numbers, strings and dicts, so the
+    checkpoint loads with ``weights_only=True`` (a stateful dataset's own ``state_dict()`` must be, too).
+
+    Covered, bit for bit (mid-epoch or at an epoch boundary, gradient accumulation, resumed more than once, DDP
+    with each rank restoring its own state, ``trainer.estimated_stepping_batches`` read in
+    ``configure_optimizers``):
+
+    - one map-style training ``DataLoader`` with any batch sampler (``shuffle=True``, ``DistributedSampler``),
+      ``num_workers`` 0 or more: consumed batches are skipped at the index level, no sample is read;
+    - torchdata's ``StatefulDataLoader``, ``num_workers`` 0 or more, over a map-style dataset or an
+      ``IterableDataset``: each rank's own loader state is saved and loaded, and Lightning's copy (rank 0's,
+      dropped anyway when ``estimated_stepping_batches`` is read in ``configure_optimizers``, #20550) is not
+      applied, so no position is applied twice;
+    - an ``IterableDataset`` with ``state_dict()``/``load_state_dict()`` in a plain ``DataLoader`` with
+      ``num_workers=0``. ``load_state_dict(state)`` then ``iter(dataset)`` must continue where ``state_dict()``
+      was taken (as torchdata expects).
+
+    For unsized data Lightning's fetcher reads one batch ahead, so a stateful position taken at the save is one
+    batch late; the position is snapshotted before each fetch and the one before the first unconsumed batch is
+    saved. The sampler (``set_epoch``) and a :class:`PerSampleSeeded` dataset get the resumed epoch before the
+    iterator draws indices (with workers, or torchdata's batch sampler, that happens before Lightning sets it,
+    #21938). A ``DistributedSamplerWrapper`` (Lightning's, under DDP, around torchdata's ``RandomSampler``) draws
+    its inner order once per epoch while this callback builds the epoch's iterator. After a resume from a save on
+    an epoch's last batch, Lightning's epoch counters are corrected so a later mid-epoch save resumes at the
+    right ``batch_idx``. Randomness drawn inside dataset workers resumes exactly when the dataset is wrapped in
+    :class:`PerSampleSeeded` (or is part of a stateful dataset's state).
+
+    Not covered; a warning at resume says what was resumed instead (the RNG states and the loop's epoch and
+    step) and that the epoch's data starts from its beginning: an ``IterableDataset`` without state, or with state
+    read by ``num_workers > 0`` in a plain ``DataLoader`` (use ``StatefulDataLoader``); several training loaders;
+    a changed world size, batch size, number of batches, loader kind, sampler seed, number of sampler
+    generators, or (``StatefulDataLoader``) number of workers. Training data that is not a ``DataLoader`` gets RNG
+    states only (Lightning restores its ``state_dict()`` if it has one). Also not covered: random numbers drawn
+    by validation between a save and the next training step, ``training_step(dataloader_iter)``, a
+    ``StatefulDataLoader`` with ``in_order=False``, ``reload_dataloaders_every_n_epochs`` mid-epoch positions,
+    and samplers whose randomness lives outside ``torch.Generator`` objects and the global RNGs.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._epoch_rng: dict[str, Any] | None = None
-        self._consumed = 0
-        self._pending: dict[str, Any] | None = None  # this rank's restored state, until the data stream starts
-        self._now_rng: dict[str, Any] | None = None  # save-time RNG, put back before the first resumed step
-        self._tracked = False
+        self._trainer: Trainer | None = None
+        self._loader: Any = None  # the training loader being tracked
+        self._kind: str | None = None
         self._length: int | None = None
         self._batch_size: int | None = None
-        self._dataset: PerSampleSeeded | None = None
-        self._trainer: Trainer | None = None
+        self._num_workers = 0
+        # The current epoch's data stream.
+        self._epoch = 0
+        self._consumed = 0  # batches of the epoch trained on (including those skipped on resume)
+        self._samples = 0
+        self._base = 0  # batches of the epoch consumed before this stream's iterator was created (a resume)
+        self._fetched = 0  # batches this stream's iterator has returned; runs ahead of _consumed by the prefetch
+        self._snapshots: dict[int, Any] = {}  # stream fetch index -> stateful position right before that fetch
+        self._lengths: deque[int] = deque()  # map-style: sizes of the batches the index stream has handed out
+        self._live: weakref.ref[Any] | None = None  # the loader's current iterator
+        self._epoch_rng: dict[str, Any] | None = None
+        self._epoch_gens: list[torch.Tensor] | None = None  # the loader's own generators at the epoch start
+        self._now_rng: dict[str, Any] | None = None  # save-time RNG, put back before the first resumed step
+        self._pending: dict[str, Any] | None = None  # this rank's saved record, until the loader is known
+        self._resume: dict[str, Any] | None = None  # what the first data stream after a resume does
+        self._owns_position = False  # our per-rank loader state replaces Lightning's rank-0 copy
+        self._draining = False  # creating an iterator only to replay a saved end-of-epoch state
+        self._drawn: set[int] | None = None  # while an epoch's iterator is built: sampler wrappers that drew
 
     @property
     def state_key(self) -> str:
@@ -127,73 +159,230 @@ class ResumeStateCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._tracked = False  # a new fit builds a new loader
+        self._loader = None  # a new fit builds a new loader
+        self._kind = None
+        self._owns_position = False
         self._trainer = trainer
         fit_loop = trainer.fit_loop
         load_states = fit_loop._load_combined_loader_states
 
         # Lightning builds (and, under DDP, re-instantiates) the train DataLoader in FitLoop.setup_data and
-        # creates its iterator right after restoring loader states: the last point where the batch sampler
-        # can be wrapped before it is iterated.
-        def load_states_then_track() -> None:
+        # creates its iterator right after restoring loader states: the last point where the loader can be
+        # wrapped before it is iterated. When configure_optimizers reads estimated_stepping_batches, this runs
+        # before the loops' state is restored (so Lightning has no loader state to load yet, #20550); the
+        # callback's own state is already loaded then.
+        def track_then_load_states() -> None:
+            self._track(fit_loop._combined_loader)  # may load this rank's own loader state
+            if self._owns_position:
+                fit_loop._combined_loader_states_to_load = []  # ...which replaces Lightning's rank-0 copy
             load_states()
-            self._track(fit_loop._combined_loader)
 
-        fit_loop._load_combined_loader_states = load_states_then_track  # type: ignore[method-assign]
+        fit_loop._load_combined_loader_states = track_then_load_states  # type: ignore[method-assign]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._count_the_epoch_after_a_last_batch_save(trainer)
+        if self._owns_position:
+            # Restored after the early loader build of the #20550 path: never apply rank 0's copy on top.
+            trainer.fit_loop._combined_loader_states_to_load = []
+        if self._pending is not None:  # no training loader was built (e.g. limit_train_batches=0)
+            restore_rng(self._pending["now_rng"])
+            self._pending = None
+
+    def _count_the_epoch_after_a_last_batch_save(self, trainer: Trainer) -> None:
+        """Lightning 2.6 resuming a checkpoint saved on an epoch's last batch: ``FitLoop.reset()`` counts that
+        epoch complete, but the restart stage still says mid-epoch, so ``on_advance_start`` skips the next epoch's
+        ready/started counts and its ``on_train_epoch_start`` hooks. A mid-epoch checkpoint of that next epoch then
+        looks finished, and resuming it restarts ``batch_idx`` at 0 (accumulation boundaries move with it)."""
+        fit_loop = trainer.fit_loop
+        epoch_loop = fit_loop.epoch_loop
+        if (getattr(fit_loop, "restarted_mid_epoch", False)
+                and getattr(epoch_loop, "restarted_on_train_batch_end", False)
+                and epoch_loop.batch_progress.is_last_batch):
+            fit_loop.reset_restart_stage()
 
     def _track(self, combined: Any) -> None:
         loaders = list(getattr(combined, "flattened", []) or [])
-        if self._tracked:
+        if len(loaders) == 1 and loaders[0] is self._loader:
             return
-        usable = [dl for dl in loaders if isinstance(dl, DataLoader) and dl.batch_sampler is not None
-                  and _sized(dl)]
-        if len(loaders) != 1 or len(usable) != 1:
+        pending, self._pending = self._pending, None
+        if len(loaders) != 1:
+            self._loader = self._kind = None
             warnings.warn(
-                "ResumeStateCallback restores the data position of a single sized map-style training DataLoader;"
-                f" this run has {len(loaders)} loader(s), {len(usable)} of them usable: RNG states are restored"
-                " but each resumed epoch starts from its first batch",
+                "ResumeStateCallback restores the data position of a single training loader; this run has"
+                f" {len(loaders)}: RNG states are restored but each resumed epoch starts from its first batch",
                 RuntimeWarning, stacklevel=2)
-            if self._pending is not None:
-                restore_rng(self._pending["now_rng"])
-                self._pending = None
+            if pending is not None:
+                restore_rng(pending["now_rng"])
             return
-        loader = usable[0]
-        pending = self._pending
-        if pending is not None and pending.get("batches") is not None and (
-                pending["batches"] != len(loader) or pending.get("batch_size") != loader.batch_size):
+        loader = loaders[0]
+        kind = classify(loader)
+        self._loader, self._kind = loader, kind
+        self._length = len(loader) if kind != OTHER and sized(loader) else None
+        self._batch_size = getattr(loader, "batch_size", None)
+        self._num_workers = int(getattr(loader, "num_workers", 0))
+        if kind == ITERABLE and callable(getattr(loader.dataset, "state_dict", None)):
             warnings.warn(
-                f"the training loader changed since the checkpoint ({pending['batches']} batches of"
-                f" {pending.get('batch_size')} then, {len(loader)} of {loader.batch_size} now): the position in"
-                " the epoch cannot be mapped; RNG states are restored and the resumed epoch starts from its first"
-                " batch", RuntimeWarning, stacklevel=2)
-            pending = dict(pending, mid_epoch=False)
-            self._pending = pending
-        # DataLoader refuses a new batch_sampler after construction: set it underneath.
-        object.__setattr__(loader, "batch_sampler", _TrackedBatchSampler(loader.batch_sampler, self))
-        self._dataset = loader.dataset if isinstance(loader.dataset, PerSampleSeeded) else None
-        self._length = len(loader)
-        self._batch_size = loader.batch_size
-        self._tracked = True
+                f"the training {type(loader.dataset).__name__} has state_dict()/load_state_dict(), but the plain"
+                f" DataLoader reads it in {loader.num_workers} worker processes, each with its own copy: the main"
+                " process cannot see their positions, so ResumeStateCallback saves no data position for it and a"
+                " mid-epoch resume restarts the iterable from its beginning. Use torchdata's StatefulDataLoader"
+                " (it collects every worker's dataset state) or num_workers=0.", RuntimeWarning, stacklevel=2)
+        if kind == MAP:
+            # DataLoader refuses a new batch_sampler after construction: set it underneath.
+            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._lengths)
+            object.__setattr__(loader, "batch_sampler", tracked)
+        elif kind != OTHER:
+            hook_iterators(loader, self._epoch_starts, self._on_iterator, self._before_fetch, self._after_fetch)
+            draw_once_per_epoch(loader, lambda: self._drawn)
+        self._resume = self._plan_resume(pending, loader, kind) if pending is not None else None
+        if kind == OTHER and self._resume is not None:
+            restore_rng(self._resume["now_rng"])
+            self._resume = None
+
+    def _plan_resume(self, pending: dict[str, Any], loader: Any, kind: str) -> dict[str, Any]:
+        """Check the saved record against this loader, load a stateful position, and say what the first epoch
+        stream must do."""
+        consumed = int(pending.get("consumed", 0))
+        done = pending.get("epoch_done")
+        if done is None:  # format 1
+            done = consumed > 0 and not pending.get("mid_epoch", True)
+        mid = consumed > 0 and not done
+        saved_kind = pending.get("kind", MAP)
+        problem = None
+        if saved_kind != kind:
+            problem = (f"the training data was a {_DESCRIBE.get(saved_kind, saved_kind)} then and is a"
+                       f" {_DESCRIBE[kind]} now")
+        elif kind in (MAP, LOADER) and pending.get("batches") is not None and (
+                pending["batches"] != self._length or pending.get("batch_size") != self._batch_size):
+            problem = (f"the training loader changed since the checkpoint ({pending['batches']} batches of"
+                       f" {pending.get('batch_size')} then, {self._length} of {self._batch_size} now)")
+        elif kind == LOADER and pending.get("num_workers", self._num_workers) != self._num_workers:
+            problem = (f"the training loader's num_workers changed since the checkpoint ({pending['num_workers']}"
+                       f" then, {self._num_workers} now) and its saved state holds one state per worker")
+        elif "now_generators" in pending and len(pending["now_generators"]) != len(generators(loader)):
+            problem = ("the training loader's samplers changed since the checkpoint"
+                       f" ({len(pending['now_generators'])} random generator(s) then, {len(generators(loader))} now)")
+        elif (seed := pending.get("sampler", {}).get("seed")) is not None and (
+                (now := sampler_facts(loader).get("seed")) is not None and seed != now):
+            problem = f"the sampler's seed changed since the checkpoint ({seed} then, {now} now)"
+        if problem is not None and mid:
+            ends = (f" (Lightning still counts the {consumed} batch(es) trained before the save, so this epoch ends"
+                    " that many batches early)" if self._length is not None else "")
+            warnings.warn(
+                f"{problem}: the position in the epoch cannot be mapped; RNG states are restored and the resumed"
+                f" epoch's data starts from its first batch{ends}", RuntimeWarning, stacklevel=3)
+        elif mid and (kind == ITERABLE or (kind == OTHER and not has_state(loader))):
+            # (Lightning itself restores an iterable that has state_dict/load_state_dict: rank 0's state.)
+            what = (f"a {type(loader).__name__} " + ("without automatic batching (batch_size=None)"
+                                                     if isinstance(loader, DataLoader) else "that is not a DataLoader")
+                    if kind == OTHER else
+                    f"a {type(loader.dataset).__name__}, an IterableDataset "
+                    + ("read by worker processes" if callable(getattr(loader.dataset, "state_dict", None))
+                       else "without state_dict()/load_state_dict()"))
+            warnings.warn(
+                f"ResumeStateCallback cannot restore the data position of this run's training data ({what})."
+                f" Resumed: the RNG states and the training loop's epoch and step (epoch {pending.get('epoch', '?')},"
+                f" {consumed} batch(es) into it). Not resumed: the data, which restarts from the beginning of the"
+                f" iterable, so the {consumed} batch(es) already trained on in this epoch are seen again. {_FIX}",
+                RuntimeWarning, stacklevel=3)
+        exact = mid and problem is None and kind in (MAP, LOADER, DATASET)
+        epoch = pending.get("epoch")
+        if epoch is not None and done:
+            epoch += 1
+        state = pending.get("loader_state") if problem is None else None
+        if kind == LOADER:
+            # The per-rank state below (or a fresh start, if it cannot be used) replaces the rank-0 copy that
+            # Lightning saved under loops; applying both would apply a position twice.
+            self._owns_position = True
+            if self._trainer is not None:
+                self._trainer.fit_loop._combined_loader_states_to_load = []
+            if state is not None:
+                loader.load_state_dict(state)
+                if done:
+                    self._replay_to_epoch_end(loader, pending.get("epoch"))
+        elif kind == DATASET and state is not None:
+            loader.dataset.load_state_dict(state)
+        return {"epoch": epoch, "exact": exact, "skip": consumed if exact and kind == MAP else 0,
+                "consumed": consumed if exact else 0, "samples": int(pending.get("samples", 0)) if exact else 0,
+                "epoch_rng": pending.get("epoch_rng"), "now_rng": pending["now_rng"],
+                "epoch_generators": pending.get("epoch_generators") if problem is None else None,
+                "now_generators": pending.get("now_generators") if problem is None else None}
+
+    def _replay_to_epoch_end(self, loader: Any, epoch: int | None) -> None:
+        """The loaded state is the end of an epoch; the next ``iter()`` must start the next epoch, not yield an
+        empty rest of this one. Creating an iterator from the state replays the samplers to the end (indices
+        only; stateful samplers and datasets end up as in the uninterrupted run), so the next ``iter()`` starts
+        the new epoch as one stream. (From a finished unsized state torchdata creates a second, fresh iterator
+        here; with workers they prefetch a few batches that are dropped.)"""
+        if epoch is not None:
+            set_data_epoch(loader, epoch)
+        self._draining = True
+        try:
+            iter(loader)
+        finally:
+            self._draining = False
 
     # -- the data stream -----------------------------------------------------------------------------------------
-    def _epoch_stream_starts(self) -> int:
-        """Called when an epoch's index stream starts; returns how many batches to skip."""
-        if self._dataset is not None and self._trainer is not None:
-            self._dataset.set_epoch(self._trainer.current_epoch)  # before workers start: they copy the dataset
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            consumed = int(pending["consumed"])
-            if consumed > 0 and pending["epoch_rng"] is not None and pending.get("mid_epoch", True):
-                restore_rng(pending["epoch_rng"])  # the same permutation and worker seeds as before
-                self._epoch_rng = pending["epoch_rng"]
-                self._now_rng = pending["now_rng"]  # ...and the next step draws what it would have drawn
-                self._consumed = consumed
-                log.info("resuming mid-epoch: skipping %d consumed batch(es) without reading them", consumed)
-                return consumed
-            restore_rng(pending["now_rng"])  # saved at an epoch boundary: the next epoch starts from here
-        self._consumed = 0
+    def _epoch_starts(self) -> int:
+        """Called when an epoch's data stream starts (before the iterator exists); returns batches to skip."""
+        if self._draining:
+            return 0
+        self._drawn = None if self._kind == MAP else set()  # until the iterator exists (the map kind draws lazily)
+        resume, self._resume = self._resume, None
+        epoch = resume["epoch"] if resume is not None and resume["epoch"] is not None else self._loop_epoch()
+        self._epoch = epoch
+        set_data_epoch(self._loader, epoch)  # before workers start: they copy the sampler and dataset
+        self._snapshots = {}
+        self._fetched = 0
+        self._lengths.clear()
+        if resume is not None and resume["exact"] and resume["epoch_rng"] is not None:
+            restore_rng(resume["epoch_rng"])  # the same permutation and worker seeds as before
+            self._set_generators(resume["epoch_generators"])
+            self._epoch_rng = resume["epoch_rng"]
+            self._epoch_gens = resume["epoch_generators"]
+            self._now_rng = resume["now_rng"]  # ...and the next step draws what it would have drawn
+            self._consumed = self._base = resume["consumed"]
+            self._samples = resume["samples"]
+            log.info("resuming mid-epoch %d after %d consumed batch(es)", epoch, self._consumed)
+            return resume["skip"]
+        if resume is not None:
+            restore_rng(resume["now_rng"])  # at an epoch boundary (or position lost): the epoch starts from here
+            self._set_generators(resume["now_generators"])
+        self._consumed = self._base = self._samples = 0
         self._epoch_rng = capture_rng()
+        self._epoch_gens = self._get_generators()
         return 0
+
+    def _get_generators(self) -> list[torch.Tensor]:
+        return [g.get_state() for g in generators(self._loader)]
+
+    def _set_generators(self, states: list[torch.Tensor] | None) -> None:
+        if states is not None:  # the count was checked against the loader in _plan_resume
+            for g, state in zip(generators(self._loader), states, strict=True):
+                g.set_state(state)
+
+    def _loop_epoch(self) -> int:
+        return 0 if self._trainer is None else int(self._trainer.fit_loop.epoch_progress.current.processed)
+
+    def _on_iterator(self, it: Any) -> None:
+        if self._draining:
+            return
+        self._drawn = None
+        self._live = weakref.ref(it)
+
+    def _position_now(self, it: Any) -> Any:
+        if self._kind == LOADER:
+            return None if it is None else it.state_dict()
+        return self._loader.dataset.state_dict()
+
+    def _before_fetch(self, it: Any) -> None:
+        # Lightning's fetcher reads one batch ahead of training only when the loader has no length; that batch's
+        # fetch moves the stateful position past what was trained on. Keep the position before each fetch.
+        if self._length is None and self._kind in (LOADER, DATASET):
+            self._snapshots[self._fetched] = copy.deepcopy(self._position_now(it))
+
+    def _after_fetch(self) -> None:
+        self._fetched += 1
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._now_rng is not None:
@@ -203,14 +392,41 @@ class ResumeStateCallback(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._consumed += 1
+        self._samples += self._lengths.popleft() if self._kind == MAP and self._lengths else batch_len(batch)
+        done = self._consumed - self._base
+        for k in [k for k in self._snapshots if k < done]:
+            del self._snapshots[k]
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
+    def _epoch_done(self) -> bool:
+        trainer = self._trainer
+        fetcher = None if trainer is None else getattr(trainer.fit_loop, "_data_fetcher", None)
+        if fetcher is not None and fetcher.done:
+            return True
+        limit = None if trainer is None else trainer.num_training_batches
+        if self._length is not None:
+            limit = self._length if limit is None or limit == float("inf") else min(self._length, int(limit))
+        return limit is not None and limit != float("inf") and self._consumed >= limit
+
+    def _loader_state(self) -> Any:
+        if self._kind not in (LOADER, DATASET):
+            return None
+        index = self._consumed - self._base
+        if self._fetched > index and index in self._snapshots:
+            return self._snapshots[index]  # the next unconsumed batch is already fetched: its position before
+        it = self._live() if self._live is not None else None
+        return copy.deepcopy(self._position_now(it))
+
     def state_dict(self) -> dict[str, Any]:
         # Lightning writes only global rank 0's callback state but calls this on every rank: gather them all.
-        total = self._length
-        mine = {"epoch_rng": self._epoch_rng, "now_rng": capture_rng(), "consumed": self._consumed,
-                "mid_epoch": bool(total is not None and 0 < self._consumed < total), "batches": total,
-                "batch_size": self._batch_size}
+        done = self._epoch_done() if self._kind is not None else False
+        mine = {"kind": self._kind, "epoch": self._epoch, "consumed": self._consumed, "samples": self._samples,
+                "epoch_done": done, "mid_epoch": self._consumed > 0 and not done, "batches": self._length,
+                "batch_size": self._batch_size, "num_workers": self._num_workers,
+                "sampler": sampler_facts(self._loader) if self._loader is not None else {},
+                "loader_state": self._loader_state(), "epoch_rng": self._epoch_rng, "now_rng": capture_rng(),
+                "epoch_generators": self._epoch_gens,
+                "now_generators": self._get_generators() if self._loader is not None else []}
         ranks = _gather(mine)
         return {"format": FORMAT, "world_size": len(ranks), "ranks": ranks}
 
@@ -221,15 +437,7 @@ class ResumeStateCallback(Callback):
             warnings.warn(
                 f"the checkpoint was written by {len(ranks)} process(es) but this run has {world}: RNG states and"
                 " the data position cannot be restored exactly; training resumes at the saved step with fresh"
-                " RNG states and the epoch's data from its start (what stock Lightning does)",
-                RuntimeWarning, stacklevel=2)
+                " RNG states and the epoch's data from its start (what stock Lightning does; a stateful loader"
+                " gets the position Lightning saved from global rank 0)", RuntimeWarning, stacklevel=2)
             return
         self._pending = ranks[rank]
-
-
-def _sized(loader: DataLoader) -> bool:
-    try:
-        len(loader)
-    except TypeError:
-        return False
-    return True

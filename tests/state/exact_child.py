@@ -1,5 +1,9 @@
 """A training job for the exact-resume tests. Resumes from its root when it can; writes its losses per step
-and, at the end, its weights. Run: python exact_child.py ROOT OUT JSON_OPTIONS."""
+and, at the end, its weights. Run: python exact_child.py ROOT OUT JSON_OPTIONS.
+
+Options: workers, accumulate, epochs, callback (add ResumeStateCallback), ckpt (ModelCheckpoint arguments),
+augment (None | "raw" | "seeded"), schedule (read estimated_stepping_batches in configure_optimizers), trainer
+(extra Trainer arguments), loader ("plain" | "stateful": torchdata StatefulDataLoader)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -88,7 +93,10 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     torch.manual_seed(1234)
     augment = options.get("augment")
     dataset = {"seeded": lambda: PerSampleSeeded(Augmented(), seed=3), "raw": Augmented, None: Noisy}[augment]()
-    loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=options["workers"],
+    # "stateful": torchdata's StatefulDataLoader (its own RandomSampler with a generator seeded at construction;
+    # under DDP Lightning re-instantiates it with that sampler inside a DistributedSamplerWrapper).
+    loader_cls = StatefulDataLoader if options.get("loader") == "stateful" else DataLoader
+    loader = loader_cls(dataset, batch_size=4, shuffle=True, num_workers=options["workers"],
                         persistent_workers=options["workers"] > 0)
     callbacks: list[Callback] = [Record(out), ModelCheckpoint(dirpath=root, save_top_k=-1, **options["ckpt"])]
     if options["callback"]:

@@ -116,3 +116,41 @@ def test_without_the_callback_the_resumed_run_differs(tmp_path):
 def test_ddp_two_processes_resume_is_bit_exact(tmp_path):
     ddp = opts(epochs=2, ckpt={"every_n_train_steps": 2}, trainer={"strategy": "ddp", "devices": 2})
     assert_identical(*scenario(tmp_path, ddp, kills=[2]))  # 5 batches per rank per epoch: step 2 is mid-epoch
+
+
+# -- torchdata StatefulDataLoader ---------------------------------------------------------------------------------
+# 10 batches per epoch, a save every 5 steps: step 10 is saved on the epoch's last batch (an epoch boundary: the
+# loader's own RandomSampler generator must have advanced to epoch 1's permutation), step 15 mid-epoch 1.
+STATEFUL = opts(loader="stateful", ckpt={"every_n_train_steps": 5})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("workers", "schedule"), [(0, True), (2, False)], ids=["workers0-schedule", "workers2"])
+def test_stateful_dataloader_resume_is_bit_exact(tmp_path, workers, schedule):
+    # With schedule=True configure_optimizers reads estimated_stepping_batches (Lightning #20550). Killed at the
+    # boundary and again mid-epoch: a position off by one batch, applied twice, or a generator not advanced
+    # would change the data and so the weights.
+    options = {**STATEFUL, "workers": workers, "schedule": schedule}
+    assert_identical(*scenario(tmp_path, options, kills=[10, 15]))
+
+
+@pytest.mark.slow
+def test_stateful_dataloader_without_the_callback_differs(tmp_path):
+    """Stock Lightning restores a StatefulDataLoader's position itself, but not here: configure_optimizers reads
+    estimated_stepping_batches, which builds the loader before the loops' state is loaded, so the saved position
+    is dropped (Lightning #20550) and the resumed epoch starts over; and no RNG is restored (dropout differs)."""
+    options = {**STATEFUL, "schedule": True, "callback": False}
+    w_full, w_part, full, resumed = scenario(tmp_path, options, kills=[15])
+    assert not all(torch.equal(w_full[k], w_part[k]) for k in w_full)
+    assert full[-len(resumed):] != resumed
+
+
+@pytest.mark.slow
+def test_ddp_stateful_dataloader_with_workers_resumed_in_a_later_epoch_is_bit_exact(tmp_path):
+    # Each rank saves and restores its own loader state. Lightning re-instantiates the loader with torchdata's
+    # RandomSampler inside a DistributedSamplerWrapper: torchdata's batch sampler iterates it as soon as the
+    # iterator is created, before Lightning sets the sampler epoch (#21938), and the wrapper re-draws the inner
+    # order (advancing its generator) on every iteration. Resumed in epoch 1 (5 batches per rank per epoch, step 6).
+    ddp = {**STATEFUL, "workers": 2, "epochs": 2, "ckpt": {"every_n_train_steps": 2},
+           "trainer": {"strategy": "ddp", "devices": 2}}
+    assert_identical(*scenario(tmp_path, ddp, kills=[6]))

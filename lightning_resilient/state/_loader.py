@@ -1,0 +1,265 @@
+"""How ``ResumeStateCallback`` sees a training loader: what kind it is, where its epochs start, what it fetched.
+
+Kinds of training data, by how their position can be saved:
+
+- ``"map"``: a plain sized ``DataLoader`` over a map-style dataset. The position is a number of batches; the batch
+  sampler is wrapped (:class:`TrackedBatchSampler`) so a resumed epoch skips them at the index level.
+- ``"loader"``: a ``DataLoader`` subclass with ``state_dict``/``load_state_dict`` (torchdata's
+  ``StatefulDataLoader``). The loader's own state is the position.
+- ``"dataset"``: a plain ``DataLoader`` with ``num_workers=0`` over an ``IterableDataset`` that has
+  ``state_dict``/``load_state_dict``. The dataset's state is the position.
+- ``"iterable"``: any other ``DataLoader`` over an ``IterableDataset``. The position cannot be saved.
+- ``"other"``: anything that is not a ``DataLoader`` (Lightning also accepts plain iterables).
+
+For ``"loader"``, ``"dataset"`` and ``"iterable"`` the iterator the loader creates is hooked
+(:func:`hook_iterators`): an epoch starts when the loader creates or resets its iterator, and a state can be
+snapshotted right before each underlying fetch. A ``DataLoader`` without automatic batching (``batch_size=None``)
+over a map-style dataset counts as ``"other"``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.distributed import _DatasetSamplerWrapper
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_resilient.state.seeding import PerSampleSeeded
+
+__all__ = ["TrackedBatchSampler", "batch_len", "classify", "draw_once_per_epoch", "generators", "has_state",
+           "hook_iterators", "sampler_facts", "set_data_epoch", "sized"]
+
+MAP, LOADER, DATASET, ITERABLE, OTHER = "map", "loader", "dataset", "iterable", "other"
+
+
+def has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def sized(loader: Any) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
+
+
+def classify(loader: Any) -> str:
+    if not isinstance(loader, DataLoader):
+        return OTHER
+    if has_state(loader):
+        return LOADER
+    if isinstance(loader.dataset, IterableDataset):
+        return DATASET if has_state(loader.dataset) and loader.num_workers == 0 else ITERABLE
+    if loader.batch_sampler is not None and sized(loader):
+        return MAP
+    return OTHER
+
+
+def samplers(loader: Any) -> list[Any]:
+    """The loader's sampler and its batch sampler's sampler (as Lightning's ``_set_sampler_epoch`` finds them)."""
+    found: dict[int, Any] = {}
+    for obj in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if obj is not None:
+            found[id(obj)] = obj
+    return list(found.values())
+
+
+def set_data_epoch(loader: Any, epoch: int) -> None:
+    """Give the samplers (``DistributedSampler``) and a ``PerSampleSeeded`` dataset the epoch before it starts.
+
+    Lightning sets the sampler epoch in ``on_train_epoch_start``, but on a resume it creates the iterator before
+    that, and a worker-backed iterator (or torchdata's batch sampler) draws its first indices at creation
+    (Lightning #21938).
+    """
+    dataset = getattr(loader, "dataset", None)
+    for obj in [*samplers(loader), *([dataset] if isinstance(dataset, PerSampleSeeded) else [])]:
+        set_epoch = getattr(obj, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def sampler_facts(loader: Any) -> dict[str, int]:
+    """``epoch``, ``seed``, ``num_replicas`` and ``rank`` of the loader's sampler where it has them."""
+    facts: dict[str, int] = {}
+    for obj in samplers(loader):
+        for name in ("epoch", "seed", "num_replicas", "rank"):
+            value = getattr(obj, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                facts.setdefault(name, value)
+    return facts
+
+
+def _walk(loader: Any) -> tuple[list[torch.Generator], list[_DatasetSamplerWrapper]]:
+    generators: dict[int, torch.Generator] = {}
+    wrappers: dict[int, _DatasetSamplerWrapper] = {}
+
+    def visit(obj: Any, depth: int) -> None:
+        if obj is None or depth > 5:
+            return
+        if isinstance(obj, torch.Generator):
+            generators.setdefault(id(obj), obj)
+            return
+        for name in ("generator", "sampler", "batch_sampler", "inner", "_sampler"):
+            visit(getattr(obj, name, None), depth + 1)
+        if isinstance(dataset := getattr(obj, "dataset", None), _DatasetSamplerWrapper):  # DistributedSamplerWrapper
+            wrappers.setdefault(id(dataset), dataset)
+            visit(dataset, depth + 1)
+
+    visit(getattr(loader, "generator", None), 0)
+    for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        visit(obj, 0)
+    return list(generators.values()), list(wrappers.values())
+
+
+def generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that decide the loader's order: ``DataLoader(generator=...)`` (it also
+    draws the worker base seed) and those of its samplers, nested ones included (a ``RandomSampler(generator=...)``,
+    torchdata's ``RandomSampler``, which always owns one, and the sampler inside Lightning's
+    ``DistributedSamplerWrapper``). They advance once per epoch and no loader state holds all of them."""
+    return _walk(loader)[0]
+
+
+def draw_once_per_epoch(loader: Any, drawing: Callable[[], set[int] | None]) -> None:
+    """Make each ``DistributedSamplerWrapper`` in the loader draw its inner sampler's order once per epoch.
+
+    Lightning wraps a sampler it does not know (torchdata's ``RandomSampler`` among them) in a
+    ``DistributedSamplerWrapper``, whose every ``iter()`` re-draws the inner sampler and so advances its
+    generator. torchdata iterates the index sampler once to build an iterator, twice with workers, and four times
+    to build one from a saved state, so a resumed epoch would draw a different order. While ``drawing()`` returns
+    a set (an epoch's iterator is being built), a wrapper already in it keeps its order.
+    """
+    for wrapper in _walk(loader)[1]:
+        ref = weakref.ref(wrapper)
+        reset = type(wrapper).reset
+
+        def reset_once(ref: Any = ref, reset: Any = reset) -> None:
+            target, drawn = ref(), drawing()
+            if drawn is not None and id(target) in drawn:
+                return
+            reset(target)
+            if drawn is not None:
+                drawn.add(id(target))
+
+        wrapper.reset = reset_once  # type: ignore[method-assign]
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a collated batch: the first dimension of its first tensor (or the length of a plain list)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    if isinstance(batch, Mapping):
+        return batch_len(next(iter(batch.values()))) if batch else 0
+    if isinstance(batch, (list, tuple)):
+        if batch and isinstance(batch[0], (torch.Tensor, Mapping, list, tuple)):
+            return batch_len(batch[0])
+        return len(batch)
+    return 1
+
+
+# -- map-style: the index stream ----------------------------------------------------------------------------------
+class _Stream:
+    """One epoch's index stream, started lazily so an iterator torch discards unread costs nothing."""
+
+    def __init__(self, inner: Any, skip: int, lengths: list[int]) -> None:
+        self.inner = inner
+        self.skip = skip
+        self.lengths = lengths
+        self.started = False
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self.started = True
+            self._it = itertools.islice(iter(self.inner), self.skip, None)
+        batch = next(self._it)
+        self.lengths.append(len(batch))  # with workers the stream runs ahead: consumed in order, later
+        return batch
+
+
+class TrackedBatchSampler:
+    """Wraps a loader's batch sampler: each new index stream is the start of an epoch.
+
+    ``on_epoch_start()`` is called when a stream is created and returns how many batches to skip; the length of
+    every batch the stream yields is appended to ``lengths`` (so samples consumed can be counted).
+    """
+
+    def __init__(self, inner: Any, on_epoch_start: Callable[[], int], lengths: list[int]) -> None:
+        self.inner = inner
+        self.on_epoch_start = on_epoch_start
+        self.lengths = lengths
+        self._last: _Stream | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._last is not None and not self._last.started:
+            # torch's multiprocessing iterator asks for the index stream twice while it is created (once in
+            # the base class, once in its first reset) and throws the first away: same epoch, same skip.
+            stream = _Stream(self.inner, self._last.skip, self.lengths)
+        else:
+            stream = _Stream(self.inner, self.on_epoch_start(), self.lengths)
+        self._last = stream
+        return stream
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+# -- other DataLoaders: the iterator ------------------------------------------------------------------------------
+def hook_iterators(loader: DataLoader, on_epoch_start: Callable[[], None], on_iterator: Callable[[Any], None],
+                   before_fetch: Callable[[Any], None], after_fetch: Callable[[], None]) -> None:
+    """Call ``on_epoch_start()`` before the loader creates an iterator or resets its persistent one for a new epoch,
+    then ``on_iterator(iterator)``; call ``before_fetch(iterator)`` right before each underlying fetch and
+    ``after_fetch()`` when that fetch returned a batch.
+
+    Only instance attributes are patched (``DataLoader.__iter__`` looks ``_get_iterator`` up on the instance,
+    ``_BaseDataLoaderIter`` looks ``_next_data`` and ``_reset`` up on the iterator), so the types stay what they
+    were and Lightning's ``isinstance`` checks (worker shutdown, ``_Stateful``) still hold. The closures hold weak
+    references, so no reference cycle keeps an iterator (and its worker processes) alive.
+    """
+    loader_ref = weakref.ref(loader)
+    get_iterator = type(loader)._get_iterator
+
+    def hooked_get_iterator() -> Any:
+        owner = loader_ref()
+        assert owner is not None
+        on_epoch_start()
+        it = get_iterator(owner)
+        _hook_iterator(it, on_epoch_start, on_iterator, before_fetch, after_fetch)
+        on_iterator(it)
+        return it
+
+    loader._get_iterator = hooked_get_iterator  # type: ignore[method-assign]
+
+
+def _hook_iterator(it: Any, on_epoch_start: Callable[[], None], on_iterator: Callable[[Any], None],
+                   before_fetch: Callable[[Any], None], after_fetch: Callable[[], None]) -> None:
+    ref = weakref.ref(it)
+    next_data = type(it)._next_data
+    reset = type(it)._reset
+
+    def hooked_next_data() -> Any:
+        target = ref()
+        before_fetch(target)
+        data = next_data(target)
+        after_fetch()
+        return data
+
+    def hooked_reset(loader: Any, *args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        on_epoch_start()
+        out = reset(target, loader, *args, **kwargs)
+        on_iterator(target)
+        return out
+
+    it._next_data = hooked_next_data
+    it._reset = hooked_reset
