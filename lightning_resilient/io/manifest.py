@@ -110,6 +110,18 @@ class Manifest:
     stream: list[int] = field(default_factory=list)  # indices into objects: the tensor stream, in order
     objects: list[ObjectEntry] = field(default_factory=list)
     tensors: list[TensorEntry] = field(default_factory=list)
+    # A sharded (torch.distributed.checkpoint) save: {"world_size": N, "metadata": object index of DCP's
+    # metadata, "ranks": [[object indices of rank r's stream], ...]}. The stream/tensors above hold the rest.
+    sharded: dict[str, Any] | None = None
+
+    def rank_offsets(self, rank: int) -> list[int]:
+        """Where each object of rank ``rank``'s stream starts in that stream (sharded saves)."""
+        assert self.sharded is not None
+        out, pos = [], 0
+        for i in self.sharded["ranks"][rank]:
+            out.append(pos)
+            pos += self.objects[i].size
+        return out
 
     @property
     def folders(self) -> list[str]:
@@ -183,8 +195,12 @@ def _parse_v2(raw: dict[str, Any], where: str) -> Manifest:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     algorithm = str(raw["hash"])
     hasher(algorithm)  # an unknown algorithm is a clear error here, not at the first chunk
+    sharded = raw.get("sharded")
+    if sharded is not None:
+        sharded = {"world_size": int(sharded["world_size"]), "metadata": int(sharded["metadata"]),
+                   "ranks": [[int(i) for i in r] for r in sharded["ranks"]]}
     return Manifest(**_header(raw, where), chunk_size=chunk_size, hash=algorithm,
-                    stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors)
+                    stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors, sharded=sharded)
 
 
 def _parse_v1(raw: dict[str, Any], where: str) -> Manifest:
@@ -221,6 +237,11 @@ def _check_consistent(manifest: Manifest, where: str) -> None:
         if obj.size < 0 or len(obj.chunks) != len(manifest.chunk_ranges(i)):
             raise CheckpointCorruptedError(f"manifest {where} objects[{i}] has {len(obj.chunks)} chunk digest(s)"
                                            f" for {obj.size} bytes", object=where)
+    if manifest.sharded is not None:
+        used = [manifest.sharded["metadata"], *(i for r in manifest.sharded["ranks"] for i in r)]
+        if any(not 0 <= i < len(objects) for i in used) or len(manifest.sharded["ranks"]) != \
+                manifest.sharded["world_size"]:
+            raise CheckpointCorruptedError(f"manifest {where} has an invalid sharded record", object=where)
     total = manifest.stream_bytes
     for i, t in enumerate(manifest.tensors):
         if t.offset < 0 or t.nbytes < 0 or t.offset + t.nbytes > total:

@@ -234,35 +234,53 @@ class CheckpointRoot:
     def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
         return self.commit(self.prepare(checkpoint, name))
 
-    def commit(self, prepared: Prepared) -> Entry:
-        """Upload a prepared checkpoint, write its manifest, then move the pointer to it."""
+    def new_commit(self, name: str, created: float) -> str:
+        """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
         if self.epoch is None:
             self.claim()
+        return f"{name}/c{int(created * 1000):013d}-e{self.epoch}-{uuid.uuid4().hex[:8]}"
+
+    def _put(self, rel: str, pieces: list[memoryview], known: dict[tuple[str, int], str]) -> ObjectEntry:
+        """Write one object (or reference a byte-identical one of a save of the same step); returns its entry."""
+        chunks = chunk_digests(pieces, self.settings.chunk_size)
+        digest, size = object_digest(chunks), sum(len(p) for p in pieces)
+        existing = known.get((digest, size))
+        if existing is not None:
+            return ObjectEntry(existing, size, digest, chunks)
+        self.store.write_pieces(rel, pieces)
+        return ObjectEntry(rel, size, digest, chunks)
+
+    def upload_stream(self, prefix: str, total: int, pieces: Callable[[int, int], list[memoryview]],
+                      step: int | None = None) -> list[ObjectEntry]:
+        """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel."""
+        known = self._known if step is not None and step == self._known_step else {}
+        spans = layout.windows(total, self.settings.shard_size)
+        with self._executor() as pool:
+            return list(pool.map(lambda i: self._put(f"{prefix}shard-{i:05d}.bin", pieces(*spans[i]), known),
+                                 range(len(spans))))
+
+    def commit(self, prepared: Prepared, *, commit: str | None = None, extra: list[ObjectEntry] | None = None,
+               sharded: Callable[[list[ObjectEntry]], dict[str, Any]] | None = None) -> Entry:
+        """Upload a prepared checkpoint, write its manifest, then move the pointer to it.
+
+        A sharded save (``sharded.py``) passes the commit folder its ranks already wrote into, their objects
+        (``extra``), and a function giving the manifest's ``sharded`` record from the final object list.
+        """
+        commit = commit or self.new_commit(prepared.name, prepared.created)
         assert self.epoch is not None
         epoch, name, step = self.epoch, prepared.name, prepared.step
-        commit = f"{name}/c{int(prepared.created * 1000):013d}-e{epoch}-{uuid.uuid4().hex[:8]}"
-        known = self._known if step == self._known_step else {}
-        chunk_size = self.settings.chunk_size
-
-        def put(rel: str, pieces: list[memoryview]) -> ObjectEntry:
-            chunks = chunk_digests(pieces, chunk_size)
-            digest, size = object_digest(chunks), sum(len(p) for p in pieces)
-            existing = known.get((digest, size))
-            if existing is not None:
-                return ObjectEntry(existing, size, digest, chunks)
-            self.store.write_pieces(rel, pieces)
-            return ObjectEntry(rel, size, digest, chunks)
-
         try:
             prepared.ready()
-            spans = layout.windows(prepared.total, self.settings.shard_size)
-            with self._executor() as pool:
-                objects = list(pool.map(lambda i: put(f"{commit}/shard-{i:05d}.bin", prepared.pieces(*spans[i])),
-                                        range(len(spans))))
-            objects.append(put(f"{commit}/{SKELETON_NAME}", [memoryview(prepared.skeleton)]))
+            objects = self.upload_stream(f"{commit}/", prepared.total, prepared.pieces, step)
+            stream = list(range(len(objects)))
+            objects.append(self._put(f"{commit}/{SKELETON_NAME}", [memoryview(prepared.skeleton)],
+                                     self._known if step == self._known_step else {}))
+            skeleton = len(objects) - 1
+            objects += extra or []
             manifest = Manifest(name=name, commit=commit, step=step, epoch=prepared.epoch, created=prepared.created,
-                                writer_epoch=epoch, chunk_size=chunk_size, skeleton=len(objects) - 1,
-                                stream=list(range(len(spans))), objects=objects, tensors=prepared.tensors)
+                                writer_epoch=epoch, chunk_size=self.settings.chunk_size, skeleton=skeleton,
+                                stream=stream, objects=objects, tensors=prepared.tensors,
+                                sharded=sharded(objects) if sharded is not None else None)
             # The manifest goes last: until it exists, this folder is not a checkpoint.
             self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
             entry = Entry(name=name, commit=commit, step=manifest.step, epoch=manifest.epoch,
