@@ -3,6 +3,7 @@
 from lightning_resilient.errors import (
     CheckpointCorruptedError,
     CheckpointError,
+    ShardedCheckpointError,
     StaleWriterError,
     UnsupportedFormatError,
 )
@@ -11,18 +12,21 @@ from lightning_resilient.planning import CheckpointCadence, TransferAudit
 from lightning_resilient.precision import AutoPrecision, select_precision
 from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
 from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
+from lightning_resilient.strategies import AtomicModelParallelStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationAwareScheduler",
     "AtomicCheckpointIO",
+    "AtomicModelParallelStrategy",
     "AutoPrecision",
     "CheckpointCadence",
     "CheckpointCorruptedError",
     "CheckpointError",
     "PerSampleSeeded",
     "ResumeStateCallback",
+    "ShardedCheckpointError",
     "StaleWriterError",
     "TransferAudit",
     "UnsupportedFormatError",

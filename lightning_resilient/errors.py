@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointCorruptedError",
     "CheckpointError",
+    "ShardedCheckpointError",
     "StaleWriterError",
     "UnsupportedFormatError",
 ]
@@ -50,3 +51,11 @@ class CheckpointCorruptedError(CheckpointError):
 
 class UnsupportedFormatError(CheckpointError):
     """A pointer or manifest was written by a newer lightning_resilient than the one reading it."""
+
+
+class ShardedCheckpointError(CheckpointError, ValueError):
+    """A sharded (per-rank, ``torch.distributed.checkpoint``) checkpoint was loaded the way a full one is.
+
+    Load it with :class:`~lightning_resilient.AtomicModelParallelStrategy`, or consolidate it with
+    :func:`lightning_resilient.io.sharded.load_full`.
+    """

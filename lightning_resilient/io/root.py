@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError
+from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError, StaleWriterError
 from lightning_resilient.io import layout
 from lightning_resilient.io.manifest import (
     MANIFEST_NAME,
@@ -409,9 +409,10 @@ class CheckpointRoot:
                 raise CheckpointCorruptedError(f"{url} has {size} bytes, the manifest says {obj.size}", object=url)
         return manifest
 
-    def _read_chunks(self, manifest: Manifest, index: int, sink: Callable[[int, memoryview], None]) -> list[Job]:
+    def read_chunks(self, manifest: Manifest, index: int, sink: Callable[[int, memoryview], None],
+                    only: Callable[[int, int], bool] | None = None) -> list[Job]:
         """Jobs that read object ``index`` chunk by chunk, verify each chunk and hand its pieces to ``sink``
-        (with their offset in the object)."""
+        (with their offset in the object); ``only(start, end)`` selects the chunks to read (default: all)."""
         obj = manifest.objects[index]
         url = self.store.url(obj.path)
 
@@ -436,9 +437,10 @@ class CheckpointRoot:
                                                " were corrupted", object=url)
             return got
 
-        return [functools.partial(job, j, a, b) for j, (a, b) in enumerate(manifest.chunk_ranges(index))]
+        return [functools.partial(job, j, a, b) for j, (a, b) in enumerate(manifest.chunk_ranges(index))
+                if only is None or only(a, b)]
 
-    def _run(self, jobs: list[Job], on_done: Callable[[int], None] | None = None) -> None:
+    def run(self, jobs: list[Job], on_done: Callable[[int], None] | None = None) -> None:
         """Run read jobs in parallel; the first failure cancels what has not started and is raised."""
         with self._executor() as pool:
             futures = [pool.submit(job) for job in jobs]
@@ -453,11 +455,22 @@ class CheckpointRoot:
                 raise
 
     def load(self, commit: str, *, map_location: Any, weights_only: bool | None,
-             pin_memory: bool = False) -> Loaded:
+             pin_memory: bool = False, sharded_rest: bool = False) -> Loaded:
         """Read, verify and rebuild one commit: one manifest read, then every chunk of every object in parallel,
-        scattered straight into one buffer per tensor (pinned when ``pin_memory``)."""
+        scattered straight into one buffer per tensor (pinned when ``pin_memory``).
+
+        A sharded commit holds its model and optimizer states in per-rank streams that only
+        ``torch.distributed.checkpoint`` can place: loading it here is an error unless ``sharded_rest`` asks for
+        just the rest (loops, callbacks, ...), as the sharded strategy does.
+        """
         started = time.perf_counter()
         manifest = self.read_manifest(commit)
+        if manifest.sharded is not None and not sharded_rest:
+            raise ShardedCheckpointError(
+                f"{self.store.url(commit)} is a sharded checkpoint written by {manifest.sharded['world_size']}"
+                " processes (torch.distributed.checkpoint): load it with"
+                " lightning_resilient.AtomicModelParallelStrategy (any number of processes: it reshards), or"
+                " consolidate it into one full state dict with lightning_resilient.io.sharded.load_full(url)")
         allocated: list[int] = []
 
         def allocate(n: int) -> torch.Tensor:
@@ -471,10 +484,10 @@ class CheckpointRoot:
         def to_skeleton(offset: int, piece: memoryview) -> None:
             skeleton_buf[offset : offset + len(piece)] = piece
 
-        jobs = self._read_chunks(manifest, manifest.skeleton, to_skeleton)
+        jobs = self.read_chunks(manifest, manifest.skeleton, to_skeleton)
         for index, start in zip(manifest.stream, manifest.stream_offsets()):
-            jobs += self._read_chunks(manifest, index, functools.partial(_shifted, scatter.write, start))
-        self._run(jobs)
+            jobs += self.read_chunks(manifest, index, functools.partial(_shifted, scatter.write, start))
+        self.run(jobs)
         skeleton_url = self.store.url(skeleton_obj.path)
         try:
             skeleton = layout.load_skeleton(bytes(skeleton_buf), weights_only=weights_only,
@@ -515,8 +528,8 @@ class CheckpointRoot:
         manifest = self.read_manifest(commit)
         jobs: list[Job] = []
         for index in range(len(manifest.objects)):
-            jobs += self._read_chunks(manifest, index, _discard_piece)
-        self._run(jobs, progress)
+            jobs += self.read_chunks(manifest, index, _discard_piece)
+        self.run(jobs, progress)
         return manifest
 
     def remember_loaded(self, loaded: Loaded) -> None:

@@ -1,0 +1,336 @@
+"""Sharded checkpoints (``torch.distributed.checkpoint``) in the atomic layout.
+
+With FSDP2 / tensor parallelism every rank holds only its shards of the model and optimizer, and writes them
+itself. :class:`AtomicStorageWriter` and :class:`AtomicStorageReader` are DCP storage plugins that put those
+shards into one commit folder of a checkpoint root, as the rest of this package does:
+
+- every rank uploads its own tensor stream (raw bytes, cut into objects, chunk digests) into the same commit
+  folder, named by the coordinator;
+- only after DCP has collected every rank's results does the coordinator write DCP's metadata, the non-sharded
+  rest of the checkpoint (loops, callbacks, ...), the manifest (last) and move the pointer: a rank that crashes
+  mid-save leaves a folder without a manifest, and the previous checkpoint stays latest;
+- loading verifies every chunk it reads, and reads only the chunks its rank needs; DCP reshards, so a
+  checkpoint written by N processes loads into M.
+
+DCP's metadata (shapes, chunk layout) is pickled, as DCP itself stores it; tensor bytes never are.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import time
+from collections.abc import Callable
+from torch.futures import Future
+from dataclasses import asdict, replace
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
+from lightning_resilient.io import _paths, layout
+from lightning_resilient.io.manifest import Manifest, ObjectEntry
+from lightning_resilient.io.root import CheckpointRoot
+
+__all__ = ["AtomicStorageReader", "AtomicStorageWriter", "load_full", "load_sharded", "own_error", "root_and_name",
+           "save_sharded"]
+
+METADATA_NAME = "dcp.metadata"
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+class AtomicStorageWriter(StorageWriter):
+    """A DCP storage writer that commits into the checkpoint root of ``path`` (``<root>/<name>``).
+
+    Args:
+        root: the checkpoint root, as :meth:`AtomicCheckpointIO.root` returns it (one per process).
+        name: the checkpoint's name in the root (``epoch=1-step=500.ckpt``).
+        rest: on the coordinator, the part of the checkpoint that is not sharded (saved like a normal
+            checkpoint alongside the shards); ignored on other ranks.
+    """
+
+    def __init__(self, root: CheckpointRoot, name: str, rest: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.root = root
+        self.name = name
+        self.rest = rest if rest is not None else {}
+        self.is_coordinator = False
+        self.commit: str | None = None
+        self.entry: Any = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.commit = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.root.store.url(self.name))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The coordinator names the commit folder (claiming the root if it has not) and tells every rank.
+        commit = self.root.new_commit(self.name, time.time())
+        return [replace(plan, storage_data={"commit": commit, "rank": i}) for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.commit, rank = plan.storage_data["commit"], plan.storage_data["rank"]
+        slots: list[layout.TensorSlot] = []
+        kinds: list[str] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = bytes(data.getbuffer()) if isinstance(data, io.BytesIO) else bytes(data)
+                tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                kinds.append("bytes")
+            else:
+                tensor = data.detach()
+                kinds.append("tensor")
+            slots.append(layout.TensorSlot([["s", str(item.index.fqn)]], tensor, str(tensor.device)))
+        total = layout.plan(slots)
+        sources = layout.host_sources(slots)
+        objects = self.root.upload_stream(f"{self.commit}/r{rank:05d}-", total,
+                                          lambda a, b: layout.gather(slots, sources, a, b))
+        results = [WriteResult(index=item.index, size_in_bytes=slot.nbytes,
+                               storage_data={"rank": rank, "offset": slot.offset, "nbytes": slot.nbytes,
+                                             "kind": kind, "dtype": layout.dtype_name(slot.tensor.dtype),
+                                             "shape": list(slot.tensor.shape)})
+                   for item, slot, kind in zip(plan.items, slots, kinds)]
+        if results:  # the coordinator needs every rank's objects for the manifest: they ride on the results
+            results[0].storage_data["objects"] = [asdict(o) for o in objects]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        commit = self.commit  # the coordinator wrote its own shards too, into the folder it named
+        assert commit is not None, "finish() before write_data()"
+        world_size = len(results)
+        rank_objects: list[list[ObjectEntry]] = [[] for _ in range(world_size)]
+        storage: dict[MetadataIndex, Any] = {}
+        for wr_list in results:
+            for wr in wr_list:
+                data = dict(wr.storage_data)
+                found = data.pop("objects", None)
+                if found is not None:
+                    rank_objects[data["rank"]] = [ObjectEntry(**o) for o in found]
+                storage[wr.index] = data
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        meta = self.root._put(f"{commit}/{METADATA_NAME}", [memoryview(pickle.dumps(metadata))], {})
+        extra = [o for objs in rank_objects for o in objs] + [meta]
+
+        def record(objects: list[ObjectEntry]) -> dict[str, Any]:
+            first = len(objects) - len(extra)
+            ranks, i = [], first
+            for objs in rank_objects:
+                ranks.append(list(range(i, i + len(objs))))
+                i += len(objs)
+            return {"world_size": world_size, "metadata": i, "ranks": ranks}
+
+        prepared = self.root.prepare(self.rest, self.name)
+        self.entry = self.root.commit(prepared, commit=commit, extra=extra, sharded=record)
+
+
+class AtomicStorageReader(StorageReader):
+    """A DCP storage reader over one committed sharded checkpoint (``commit`` in ``root``)."""
+
+    def __init__(self, root: CheckpointRoot, commit: str) -> None:
+        super().__init__()
+        self.root = root
+        self.commit = commit
+        self.manifest: Manifest | None = None
+        self.storage_data: dict[MetadataIndex, Any] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        manifest = self.root.read_manifest(self.commit)
+        if manifest.sharded is None:
+            raise CheckpointCorruptedError(f"{self.root.store.url(self.commit)} is not a sharded checkpoint",
+                                           object=self.root.store.url(self.commit))
+        self.manifest = manifest
+        index = manifest.sharded["metadata"]
+        buf = bytearray(manifest.objects[index].size)
+
+        def sink(offset: int, piece: memoryview) -> None:
+            buf[offset : offset + len(piece)] = piece
+
+        self.root.run(self.root.read_chunks(manifest, index, sink))
+        metadata = pickle.loads(bytes(buf))  # verified bytes, written by our own finish()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointCorruptedError(f"{self.root.store.url(manifest.objects[index].path)} is not DCP metadata",
+                                           object=self.root.store.url(manifest.objects[index].path))
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        if self.manifest is None:  # DCP reads the metadata on the coordinator only, then broadcasts it
+            self.manifest = self.root.read_manifest(self.commit)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        manifest = self.manifest
+        assert manifest is not None and manifest.sharded is not None
+        unique: dict[tuple[int, int], dict[str, Any]] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            unique.setdefault((info["rank"], info["offset"]), info)
+        keys = sorted(unique)
+        buffers: dict[tuple[int, int], torch.Tensor] = {}
+        jobs = []
+        for rank in sorted({r for r, _ in keys}):
+            mine = [k for k in keys if k[0] == rank]
+            extents = [(offset, unique[(rank, offset)]["nbytes"]) for _, offset in mine]
+            scatter = layout.Scatter(extents, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+            buffers.update({k: b for k, b in zip(mine, scatter.buffers)})
+            for index, start in zip(manifest.sharded["ranks"][rank], manifest.rank_offsets(rank)):
+                def wanted(a: int, b: int, start: int = start, extents: list[tuple[int, int]] = extents) -> bool:
+                    # Only the chunks holding bytes this rank asked for: a resharded load reads its part only.
+                    return any(o < start + b and start + a < o + n for o, n in extents if n)
+
+                sink = _shifted(scatter.write, start)
+                jobs += self.root.read_chunks(manifest, index, sink, only=wanted)
+        self.root.run(jobs)
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            buffer = buffers[(info["rank"], info["offset"])]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(buffer.numpy().tobytes()))
+                continue
+            tensor = layout.tensor_view(buffer, layout.parse_dtype(info["dtype"]), info["shape"])
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CheckpointCorruptedError(f"{req.storage_index.fqn}: stored chunk {tuple(tensor.size())} does not"
+                                               f" fit the requested {tuple(target.size())}",
+                                               object=self.root.store.url(self.commit))
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+
+def _shifted(write: Callable[[int, memoryview], None], start: int) -> Callable[[int, memoryview], None]:
+    return lambda offset, piece: write(start + offset, piece)
+
+
+def own_error(exc: BaseException) -> CheckpointError | None:
+    """Our own error inside DCP's ``CheckpointException`` (which wraps every rank's failure), if there is one.
+
+    DCP shares each rank's failure with all ranks, so every rank finds the same error here.
+    """
+    if isinstance(exc, CheckpointError):
+        return exc
+    for wrapped in getattr(exc, "failures", {}).values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, CheckpointError):
+            return inner
+    return None
+
+
+def save_sharded(state: dict[str, Any], root: CheckpointRoot, name: str, rest: dict[str, Any] | None = None,
+                 **dcp_kwargs: Any) -> Any:
+    """Save ``state`` (DTensors / sharded tensors per rank) as checkpoint ``name`` of ``root``; every rank calls.
+
+    Returns the committed :class:`~lightning_resilient.io.pointer.Entry` on the coordinator, None elsewhere.
+    Raises our own errors (a ``StaleWriterError``, ...) as they are, on every rank, rather than DCP's wrapper.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    writer = AtomicStorageWriter(root, name, rest)
+    try:
+        dcp.save(state, storage_writer=writer, **dcp_kwargs)
+    except BaseException as exc:
+        own = own_error(exc)
+        if own is None or own is exc:
+            raise
+        raise own from exc
+    return writer.entry
+
+
+def load_sharded(state: dict[str, Any], root: CheckpointRoot, commit: str, **dcp_kwargs: Any) -> None:
+    """Load ``commit`` into ``state`` in place (DCP: any number of processes, resharded as needed).
+
+    A damaged chunk raises :class:`~lightning_resilient.CheckpointCorruptedError` naming the object.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, storage_reader=AtomicStorageReader(root, commit), **dcp_kwargs)
+    except BaseException as exc:
+        own = own_error(exc)
+        if own is None or own is exc:
+            raise
+        raise own from exc
+
+
+def load_full(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Consolidate a sharded checkpoint into one process: full tensors, no process group needed.
+
+    ``url`` is a checkpoint root (its latest), a name in it, or a commit folder. Returns the checkpoint's rest
+    (loops, callbacks, ...) with every sharded key (``state_dict``, ``optimizer_0``, ...) as full, unsharded
+    tensors in DCP's fully-qualified-name layout.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _normalize, _resolve
+
+    io_ = AtomicCheckpointIO(storage_options=storage_options, claim_on_load=False)
+    found = _resolve(_normalize(url), lambda u: io_.root(u))
+    if found is None:
+        raise ValueError(f"{url} is a plain file, not a lightning_resilient checkpoint")
+    root, entry, _ = found
+    rest = root.load(entry.commit, map_location=None, weights_only=None, sharded_rest=True).checkpoint
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=AtomicStorageReader(root, entry.commit),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return {**rest, **state}
+
+
+def root_and_name(io_: Any, path: str) -> tuple[CheckpointRoot, str]:
+    """The root and checkpoint name of a save path ``<root>/<name>``."""
+    from lightning_resilient.io.checkpoint_io import _normalize
+
+    url = _normalize(path)
+    name = _paths.basename(url)
+    if not name:
+        raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")
+    return io_.root(_paths.dirname(url)), name
+

@@ -1,0 +1,109 @@
+"""A sharded (FSDP2 via ModelParallelStrategy) training job on CPU processes, for tests/io/test_sharded.py.
+
+Run: python sharded_child.py ROOT OUT JSON_OPTIONS. Options: devices, max_steps, every (checkpoint cadence),
+storage_options, die (``[rank, step]``: that rank SIGKILLs itself after storing its first object of that step's
+save). Resumes from ROOT when it holds a checkpoint. Prints ``SAVED <step>`` after each save (rank 0) and
+``DYING <rank>``; writes per-step losses (``OUT.losses``) and the final full weights (``OUT.weights``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from lightning_resilient import (  # noqa: E402
+    AtomicCheckpointIO,
+    AtomicModelParallelStrategy,
+    ResumeStateCallback,
+    find_latest_checkpoint,
+)
+
+
+class Net(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                       torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+    def configure_model(self) -> None:
+        from torch.distributed._composable.fsdp import fully_shard
+
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x + 0.01 * torch.randn_like(x)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+class Record(Callback):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 0:
+            with open(self.out + ".losses", "a") as f:
+                f.write(f"{trainer.global_step} {outputs['loss'].item()!r}\n")
+
+
+class Announcing(AtomicModelParallelStrategy):
+    def __init__(self, die: list[int] | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.die = die
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        step = checkpoint["global_step"]
+        if self.die and self.global_rank == self.die[0] and step == self.die[1]:
+            store = self.checkpoint_io.root(os.path.dirname(str(filepath))).store
+            write = store.write_pieces
+
+            def write_then_die(rel: str, pieces: Any) -> None:
+                write(rel, pieces)
+                print(f"DYING {self.global_rank}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            store.write_pieces = write_then_die  # type: ignore[method-assign]
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.global_rank == 0:
+            print(f"SAVED {step}", flush=True)
+
+
+def main(root: str, out: str, options: dict[str, Any]) -> None:
+    torch.manual_seed(7)
+    x = torch.randn(64, 8)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    storage_options = options.get("storage_options") or {}
+    devices = options["devices"]
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, max_steps=options["max_steps"], logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        strategy=Announcing(options.get("die"), data_parallel_size=devices, tensor_parallel_size=1),
+        plugins=[AtomicCheckpointIO(storage_options=storage_options)],
+        callbacks=[ResumeStateCallback(), Record(out),
+                   ModelCheckpoint(dirpath=root, every_n_train_steps=options["every"], save_top_k=-1)])
+    trainer.fit(Net(), loader, ckpt_path=find_latest_checkpoint(root, storage_options))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
+    if trainer.global_rank == 0:
+        torch.save({k: v.clone() for k, v in full.items()}, out + ".weights")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

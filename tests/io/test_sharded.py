@@ -1,0 +1,189 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) in the atomic layout.
+
+In-process: the DCP storage writer/reader on every store (one process, no process group). Subprocesses (2 gloo
+processes, FSDP2 through AtomicModelParallelStrategy): bit-exact resume through a kill, a rank killed mid-save
+keeps the previous checkpoint latest, resharding from 2 processes to 1, and S3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, ShardedCheckpointError
+from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.sharded import AtomicStorageReader, load_full, load_sharded, root_and_name, save_sharded
+
+from ..conftest import Backend
+from .helpers import make_io, read_pointer
+
+CHILD = Path(__file__).with_name("sharded_child.py")
+
+
+def sharded_state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"state_dict": {"w": torch.randn(300, 7, generator=g), "b": torch.randn(7, generator=g).double()},
+            "optimizer_0": {"state": {"w": {"exp_avg": torch.randn(300, 7, generator=g), "step": torch.tensor(3.0)}},
+                            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}]}}
+
+
+def zeros_like(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: zeros_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zeros_like(v) for v in state]
+    return state
+
+
+def test_sharded_roundtrip_consolidation_and_corruption(backend):
+    io = make_io(backend, shard_size=2048, chunk_size=1024)
+    root, name = root_and_name(io, backend.url("epoch=0-step=3.ckpt"))
+    state = sharded_state()
+    rest = {"global_step": 3, "epoch": 0, "loops": {"x": 1}, "rng": torch.arange(5)}
+    entry = save_sharded(state, root, name, rest=rest, no_dist=True)
+    assert read_pointer(backend).latest.commit == entry.commit
+    target = zeros_like(state)
+    target["optimizer_0"]["param_groups"] = [{"lr": 0.0, "betas": (0.0, 0.0), "params": ["w"]}]
+    load_sharded(target, root, entry.commit, no_dist=True)
+    assert torch.equal(target["state_dict"]["w"], state["state_dict"]["w"])
+    assert torch.equal(target["state_dict"]["b"], state["state_dict"]["b"])
+    assert torch.equal(target["optimizer_0"]["state"]["w"]["exp_avg"], state["optimizer_0"]["state"]["w"]["exp_avg"])
+    assert target["optimizer_0"]["param_groups"][0]["lr"] == 0.1
+    full = load_full(backend.root, backend.storage_options)
+    assert full["global_step"] == 3 and torch.equal(full["rng"], rest["rng"])
+    assert torch.equal(full["state_dict"]["w"], state["state_dict"]["w"])
+    # A plain load cannot place per-rank shards: a clear error, not a silently partial checkpoint.
+    with pytest.raises(ShardedCheckpointError, match="AtomicModelParallelStrategy"):
+        make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
+    # Every chunk a load reads is verified.
+    shard = next(p for p in backend.fs().find(backend.path(entry.commit)) if "/r00000-shard-" in p)
+    data = bytearray(backend.fs().cat_file(shard))
+    data[100] ^= 1
+    backend.fs().pipe_file(shard, bytes(data))
+    with pytest.raises(CheckpointCorruptedError, match="blake3 checksum") as info:
+        load_sharded(zeros_like(state), root, entry.commit, no_dist=True)
+    assert info.value.object == backend.url(f"{entry.commit}/r00000-shard-00000.bin")
+    io.teardown()
+
+
+def test_a_partial_load_reads_only_the_chunks_it_needs(local_backend):
+    io = make_io(local_backend, shard_size=4096, chunk_size=1024)
+    root, name = root_and_name(io, local_backend.url("a.ckpt"))
+    state = sharded_state()
+    entry = save_sharded(state, root, name, no_dist=True)
+    reads: list[tuple[str, int]] = []
+    original = root.store.read_range
+
+    def counting(rel: str, start: int, end: int, consume: Any) -> Any:
+        reads.append((rel, start))
+        return original(rel, start, end, consume)
+
+    root.store.read_range = counting  # type: ignore[method-assign]
+    only_b = {"state_dict": {"b": torch.zeros(7, dtype=torch.float64)}}
+    load_sharded(only_b, root, entry.commit, no_dist=True)
+    assert torch.equal(only_b["state_dict"]["b"], state["state_dict"]["b"])
+    manifest = root.read_manifest(entry.commit)
+    total_chunks = sum(len(manifest.objects[i].chunks) for i in manifest.sharded["ranks"][0])
+    data_reads = [r for r in reads if "/r00000-" in r[0]]
+    assert 1 <= len(data_reads) <= 2 < total_chunks  # the 56 bytes of "b", not the whole stream
+    io.teardown()
+
+
+# -- real processes ------------------------------------------------------------------------------------------------
+
+def launch(root: str, out: Path, options: dict[str, Any], *, kill_after: int | None = None,
+           env: dict[str, str] | None = None) -> str:
+    """Run the child; with ``kill_after``, SIGKILL every process of the job once rank 0 saved that step."""
+    proc = subprocess.Popen([sys.executable, str(CHILD), root, str(out), json.dumps(options)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    with open(str(out) + ".losses", "a") as f:
+        f.write("START\n")
+    assert proc.stdout is not None
+    lines = []
+    if kill_after is not None or options.get("die"):
+        want = f"SAVED {kill_after}" if kill_after is not None else f"DYING {options['die'][0]}"
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == want:
+                if options.get("die"):
+                    time.sleep(1.0)  # the dead rank's peers fail in (or hang on) DCP's collective: end them too
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                break
+        proc.wait(timeout=120)
+        assert proc.returncode != 0, "".join(lines)[-2000:]  # killed, or failed when its peer died
+        assert want in "".join(lines), "".join(lines)[-2000:]
+        return "".join(lines)
+    out_text, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-4000:]
+    return out_text
+
+
+def losses(out: Path) -> list[list[str]]:
+    runs: list[list[str]] = []
+    for line in Path(str(out) + ".losses").read_text().splitlines():
+        if line == "START":
+            runs.append([])
+        else:
+            runs[-1].append(line)
+    return runs
+
+
+BASE = {"devices": 2, "max_steps": 6, "every": 2}
+
+
+@pytest.mark.slow
+def test_sharded_training_resumes_bit_exact_through_a_kill(tmp_path):
+    launch(str(tmp_path / "full"), tmp_path / "full", BASE)
+    launch(str(tmp_path / "part"), tmp_path / "part", BASE, kill_after=4)
+    launch(str(tmp_path / "part"), tmp_path / "part", BASE)
+    full, part = torch.load(str(tmp_path / "full") + ".weights"), torch.load(str(tmp_path / "part") + ".weights")
+    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+    resumed = losses(tmp_path / "part")[-1]
+    assert resumed and losses(tmp_path / "full")[0][-len(resumed):] == resumed
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_keeps_the_last_checkpoint_and_resumes_on_one_process(tmp_path):
+    root = str(tmp_path / "root")
+    launch(root, tmp_path / "run", {**BASE, "die": [1, 4]})  # rank 1 dies inside the step-4 save
+    assert read_pointer(Backend("local", root)).latest.step == 2
+    partial = [p for p in Path(root, "epoch=0-step=4.ckpt").rglob("*") if p.is_file()]
+    assert any("r00001-" in p.name for p in partial), "rank 1 stored part of its shards before it died"
+    assert not any(p.name == MANIFEST_NAME for p in partial)
+    # Resharding: the 2-process checkpoint of step 2 resumes on one process and trains on to step 6.
+    launch(root, tmp_path / "run", {**BASE, "devices": 1})
+    final = torch.load(str(tmp_path / "run") + ".weights")
+    consolidated = load_full(root)  # the step-6 checkpoint, written by one process, as full tensors
+    assert consolidated["global_step"] == 6
+    assert all(torch.equal(consolidated["state_dict"][k], final[k]) for k in final)
+    step2 = load_full(f"{root}/epoch=0-step=2.ckpt")
+    assert step2["global_step"] == 2 and set(step2["state_dict"]) == set(final)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_on_s3(s3_backend, tmp_path):
+    options = {**BASE, "max_steps": 4, "storage_options": s3_backend.storage_options}
+    launch(s3_backend.root, tmp_path / "s3", options, env={"AWS_ENDPOINT_URL": s3_backend.endpoint})
+    pointer = read_pointer(s3_backend)
+    assert pointer.latest.step == 4
+    manifest = AtomicCheckpointIO(storage_options=s3_backend.storage_options).root(s3_backend.root).read_manifest(
+        pointer.latest.commit)
+    assert manifest.sharded["world_size"] == 2 and all(manifest.sharded["ranks"])
+    final = torch.load(str(tmp_path / "s3") + ".weights")
+    consolidated = load_full(s3_backend.root, s3_backend.storage_options)
+    assert all(torch.equal(consolidated["state_dict"][k], final[k]) for k in final)
