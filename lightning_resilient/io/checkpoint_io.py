@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -22,8 +24,9 @@ from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import CheckpointRoot, LoadStats, RootSettings, _int, commit_time
-from lightning_resilient.io.store import Store, open_store
+from lightning_resilient.io.node_cache import NodeCache
+from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, _int, commit_time
+from lightning_resilient.io.store import LocalStore, MemoryStore, Store, open_store
 
 __all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "repair_pointer"]
 
@@ -71,6 +74,10 @@ class AtomicCheckpointIO(CheckpointIO):
             committed.
         pin_memory: use page-locked host memory for the async snapshot buffer and for loads onto a CUDA device
             (faster, non-blocking copies). None: when CUDA is available. True requires CUDA.
+        node_cache: under ``torch.distributed`` with an object store (S3, GCS, ...), the first process of a node
+            to load a checkpoint reads it from the store and keeps a verified copy on node-local disk, which the
+            node's other processes load: a resume reads the store once per node, not once per rank.
+        node_cache_dir: where that copy goes (one checkpoint at a time); default: the system's temp folder.
         orphan_grace_seconds: folders of crashed saves (no manifest, not referenced by the pointer) are
             deleted once older than this, as are incomplete multipart uploads; younger ones may be saves in
             progress.
@@ -93,6 +100,8 @@ class AtomicCheckpointIO(CheckpointIO):
         max_concurrency: int = 8,
         async_save: bool = False,
         pin_memory: bool | None = None,
+        node_cache: bool = True,
+        node_cache_dir: str | None = None,
         orphan_grace_seconds: float = 3600.0,
         fallback_on_corruption: bool = True,
         claim_on_load: bool = True,
@@ -115,7 +124,7 @@ class AtomicCheckpointIO(CheckpointIO):
                 or orphan_grace_seconds < 0:
             raise ValueError(f"orphan_grace_seconds must be a number >= 0, got {orphan_grace_seconds!r}")
         for flag, value in (("fallback_on_corruption", fallback_on_corruption), ("claim_on_load", claim_on_load),
-                            ("async_save", async_save)):
+                            ("async_save", async_save), ("node_cache", node_cache)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
         if pin_memory is not None and not isinstance(pin_memory, bool):
@@ -134,6 +143,10 @@ class AtomicCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._async = AsyncSaver(pin_memory=self.pin_memory) if async_save else None
+        if node_cache_dir is not None and not isinstance(node_cache_dir, str):
+            raise TypeError(f"node_cache_dir must be a local folder path or None, got {node_cache_dir!r}")
+        self.node_cache = node_cache
+        self.node_cache_dir = node_cache_dir or os.path.join(tempfile.gettempdir(), "lightning_resilient-node-cache")
         #: Timings of the most recent saves (what the training loop was blocked for, waits, uploads).
         self.save_stats: deque[SaveStats] = deque(maxlen=1000)
         #: What the most recent load read and allocated.
@@ -183,6 +196,20 @@ class AtomicCheckpointIO(CheckpointIO):
             stats.committed = True
         stats.blocked = time.perf_counter() - started
 
+    def _loader(self, root: CheckpointRoot) -> Callable[..., Loaded]:
+        """How this process reads a commit of ``root``: through the node cache when several processes share it."""
+        shared = (self.node_cache and not isinstance(root.store, (LocalStore, MemoryStore))
+                  and torch.distributed.is_available() and torch.distributed.is_initialized()
+                  and torch.distributed.get_world_size() > 1)
+        if not shared:
+            return root.load
+        cache = NodeCache(self.node_cache_dir)
+
+        def local_root(path: str) -> CheckpointRoot:
+            return CheckpointRoot(open_store(path, {}, self.retry), self.settings, self._executor)
+
+        return lambda commit, **kwargs: cache.load(root, commit, local_root, **kwargs)
+
     def save_stats_for(self, name: str, checkpoint: dict[str, Any]) -> SaveStats:
         stats = SaveStats(name=name, step=_int(checkpoint.get("global_step")))
         self.save_stats.append(stats)
@@ -200,7 +227,7 @@ class AtomicCheckpointIO(CheckpointIO):
             return _load_plain_file(url, self._options(None), map_location, weights_only)
         root, entry, fallbacks = found
         loaded = _load_with_fallback(root, entry, fallbacks if self.settings.fallback_on_corruption else [],
-                                     map_location=map_location, weights_only=weights_only,
+                                     load=self._loader(root), map_location=map_location, weights_only=weights_only,
                                      pin_memory=self.pin_memory and _targets_cuda(map_location))
         self.last_load = loaded.stats
         if self.claim_on_load and _global_rank() == 0 and root.epoch is None:
@@ -348,13 +375,14 @@ def _targets_cuda(map_location: Any) -> bool:
 
 
 def _load_with_fallback(root: CheckpointRoot, entry: Entry, fallbacks: list[Entry], *, map_location: Any,
-                        weights_only: bool | None, pin_memory: bool = False) -> Any:
+                        weights_only: bool | None, pin_memory: bool = False,
+                        load: Callable[..., Loaded] | None = None) -> Any:
     first_error: CheckpointCorruptedError | None = None
     tried: list[str] = []
     for candidate in [entry, *fallbacks]:
         try:
-            loaded = root.load(candidate.commit, map_location=map_location, weights_only=weights_only,
-                               pin_memory=pin_memory)
+            loaded = (load or root.load)(candidate.commit, map_location=map_location, weights_only=weights_only,
+                                         pin_memory=pin_memory)
         except CheckpointCorruptedError as exc:
             first_error = first_error or exc
             tried.append(root.store.url(candidate.commit))

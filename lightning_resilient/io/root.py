@@ -455,13 +455,15 @@ class CheckpointRoot:
                 raise
 
     def load(self, commit: str, *, map_location: Any, weights_only: bool | None,
-             pin_memory: bool = False, sharded_rest: bool = False) -> Loaded:
+             pin_memory: bool = False, sharded_rest: bool = False,
+             tee: Callable[[str, int, memoryview], None] | None = None) -> Loaded:
         """Read, verify and rebuild one commit: one manifest read, then every chunk of every object in parallel,
         scattered straight into one buffer per tensor (pinned when ``pin_memory``).
 
         A sharded commit holds its model and optimizer states in per-rank streams that only
         ``torch.distributed.checkpoint`` can place: loading it here is an error unless ``sharded_rest`` asks for
-        just the rest (loops, callbacks, ...), as the sharded strategy does.
+        just the rest (loops, callbacks, ...), as the sharded strategy does. ``tee(path, offset, piece)`` also
+        receives every byte read (the node cache keeps a copy with it).
         """
         started = time.perf_counter()
         manifest = self.read_manifest(commit)
@@ -484,9 +486,20 @@ class CheckpointRoot:
         def to_skeleton(offset: int, piece: memoryview) -> None:
             skeleton_buf[offset : offset + len(piece)] = piece
 
-        jobs = self.read_chunks(manifest, manifest.skeleton, to_skeleton)
+        def teed(index: int, sink: Callable[[int, memoryview], None]) -> Callable[[int, memoryview], None]:
+            if tee is None:
+                return sink
+            path = manifest.objects[index].path
+
+            def both(offset: int, piece: memoryview) -> None:
+                sink(offset, piece)
+                tee(path, offset, piece)
+
+            return both
+
+        jobs = self.read_chunks(manifest, manifest.skeleton, teed(manifest.skeleton, to_skeleton))
         for index, start in zip(manifest.stream, manifest.stream_offsets()):
-            jobs += self.read_chunks(manifest, index, functools.partial(_shifted, scatter.write, start))
+            jobs += self.read_chunks(manifest, index, teed(index, functools.partial(_shifted, scatter.write, start)))
         self.run(jobs)
         skeleton_url = self.store.url(skeleton_obj.path)
         try:

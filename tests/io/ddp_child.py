@@ -1,7 +1,11 @@
-"""A 2-process DDP (gloo, CPU) job for the DDP test: python ddp_child.py ROOT MAX_STEPS."""
+"""A 2-process DDP (gloo, CPU) job for the DDP test: python ddp_child.py ROOT MAX_STEPS [JSON_IO_OPTIONS].
+
+JSON_IO_OPTIONS are AtomicCheckpointIO arguments (storage_options, shard_size, node_cache, node_cache_dir).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -32,13 +36,14 @@ class Report(Callback):
         print(f"END rank={trainer.global_rank} step={trainer.global_step} weight_sum={w!r}", flush=True)
 
 
-def main(root: str, max_steps: int) -> None:
+def main(root: str, max_steps: int, io_options: dict[str, Any]) -> None:
     torch.manual_seed(0)
     trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=max_steps, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, plugins=[CountingIO()],
+                      enable_progress_bar=False, enable_model_summary=False, plugins=[CountingIO(**io_options)],
                       callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1), Report()])
-    trainer.fit(TinyModel(), tiny_loader(n=128), ckpt_path=find_latest_checkpoint(root))
+    trainer.fit(TinyModel(), tiny_loader(n=128),
+                ckpt_path=find_latest_checkpoint(root, io_options.get("storage_options")))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})

@@ -7,21 +7,28 @@ The job runs in subprocesses: DDP must never run inside pytest.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
+from urllib.parse import unquote
 from pathlib import Path
 
 import pytest
+
+from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.testing import StoreProxy
 
 from .helpers import read_pointer
 
 CHILD = Path(__file__).with_name("ddp_child.py")
 
 
-def run(root: str, max_steps: int) -> str:
-    proc = subprocess.run([sys.executable, str(CHILD), root, str(max_steps)], capture_output=True, text=True,
-                          timeout=240, start_new_session=True)
+def run(root: str, max_steps: int, io_options: dict | None = None, env: dict | None = None) -> str:
+    proc = subprocess.run([sys.executable, str(CHILD), root, str(max_steps), json.dumps(io_options or {})],
+                          capture_output=True, text=True, timeout=240, start_new_session=True,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -46,3 +53,33 @@ def test_ddp_commits_once_on_rank_zero_and_resumes_every_rank(local_backend):
     pointer = read_pointer(local_backend)
     assert pointer.writer_epoch == 2, "each job claims once, not once per rank"
     assert pointer.latest.step == 8 and len(pointer.checkpoints) == 4
+
+
+@pytest.mark.slow
+def test_a_ddp_resume_reads_the_store_once_per_node(s3_backend, tmp_path):
+    """Both ranks resume; only the first on the node reads the data from the store, the other its local copy."""
+    with StoreProxy(s3_backend.endpoint) as proxy:
+        options = {"storage_options": {"client_kwargs": {"endpoint_url": proxy.url}}, "shard_size": 1024,
+                   "node_cache_dir": str(tmp_path / "node-cache")}
+        env = {"AWS_ENDPOINT_URL": proxy.url}  # ModelCheckpoint lists the dirpath with its own client
+        run(s3_backend.root, 4, options, env)
+        resumed = read_pointer(s3_backend).latest.commit
+        manifest = json.loads(s3_backend.fs().cat_file(s3_backend.path(f"{resumed}/{MANIFEST_NAME}")))["body"]
+        chunks = sum(len(o["chunks"]) for o in manifest["objects"])
+        assert chunks >= 3
+
+        def data_reads() -> int:
+            paths = [unquote(p.split("?")[0]) for m, p in proxy.requests if m == "GET"]
+            return sum(1 for p in paths if f"/{resumed}/" in p and not p.endswith(MANIFEST_NAME))
+
+        proxy.requests.clear()
+        out = run(s3_backend.root, 6, options, env)
+        assert dict(re.findall(r"START rank=(\d) pid=\d+ step=(\d+)", out)) == {"0": "4", "1": "4"}
+        assert data_reads() == chunks  # once for the node, not once per rank
+
+        # The mechanism matters: without the node cache every rank reads everything.
+        proxy.requests.clear()
+        resumed = read_pointer(s3_backend).latest.commit
+        run(s3_backend.root, 8, {**options, "node_cache": False}, env)
+        manifest = json.loads(s3_backend.fs().cat_file(s3_backend.path(f"{resumed}/{MANIFEST_NAME}")))["body"]
+        assert data_reads() == 2 * sum(len(o["chunks"]) for o in manifest["objects"])
