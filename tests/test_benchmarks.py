@@ -42,3 +42,35 @@ def test_checkpoint_io_benchmark_smoke(tmp_path):
     text = bench.main(["--sizes", "4", "--runs", "1", "--stores", "s3-latency", "--methods", "raw", "ours-async",
                        "--latency", "0.01", "--out", str(out)])
     assert "| s3-latency | ours-async |" in text
+
+
+@pytest.mark.slow
+def test_scaling_benchmark_smoke(tmp_path):
+    from lightning_resilient.planning import SCALING_SCHEMA, load_scaling
+
+    bench = load("scaling")
+    # The GPU path's decisions, fed GPU facts (CI has no GPU).
+    assert bench.default_world_sizes(8) == [1, 2, 4, 8] and bench.default_world_sizes(6) == [1, 2, 4, 6]
+    assert bench.launched_world({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == (8, 2)
+    assert bench.launched_world({"SLURM_NTASKS": "32", "SLURM_NNODES": "4"}) == (8, 4)
+    assert bench.launched_world({}) is None
+    gpu = bench.trainer_kwargs({"device": "cuda", "devices": 8, "num_nodes": 2, "precision": "bf16-mixed",
+                                "warmup": 2, "steps": 3, "accumulate": 4})
+    assert (gpu["accelerator"], gpu["strategy"], gpu["max_steps"]) == ("gpu", "ddp", 5)
+
+    out = tmp_path / "scaling"
+    text = bench.main(["--device", "cpu", "--world-sizes", "1", "2", "--steps", "4", "--warmup", "1",
+                       "--every-n-steps", "2", "--out", str(out)])
+    doc = json.loads((tmp_path / "scaling.json").read_text())
+    assert doc["schema"] == SCALING_SCHEMA and set(doc) == {"schema", "model", "machine", "results"}
+    assert [r["world_size"] for r in doc["results"]] == [1, 2]
+    assert [r["global_batch"] for r in doc["results"]] == [16, 32]
+    for r in doc["results"]:
+        assert r["throughput_samples_per_s"] > 0 and r["step_seconds"] > 0 and r["load_seconds"] > 0
+        assert r["save_seconds"] > 0 and 0 < r["checkpoint_overhead_fraction"] < 1 and r["saves"] == 2
+    assert doc["results"][0]["scaling_efficiency"] == 1.0
+    assert doc["results"][1]["cluster_environment"] == "LightningEnvironment"  # two ranks, started by Lightning
+    assert "| 1 | 16 |" in text and "| 2 | 32 |" in text and doc["machine"] in text
+    options = load_scaling(tmp_path / "scaling.json", price_per_gpu_hour=2.0, samples_to_target=10_000)
+    assert [o.gpus for o in options] == [1, 2]
+    assert (tmp_path / "scaling.png").stat().st_size > 0
