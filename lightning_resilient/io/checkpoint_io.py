@@ -60,9 +60,10 @@ class AtomicCheckpointIO(CheckpointIO):
         storage_options: fsspec options for the store (credentials, endpoint, ...); Lightning passes none.
         keep_last: keep only the N newest committed checkpoints (None keeps all that Lightning keeps). The
             pointer's target and the checkpoint this job resumed from are never deleted.
-        shard_size: bytes per stored object of tensor data: the tensors' bytes form one stream, cut into objects
-            of this size (a big tensor spans several), uploaded and downloaded in parallel. At most 5 GiB
-            (S3's single-PUT limit).
+        shard_size: largest stored object of tensor data: the tensors' bytes form one stream, cut into objects
+            of at most this size (a big tensor spans several; a small checkpoint is cut finer, so that every
+            upload thread gets an object), uploaded and downloaded in parallel. At most 5 GiB (S3's single-PUT
+            limit).
         chunk_size: bytes per checksummed chunk, which is also the unit of ranged reads on load: every chunk of
             every object is read and verified in parallel.
         max_concurrency: parallel object uploads and ranged downloads per save or load.
@@ -137,7 +138,8 @@ class AtomicCheckpointIO(CheckpointIO):
         self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
         self.settings = RootSettings(keep_last=keep_last, shard_size=int(shard_size),
                                      orphan_grace_seconds=float(orphan_grace_seconds),
-                                     fallback_on_corruption=fallback_on_corruption, chunk_size=int(chunk_size))
+                                     fallback_on_corruption=fallback_on_corruption, chunk_size=int(chunk_size),
+                                     parallelism=int(max_concurrency))
         self.max_concurrency = max_concurrency
         self.claim_on_load = claim_on_load
         self.async_save = async_save

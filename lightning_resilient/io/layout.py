@@ -138,6 +138,20 @@ def plan(slots: list[TensorSlot]) -> int:
     return end
 
 
+# Below this, a stream is not cut into more objects just to have one per upload thread: a request costs more.
+MIN_PARALLEL_OBJECT = 4 * 2**20
+
+
+def object_size(total: int, shard_size: int, parallelism: int) -> int:
+    """The size of the objects a stream of ``total`` bytes is cut into.
+
+    At most ``shard_size``, and small enough that every upload thread gets an object (a 100 MB checkpoint in
+    64 MiB objects would use 2 connections of 8), but not below :data:`MIN_PARALLEL_OBJECT`.
+    """
+    per_thread = _align(-(-total // max(1, parallelism)))
+    return max(1, min(shard_size, max(MIN_PARALLEL_OBJECT, per_thread)))
+
+
 def windows(total: int, shard_size: int) -> list[tuple[int, int]]:
     """The ``[start, end)`` ranges of the stream that become one object each."""
     return [(start, min(start + shard_size, total)) for start in range(0, total, shard_size)]
@@ -306,6 +320,22 @@ class Scatter:
         self.buffers = [allocate(nbytes) if nbytes else torch.empty(0, dtype=torch.uint8) for _, nbytes in extents]
         self._views = [memoryview(b.numpy()) if b.numel() else memoryview(b"") for b in self.buffers]
         self._extents = _Extents(extents)
+
+    def views(self, stream_offset: int, length: int) -> list[memoryview]:
+        """The destination of stream bytes ``[stream_offset, +length)``, in order: slices of the tensors' buffers,
+        and scratch space for padding; reading into them fills the tensors with no copy in between."""
+        out: list[memoryview] = []
+        pos, end = stream_offset, stream_offset + length
+        for offset, nbytes, index in self._extents.overlapping(stream_offset, end):
+            if offset > pos:
+                out.append(memoryview(bytearray(offset - pos)))
+                pos = offset
+            hi = min(offset + nbytes, end)
+            out.append(self._views[index][pos - offset : hi - offset])
+            pos = hi
+        if pos < end:
+            out.append(memoryview(bytearray(end - pos)))
+        return out
 
     def write(self, stream_offset: int, piece: memoryview | bytes) -> None:
         view = memoryview(piece).cast("B")

@@ -63,6 +63,7 @@ class RootSettings:
     orphan_grace_seconds: float
     fallback_on_corruption: bool
     chunk_size: int = 16 * 2**20
+    parallelism: int = 8  # upload threads: a stream is cut into at least this many objects (see object_size)
 
 
 @dataclass
@@ -110,6 +111,10 @@ def _nothing() -> None:
 
 def _shifted(write: Callable[[int, memoryview], None], start: int, offset: int, piece: memoryview) -> None:
     write(start + offset, piece)
+
+
+def _views(scatter: layout.Scatter, start: int, a: int, b: int) -> list[memoryview]:
+    return scatter.views(start + a, b - a)
 
 
 def _discard_piece(offset: int, piece: memoryview) -> None:
@@ -254,7 +259,7 @@ class CheckpointRoot:
                       step: int | None = None) -> list[ObjectEntry]:
         """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel."""
         known = self._known if step is not None and step == self._known_step else {}
-        spans = layout.windows(total, self.settings.shard_size)
+        spans = layout.windows(total, layout.object_size(total, self.settings.shard_size, self.settings.parallelism))
         with self._executor() as pool:
             return list(pool.map(lambda i: self._put(f"{prefix}shard-{i:05d}.bin", pieces(*spans[i]), known),
                                  range(len(spans))))
@@ -277,12 +282,15 @@ class CheckpointRoot:
                                      self._known if step == self._known_step else {}))
             skeleton = len(objects) - 1
             objects += extra or []
+            self.store.sync_folder(commit)  # the data is durable before the manifest names it
             manifest = Manifest(name=name, commit=commit, step=step, epoch=prepared.epoch, created=prepared.created,
                                 writer_epoch=epoch, chunk_size=self.settings.chunk_size, skeleton=skeleton,
                                 stream=stream, objects=objects, tensors=prepared.tensors,
                                 sharded=sharded(objects) if sharded is not None else None)
             # The manifest goes last: until it exists, this folder is not a checkpoint.
             self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
+            for folder in (commit, name, ""):  # and it, and the folders holding it, before the pointer names it
+                self.store.sync_folder(folder)
             entry = Entry(name=name, commit=commit, step=manifest.step, epoch=manifest.epoch,
                           created=prepared.created, writer_epoch=epoch, folders=tuple(manifest.folders),
                           size=manifest.total_bytes)
@@ -410,13 +418,37 @@ class CheckpointRoot:
         return manifest
 
     def read_chunks(self, manifest: Manifest, index: int, sink: Callable[[int, memoryview], None],
-                    only: Callable[[int, int], bool] | None = None) -> list[Job]:
+                    only: Callable[[int, int], bool] | None = None,
+                    into: Callable[[int, int], list[memoryview]] | None = None) -> list[Job]:
         """Jobs that read object ``index`` chunk by chunk, verify each chunk and hand its pieces to ``sink``
-        (with their offset in the object); ``only(start, end)`` selects the chunks to read (default: all)."""
+        (with their offset in the object); ``only(start, end)`` selects the chunks to read (default: all).
+
+        ``into(start, end)`` may give the final destination of a chunk's bytes (the tensors' buffers): a store
+        that can read into memory (local disk) then fills them directly, with no copy in between.
+        """
         obj = manifest.objects[index]
         url = self.store.url(obj.path)
+        direct = into is not None and self.store.supports_read_into
 
         def job(j: int, a: int, b: int) -> int:
+            if direct:
+                assert into is not None
+                views = into(a, b)
+                try:
+                    got = self.store.read_into(obj.path, a, views)
+                except FileNotFoundError as exc:
+                    raise CheckpointCorruptedError(f"{url} is missing", object=url) from exc
+                if got != b - a:
+                    raise CheckpointCorruptedError(f"{url} ends at byte {a + got}, the manifest says it has"
+                                                   f" {obj.size} (truncated or replaced)", object=url)
+                check = hasher(manifest.hash)
+                for view in views:
+                    check.update(view)
+                if check.hexdigest() != obj.chunks[j]:
+                    raise CheckpointCorruptedError(f"{url} fails its {manifest.hash} checksum at bytes {a}-{b}: its"
+                                                   " bytes were corrupted", object=url)
+                return got
+
             def consume(pieces: Any) -> tuple[int, str]:
                 digest, got = hasher(manifest.hash), 0
                 for piece in pieces:
@@ -499,7 +531,9 @@ class CheckpointRoot:
 
         jobs = self.read_chunks(manifest, manifest.skeleton, teed(manifest.skeleton, to_skeleton))
         for index, start in zip(manifest.stream, manifest.stream_offsets()):
-            jobs += self.read_chunks(manifest, index, teed(index, functools.partial(_shifted, scatter.write, start)))
+            into = None if tee is not None else functools.partial(_views, scatter, start)
+            jobs += self.read_chunks(manifest, index, teed(index, functools.partial(_shifted, scatter.write, start)),
+                                     into=into)
         self.run(jobs)
         skeleton_url = self.store.url(skeleton_obj.path)
         try:

@@ -48,6 +48,7 @@ Consume = Callable[[Iterable[memoryview]], T]
 
 # Ranged reads hand their bytes on in pieces of this size, so a read in flight holds one piece, not its range.
 READ_PIECE = 4 * 2**20
+_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
 
 _warned_no_cas: set[str] = set()
 _warned_lock = threading.Lock()
@@ -102,6 +103,16 @@ class Store:
     def write(self, rel: str, data: bytes | bytearray | memoryview) -> None:
         """Write an immutable object (its name is unique to one save, so a retry rewrites the same bytes)."""
         self.write_pieces(rel, [memoryview(data)])
+
+    def sync_folder(self, rel: str) -> None:
+        """Make the objects written under ``rel`` durable before anything refers to them (local disk only)."""
+
+    # Reading straight into the caller's buffers (no intermediate copy), where the backend can: local disk.
+    supports_read_into = False
+
+    def read_into(self, rel: str, start: int, views: list[memoryview]) -> int:
+        """Fill ``views`` in order with the object's bytes from ``start``; returns how many bytes were read."""
+        raise NotImplementedError
 
     def write_pieces(self, rel: str, pieces: Pieces) -> None:
         """Write an immutable object whose bytes are ``pieces`` in order, copying them only if the client must."""
@@ -206,7 +217,56 @@ class LocalStore(Store):
     supports_cas = True
 
     def _write(self, path: str, pieces: Pieces) -> None:
-        _atomic_local_write(path, pieces)
+        # Objects of a save are immutable and named uniquely: a crash mid-write leaves a short file in a folder
+        # with no manifest, which nothing reads. So no temp file and rename: write, fsync, and the folder is
+        # fsynced once (sync_folder) before the manifest refers to it. The pointer goes through write_if.
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for piece in pieces:
+                view = memoryview(piece).cast("B")
+                while len(view):
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def sync_folder(self, rel: str) -> None:
+        def sync() -> None:
+            try:
+                fd = os.open(self.path(rel), os.O_RDONLY)
+            except FileNotFoundError:
+                return  # nothing written there yet (a save whose data all lives in an earlier commit)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        self._call("sync", rel, sync)
+
+    supports_read_into = True
+
+    def read_into(self, rel: str, start: int, views: list[memoryview]) -> int:
+        def read() -> int:
+            total = 0
+            with open(self.path(rel), "rb", buffering=0) as f:
+                pending = [v for v in views if len(v)]
+                pos = start
+                while pending:
+                    got = os.preadv(f.fileno(), pending[:_IOV_MAX], pos)
+                    if got <= 0:
+                        break  # the file is shorter than the manifest says: the caller's length check catches it
+                    total += got
+                    pos += got
+                    while got and pending:  # drop what was filled; keep the unfilled tail of a partial view
+                        if got >= len(pending[0]):
+                            got -= len(pending.pop(0))
+                        else:
+                            pending[0] = pending[0][got:]
+                            got = 0
+            return total
+
+        return self._call("read", rel, read)
 
     def _range_pieces(self, path: str, start: int, end: int) -> Iterator[memoryview]:
         buf = bytearray(min(READ_PIECE, max(end - start, 0)))

@@ -11,7 +11,7 @@ own behaviour and ours are exercised end to end:
 - ``requests``: every forwarded request as ``(method, path)``, for tests that count what a client did;
 - :meth:`pause` / :meth:`resume`: hold every request at the door until resumed (a store that hangs).
 
-Run it as a process (``python -m lightning_resilient.testing.proxy UPSTREAM --latency 0.03
+Run it as a process (``python -m lightning_resilient.testing UPSTREAM --latency 0.03
 --bandwidth 40e6``): it prints its URL on the first line, then serves until killed.
 """
 
@@ -183,7 +183,7 @@ class StoreProxy:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_resilient.testing.proxy", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lightning_resilient.testing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("upstream", help="the store's URL, e.g. http://127.0.0.1:5000")
     parser.add_argument("--fail-rate", type=float, default=0.0)

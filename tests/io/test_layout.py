@@ -86,3 +86,29 @@ def test_chunk_digests_do_not_depend_on_how_the_bytes_are_split():
     assert chunk_digests([], 1000) == [blake3.blake3(b"").hexdigest()]
     assert chunk_digests([view[:10]], 4, "sha256") == [hashlib.sha256(data[i : min(i + 4, 10)]).hexdigest()
                                                        for i in range(0, 10, 4)]
+
+
+def test_a_small_stream_is_cut_so_every_upload_thread_gets_an_object():
+    mib = 2**20
+    assert layout.object_size(100 * mib, 64 * mib, 8) == 100 * mib // 8  # 8 objects, not 2 of 64 MiB
+    assert layout.object_size(4 * 2**30, 64 * mib, 8) == 64 * mib  # big: shard_size rules
+    assert layout.object_size(10 * mib, 64 * mib, 8) == layout.MIN_PARALLEL_OBJECT  # not below 4 MiB
+    assert layout.object_size(10_000, 256, 8) == 256  # an explicit small shard_size still rules
+    assert layout.object_size(0, 64 * mib, 8) >= 1
+
+
+def test_scatter_views_are_the_destination_itself():
+    slots = _slots()
+    total = layout.plan(slots)
+    stream = _stream(slots, total, 10**9)
+    scatter = layout.Scatter([(s.offset, s.nbytes) for s in slots], allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+    for start in range(0, total, 500):
+        end = min(start + 500, total)
+        views = scatter.views(start, end - start)
+        assert sum(len(v) for v in views) == end - start
+        pos = start
+        for view in views:  # filling the views fills the tensors, padding goes to scratch
+            view[:] = stream[pos : pos + len(view)]
+            pos += len(view)
+    for slot, buffer in zip(slots, scatter.buffers):
+        assert torch.equal(layout.tensor_view(buffer, slot.tensor.dtype, list(slot.tensor.shape)), slot.tensor)
