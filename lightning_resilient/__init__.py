@@ -12,13 +12,14 @@ from lightning_resilient.planning import CheckpointCadence, TransferAudit
 from lightning_resilient.precision import AutoPrecision, select_precision
 from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
 from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
-from lightning_resilient.strategies import AtomicModelParallelStrategy
+from lightning_resilient.strategies import AtomicFSDPStrategy, AtomicModelParallelStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationAwareScheduler",
     "AtomicCheckpointIO",
+    "AtomicFSDPStrategy",
     "AtomicModelParallelStrategy",
     "AutoPrecision",
     "CheckpointCadence",

@@ -56,6 +56,7 @@ class UnsupportedFormatError(CheckpointError):
 class ShardedCheckpointError(CheckpointError, ValueError):
     """A sharded (per-rank, ``torch.distributed.checkpoint``) checkpoint was loaded the way a full one is.
 
-    Load it with :class:`~lightning_resilient.AtomicModelParallelStrategy`, or consolidate it with
+    Resume it with the strategy that wrote it (:class:`~lightning_resilient.AtomicModelParallelStrategy` or
+    :class:`~lightning_resilient.AtomicFSDPStrategy`), or consolidate it with
     :func:`lightning_resilient.io.sharded.load_full`.
     """

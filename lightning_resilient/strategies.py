@@ -1,5 +1,6 @@
-"""``AtomicModelParallelStrategy``: Lightning's ModelParallelStrategy (FSDP2, tensor parallelism) with sharded
-checkpoints that are atomic, verified and fenced on any fsspec store.
+"""``AtomicModelParallelStrategy`` and ``AtomicFSDPStrategy``: Lightning's ModelParallelStrategy (FSDP2, tensor
+parallelism) and FSDPStrategy (FSDP1, ``state_dict_type="sharded"``) with sharded checkpoints that are atomic,
+verified and fenced on any fsspec store.
 
 Stock Lightning saves distributed checkpoints outside CheckpointIO: ``Path(filepath)`` (so ``s3://`` breaks),
 ``torch.distributed.checkpoint`` into a folder that is overwritten in place, and a ``meta.pt`` beside it; a crash
@@ -16,19 +17,82 @@ import warnings
 from typing import Any
 
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError
 from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _normalize, _resolve
 from lightning_resilient.io.sharded import load_sharded, root_and_name, save_sharded
 
-__all__ = ["AtomicModelParallelStrategy"]
+__all__ = ["AtomicFSDPStrategy", "AtomicModelParallelStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-class AtomicModelParallelStrategy(ModelParallelStrategy):
+class _AtomicSharded:
+    """What both strategies share: the CheckpointIO is an AtomicCheckpointIO, and the resume loop (resolve,
+    load the shards, fall back to the previous committed checkpoint if one is damaged, claim the root)."""
+
+    _checkpoint_io: CheckpointIO | None
+
+    @property
+    def checkpoint_io(self) -> AtomicCheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        assert isinstance(self._checkpoint_io, AtomicCheckpointIO)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if io is not None and not isinstance(io, AtomicCheckpointIO):
+            raise TypeError(f"{type(self).__name__} writes through lightning_resilient.AtomicCheckpointIO, got"
+                            f" {type(io).__name__}: pass AtomicCheckpointIO(...) in Trainer(plugins=[...]) or none")
+        self._checkpoint_io = io
+
+    def _save_shards(self, state: dict[str, Any], rest: dict[str, Any], filepath: Any,
+                     storage_options: Any | None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: set"
+                            " storage_options on AtomicCheckpointIO")
+        path = self.broadcast(str(filepath))  # type: ignore[attr-defined]
+        root, name = root_and_name(self.checkpoint_io, path)
+        # Every rank uploads its shards; the coordinator (rank 0) commits once all have finished.
+        save_sharded(state, root, name, rest=rest if self.global_rank == 0 else None)  # type: ignore[attr-defined]
+
+    def _resume(self, checkpoint_path: Any, weights_only: bool | None, fallback: Any) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))  # type: ignore[attr-defined]
+        io = self.checkpoint_io
+        found = _resolve(_normalize(path), io.root)
+        if found is None:
+            return fallback(path)  # a stock Lightning checkpoint
+        root, entry, fallbacks = found
+        candidates = [entry, *(fallbacks if io.settings.fallback_on_corruption else [])]
+        for i, candidate in enumerate(candidates):
+            try:
+                if root.read_manifest(candidate.commit).sharded is None:
+                    raise ShardedCheckpointError(f"{root.store.url(candidate.commit)} is a full (not sharded)"
+                                                 f" checkpoint: {type(self).__name__} resumes sharded checkpoints only")
+                self._load_shards(root, candidate.commit)
+            except CheckpointCorruptedError as corrupted:
+                if i + 1 == len(candidates):
+                    raise
+                message = (f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {corrupted};"
+                           f" loading the previous committed one, {root.store.url(candidates[i + 1].commit)}")
+                log.error(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                continue
+            rest = root.load(candidate.commit, map_location=None, weights_only=weights_only,
+                             sharded_rest=True).checkpoint
+            if io.claim_on_load and self.global_rank == 0 and root.epoch is None:  # type: ignore[attr-defined]
+                root.claim(resumed_from=candidate)  # fence off the job this one replaces
+            return rest
+        raise AssertionError("unreachable")
+
+    def _load_shards(self, root: Any, commit: str) -> None:
+        raise NotImplementedError
+
+
+class AtomicModelParallelStrategy(_AtomicSharded, ModelParallelStrategy):
     """``ModelParallelStrategy`` whose sharded checkpoints go through :class:`~lightning_resilient.AtomicCheckpointIO`.
 
     One line in place of Lightning's strategy; the checkpoint root is the ``ModelCheckpoint`` dirpath, local or
@@ -50,58 +114,18 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
                              " save_distributed_checkpoint=False, or use ModelParallelStrategy for full-state saves")
         super().__init__(*args, **kwargs)
 
-    @property  # type: ignore[override]
-    def checkpoint_io(self) -> AtomicCheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        assert isinstance(self._checkpoint_io, AtomicCheckpointIO)
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        if io is not None and not isinstance(io, AtomicCheckpointIO):
-            raise TypeError(f"AtomicModelParallelStrategy writes through lightning_resilient.AtomicCheckpointIO, got"
-                            f" {type(io).__name__}: pass AtomicCheckpointIO(...) in Trainer(plugins=[...]) or none")
-        self._checkpoint_io = io
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("AtomicModelParallelStrategy.save_checkpoint(storage_options=...) is not supported: set"
-                            " storage_options on AtomicCheckpointIO")
-        path = self.broadcast(str(filepath))
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        root, name = root_and_name(self.checkpoint_io, path)
-        # Every rank uploads its shards; the coordinator (rank 0) commits once all have finished.
-        save_sharded(state, root, name, rest=checkpoint if self.global_rank == 0 else None)
+        self._save_shards(state, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
-        io = self.checkpoint_io
-        found = _resolve(_normalize(path), io.root)
-        if found is None:
-            return super().load_checkpoint(path, weights_only=weights_only)  # a stock Lightning checkpoint
-        root, entry, fallbacks = found
-        candidates = [entry, *(fallbacks if io.settings.fallback_on_corruption else [])]
-        for i, candidate in enumerate(candidates):
-            try:
-                rest = self._load_sharded(root, candidate.commit, weights_only)
-            except CheckpointCorruptedError as corrupted:
-                if i + 1 == len(candidates):
-                    raise
-                message = (f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {corrupted};"
-                           f" loading the previous committed one, {root.store.url(candidates[i + 1].commit)}")
-                log.error(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-                continue
-            if io.claim_on_load and self.global_rank == 0 and root.epoch is None:
-                root.claim(resumed_from=candidate)  # fence off the job this one replaces
-            return rest
-        raise AssertionError("unreachable")
+        return self._resume(checkpoint_path, weights_only,
+                            lambda path: ModelParallelStrategy.load_checkpoint(self, path, weights_only=weights_only))
 
-    def _load_sharded(self, root: Any, commit: str, weights_only: bool | None) -> dict[str, Any]:
+    def _load_shards(self, root: Any, commit: str) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -109,10 +133,6 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        manifest = root.read_manifest(commit)
-        if manifest.sharded is None:
-            raise ShardedCheckpointError(f"{root.store.url(commit)} is a full (not sharded) checkpoint:"
-                                         " AtomicModelParallelStrategy resumes sharded checkpoints only")
         assert self.model is not None and self.lightning_module is not None
         module_state = {"state_dict": get_model_state_dict(self.model)}
         load_sharded(module_state, root, commit)
@@ -123,4 +143,63 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             load_sharded(optim_state, root, commit)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
-        return root.load(commit, map_location=None, weights_only=weights_only, sharded_rest=True).checkpoint
+
+
+class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
+    """``FSDPStrategy(state_dict_type="sharded")`` whose checkpoints go through
+    :class:`~lightning_resilient.AtomicCheckpointIO`, as :class:`AtomicModelParallelStrategy` does for FSDP2.
+
+    Example::
+
+        Trainer(accelerator="cuda", devices=8, strategy=AtomicFSDPStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}),
+                plugins=[AtomicCheckpointIO(storage_options={...})],
+                callbacks=[ModelCheckpoint(dirpath="s3://bucket/run/ckpt", every_n_train_steps=500)])
+
+    Takes ``FSDPStrategy``'s arguments; ``state_dict_type`` must be ``"sharded"`` (the default here).
+    """
+
+    def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+        if state_dict_type != "sharded":
+            raise ValueError("AtomicFSDPStrategy saves sharded checkpoints only: use state_dict_type='sharded' (the"
+                             " default), or FSDPStrategy with AtomicCheckpointIO for full-state saves")
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        state = {"model": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        self._save_shards(state, checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self._resume(checkpoint_path, weights_only,
+                            lambda path: FSDPStrategy.load_checkpoint(self, path, weights_only=weights_only))
+
+    def _load_shards(self, root: Any, commit: str) -> None:
+        from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
+        from lightning.pytorch.trainer.states import TrainerFn
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        from lightning_resilient.io.sharded import AtomicStorageReader, own_error
+
+        assert self.model is not None and self.lightning_module is not None
+        with _get_sharded_state_dict_context(self.model):
+            module_state = {"model": self.model.state_dict()}
+            load_sharded(module_state, root, commit)
+            self.model.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)
+            if self.lightning_module.trainer.state.fn != TrainerFn.FITTING or not self.optimizers:
+                return
+            for idx, optimizer in enumerate(self.optimizers):
+                key = f"optimizer_{idx}"
+                try:
+                    optim_state = load_sharded_optimizer_state_dict(
+                        model_state_dict=module_state["model"], optimizer_key=key,
+                        storage_reader=AtomicStorageReader(root, commit))
+                except BaseException as exc:
+                    own = own_error(exc)
+                    if own is None or own is exc:
+                        raise
+                    raise own from exc
+                optimizer.load_state_dict(FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key],
+                                                                        model=self.model, optim=optimizer))

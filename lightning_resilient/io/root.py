@@ -502,8 +502,9 @@ class CheckpointRoot:
         if manifest.sharded is not None and not sharded_rest:
             raise ShardedCheckpointError(
                 f"{self.store.url(commit)} is a sharded checkpoint written by {manifest.sharded['world_size']}"
-                " processes (torch.distributed.checkpoint): load it with"
-                " lightning_resilient.AtomicModelParallelStrategy (any number of processes: it reshards), or"
+                " processes (torch.distributed.checkpoint): resume it with the strategy that wrote it,"
+                " lightning_resilient.AtomicModelParallelStrategy (FSDP2) or AtomicFSDPStrategy (FSDP1), on any"
+                " number of processes (it reshards), or"
                 " consolidate it into one full state dict with lightning_resilient.io.sharded.load_full(url)")
         allocated: list[int] = []
 

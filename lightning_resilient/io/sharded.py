@@ -321,6 +321,10 @@ def load_full(url: str, storage_options: dict[str, Any] | None = None) -> dict[s
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=AtomicStorageReader(root, entry.commit),
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    if "model" in state and "state_dict" not in state:
+        # FSDP1 (AtomicFSDPStrategy, like Lightning's FSDPStrategy) shards the weights under "model"; a consolidated
+        # checkpoint names them "state_dict", as every full Lightning checkpoint does.
+        state["state_dict"] = state.pop("model")
     return {**rest, **state}
 
 

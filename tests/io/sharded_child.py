@@ -1,6 +1,9 @@
-"""A sharded (FSDP2 via ModelParallelStrategy) training job on CPU processes, for tests/io/test_sharded.py.
+"""A sharded training job on CPU processes, for tests/io/test_sharded.py: FSDP2 through
+AtomicModelParallelStrategy, or FSDP1 through AtomicFSDPStrategy (``"strategy": "fsdp"``; Lightning refuses its
+own FSDPStrategy on CPU, but not a subclass, and torch's FSDP1 runs on CPU with gloo when wrapped with
+``device_id=cpu``).
 
-Run: python sharded_child.py ROOT OUT JSON_OPTIONS. Options: devices, max_steps, every (checkpoint cadence),
+Run: python sharded_child.py ROOT OUT JSON_OPTIONS. Options: strategy, devices, max_steps, every (cadence),
 storage_options, die (``[rank, step]``: that rank SIGKILLs itself after storing its first object of that step's
 save). Resumes from ROOT when it holds a checkpoint. Prints ``SAVED <step>`` after each save (rank 0) and
 ``DYING <rank>``; writes per-step losses (``OUT.losses``) and the final full weights (``OUT.weights``).
@@ -23,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from lightning_resilient import (  # noqa: E402
     AtomicCheckpointIO,
+    AtomicFSDPStrategy,
     AtomicModelParallelStrategy,
     ResumeStateCallback,
     find_latest_checkpoint,
@@ -36,6 +40,17 @@ class Net(LightningModule):
                                        torch.nn.Tanh(), torch.nn.Linear(64, 1))
 
     def configure_model(self) -> None:
+        if isinstance(self.trainer.strategy, AtomicFSDPStrategy):
+            # FSDP1 wrapped here rather than by the strategy, which passes device_id=None on CPU and torch's FSDP1
+            # then refuses to run without an accelerator; Lightning keeps a model the user already wrapped.
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            cpu = torch.device("cpu")
+            for i, layer in enumerate(self.net):
+                if isinstance(layer, torch.nn.Linear):
+                    self.net[i] = FSDP(layer, device_id=cpu, use_orig_params=True)
+            self.net = FSDP(self.net, device_id=cpu, use_orig_params=True)
+            return
         from torch.distributed._composable.fsdp import fully_shard
 
         for layer in self.net:
@@ -61,10 +76,8 @@ class Record(Callback):
                 f.write(f"{trainer.global_step} {outputs['loss'].item()!r}\n")
 
 
-class Announcing(AtomicModelParallelStrategy):
-    def __init__(self, die: list[int] | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.die = die
+class _Announcing:
+    die: list[int] | None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         step = checkpoint["global_step"]
@@ -78,9 +91,34 @@ class Announcing(AtomicModelParallelStrategy):
                 os.kill(os.getpid(), signal.SIGKILL)
 
             store.write_pieces = write_then_die  # type: ignore[method-assign]
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
         if self.global_rank == 0:
             print(f"SAVED {step}", flush=True)
+
+
+class AnnouncingModelParallel(_Announcing, AtomicModelParallelStrategy):
+    def __init__(self, die: list[int] | None, devices: int) -> None:
+        super().__init__(data_parallel_size=devices, tensor_parallel_size=1)
+        self.die = die
+
+
+class AnnouncingFSDP(_Announcing, AtomicFSDPStrategy):
+    def __init__(self, die: list[int] | None, devices: int) -> None:
+        super().__init__()
+        self.die = die
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP) or any(isinstance(m, FSDP) for m in model.modules()):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False)):
+            return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def main(root: str, out: str, options: dict[str, Any]) -> None:
@@ -92,17 +130,22 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     trainer = Trainer(
         accelerator="cpu", devices=devices, max_steps=options["max_steps"], logger=False, enable_progress_bar=False,
         enable_model_summary=False,
-        strategy=Announcing(options.get("die"), data_parallel_size=devices, tensor_parallel_size=1),
+        strategy={"fsdp": AnnouncingFSDP, "model_parallel": AnnouncingModelParallel}[
+            options.get("strategy", "model_parallel")](options.get("die"), devices),
         plugins=[AtomicCheckpointIO(storage_options=storage_options)],
         callbacks=[ResumeStateCallback(), Record(out),
                    ModelCheckpoint(dirpath=root, every_n_train_steps=options["every"], save_top_k=-1)])
     trainer.fit(Net(), loader, ckpt_path=find_latest_checkpoint(root, storage_options))
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True,
-                                                                                 cpu_offload=True))
+    full = full_weights(trainer.strategy.model)
     if trainer.global_rank == 0:
         torch.save({k: v.clone() for k, v in full.items()}, out + ".weights")
+    if isinstance(trainer.strategy, AtomicFSDPStrategy):
+        # torch's FSDP1 over gloo on CPU aborts at interpreter exit about one run in five ("terminate called without
+        # an active exception"), after all work is done, in a plain torchrun script without Lightning or this
+        # package too. Skip the interpreter teardown so the exit status reports the run, not that.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -102,3 +102,16 @@ def test_save_and_load_never_hold_a_second_copy_of_the_checkpoint(local_backend)
     path = str(local_backend.path("stock.ckpt"))
     stock_peak = _peak_python_bytes(lambda: stock.save_checkpoint(ckpt, path))
     assert stock_peak > 0.9 * size, (stock_peak, size)
+
+
+@pytest.mark.parametrize("map_location", ["meta", {"cpu": "meta"}, torch.device("meta")])
+def test_a_load_places_every_tensor_on_the_map_location_device(local_backend, map_location):
+    """The path a load to a GPU takes (verified host buffers, then the device), with ``meta`` as the device."""
+    io = make_io(local_backend)
+    ckpt = big_checkpoint(mib=1)
+    io.save_checkpoint(ckpt, local_backend.url("a.ckpt"))
+    loaded = make_io(local_backend, claim_on_load=False).load_checkpoint(local_backend.root, map_location=map_location)
+    for key, value in ckpt["state_dict"].items():
+        assert loaded["state_dict"][key].device.type == "meta"
+        assert loaded["state_dict"][key].shape == value.shape and loaded["state_dict"][key].dtype == value.dtype
+    io.teardown()

@@ -1,8 +1,9 @@
 """Sharded checkpoints (torch.distributed.checkpoint) in the atomic layout.
 
 In-process: the DCP storage writer/reader on every store (one process, no process group). Subprocesses (2 gloo
-processes, FSDP2 through AtomicModelParallelStrategy): bit-exact resume through a kill, a rank killed mid-save
-keeps the previous checkpoint latest, resharding from 2 processes to 1, and S3.
+processes, FSDP2 through AtomicModelParallelStrategy and FSDP1 through AtomicFSDPStrategy): bit-exact resume
+through a kill, a rank killed mid-save keeps the previous checkpoint latest, resharding from 2 processes to 1,
+and S3.
 """
 
 from __future__ import annotations
@@ -147,14 +148,22 @@ BASE = {"devices": 2, "max_steps": 6, "every": 2}
 
 
 @pytest.mark.slow
-def test_sharded_training_resumes_bit_exact_through_a_kill(tmp_path):
-    launch(str(tmp_path / "full"), tmp_path / "full", BASE)
-    launch(str(tmp_path / "part"), tmp_path / "part", BASE, kill_after=4)
-    launch(str(tmp_path / "part"), tmp_path / "part", BASE)
+@pytest.mark.parametrize("strategy", ["model_parallel", "fsdp"])
+def test_sharded_training_resumes_bit_exact_through_a_kill(tmp_path, strategy):
+    options = {**BASE, "strategy": strategy}
+    launch(str(tmp_path / "full"), tmp_path / "full", options)
+    launch(str(tmp_path / "part"), tmp_path / "part", options, kill_after=4)
+    assert read_pointer(Backend("local", str(tmp_path / "part"))).latest.step == 4
+    launch(str(tmp_path / "part"), tmp_path / "part", options)
     full, part = torch.load(str(tmp_path / "full") + ".weights"), torch.load(str(tmp_path / "part") + ".weights")
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
     resumed = losses(tmp_path / "part")[-1]
     assert resumed and losses(tmp_path / "full")[0][-len(resumed):] == resumed
+    assert len(resumed) == 2  # steps 5 and 6 only: the resume started at the step-4 checkpoint
+    # The sharded checkpoint consolidates to the same full weights without a process group.
+    consolidated = load_full(str(tmp_path / "part"))
+    assert consolidated["global_step"] == 6
+    assert all(torch.equal(consolidated["state_dict"][k], part[k]) for k in part)
 
 
 @pytest.mark.slow
@@ -173,6 +182,19 @@ def test_a_rank_killed_mid_save_keeps_the_last_checkpoint_and_resumes_on_one_pro
     assert all(torch.equal(consolidated["state_dict"][k], final[k]) for k in final)
     step2 = load_full(f"{root}/epoch=0-step=2.ckpt")
     assert step2["global_step"] == 2 and set(step2["state_dict"]) == set(final)
+
+
+@pytest.mark.slow
+def test_an_fsdp1_checkpoint_of_two_processes_resumes_on_one(tmp_path):
+    root = str(tmp_path / "root")
+    options = {**BASE, "strategy": "fsdp", "max_steps": 4}
+    launch(root, tmp_path / "run", options)
+    launch(root, tmp_path / "run", {**options, "devices": 1, "max_steps": 6})
+    assert [line.split()[0] for line in losses(tmp_path / "run")[-1]] == ["5", "6"]
+    manifest = AtomicCheckpointIO().root(root).read_manifest(read_pointer(Backend("local", root)).latest.commit)
+    assert manifest.sharded["world_size"] == 1
+    step4 = load_full(f"{root}/epoch=0-step=4.ckpt")
+    assert step4["global_step"] == 4 and step4["state_dict"].keys() == load_full(root)["state_dict"].keys()
 
 
 @pytest.mark.slow

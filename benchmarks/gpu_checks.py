@@ -1,0 +1,138 @@
+"""Every check that needs a GPU, in one run (the device machine is lent briefly: prepare, run once, record).
+
+    python benchmarks/gpu_checks.py --out "$OUT"        # aimed at < 9 minutes on one GPU (the device budget is 15)
+
+1. AutoPrecision on the real device: the choice (and the detected facts) and a short Trainer fit with it.
+2. Pinned memory: an async save of a ~1 GB checkpoint of CUDA tensors (non-blocking device-to-host copies into
+   the pinned snapshot), then a load with ``map_location="cuda"`` through pinned buffers; bit-exact, timed.
+3. TransferAudit on a CUDA run with a pageable loader, a blocking copy and a per-step ``.item()``: one warning each.
+4. The benchmarks: ``precision_gpu.py``, ``checkpoint_io.py`` (local disk, 1 GB) and ``scaling.py`` on the GPUs.
+Each check prints PASS or FAIL and goes on; results land in ``--out`` (``gpu_checks.md`` and the benchmarks'
+files), ready to quote in the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LINES: list[str] = []
+
+
+def check(name: str, fn: Callable[[], str]) -> None:
+    started = time.perf_counter()
+    try:
+        detail = fn()
+        LINES.append(f"- PASS {name} ({time.perf_counter() - started:.1f} s): {detail}")
+    except Exception:
+        LINES.append(f"- FAIL {name}: {traceback.format_exc(limit=3)}")
+    print(LINES[-1], flush=True)
+
+
+def precision_choice() -> str:
+    import torch
+    from lightning.pytorch import Trainer
+
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    from lightning_resilient import AutoPrecision
+    from lightning_resilient.precision import detect_facts
+    from tests.models import TinyModel, tiny_loader
+
+    plugin = AutoPrecision()
+    trainer = Trainer(accelerator="cuda", devices=1, max_steps=5, plugins=[plugin], logger=False,
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(TinyModel(), tiny_loader())
+    return f"{plugin.precision} on {torch.cuda.get_device_name(0)}; facts {detect_facts('cuda:0')}"
+
+
+def pinned_roundtrip() -> str:
+    import torch
+
+    from lightning_resilient import AtomicCheckpointIO
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ckpt = {"global_step": 1, "state_dict": {f"w{i}": torch.randn(16, 2**20, device="cuda", generator=g)
+                                             for i in range(16)}}  # 16 x 64 MiB = 1 GiB
+    root = tempfile.mkdtemp(prefix="gpu-pinned-")
+    io = AtomicCheckpointIO(async_save=True)
+    assert io.pin_memory, "pin_memory=None should pin on a CUDA machine"
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    io.save_checkpoint(ckpt, f"{root}/a.ckpt")
+    blocked = time.perf_counter() - t0
+    io.wait()
+    committed = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded = AtomicCheckpointIO(claim_on_load=False).load_checkpoint(root, map_location="cuda")
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    assert all(loaded["state_dict"][k].is_cuda and torch.equal(loaded["state_dict"][k], v)
+               for k, v in ckpt["state_dict"].items())
+    io.teardown()
+    return (f"1 GiB of CUDA tensors: async save blocked {blocked:.3f} s, committed after {committed:.2f} s; load to"
+            f" cuda through pinned buffers {load_s:.2f} s; bit-exact")
+
+
+def transfer_audit() -> str:
+    import torch
+    from lightning.pytorch import Trainer
+
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    from lightning_resilient import TransferAudit
+    from tests.models import TinyModel, tiny_loader
+
+    class Syncing(TinyModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            loss.item()  # a host sync every step
+            return loss
+
+    audit = TransferAudit()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(accelerator="cuda", devices=1, max_steps=5, callbacks=[audit], logger=False,
+                enable_progress_bar=False, enable_checkpointing=False,
+                enable_model_summary=False).fit(Syncing(), tiny_loader())
+    reported = [str(w.message)[:80] for w in caught if "TransferAudit" in type(w.message).__name__ or "audit" in
+                str(w.message).lower()]
+    return f"counts {dict(audit.counts)}; warnings: {reported}"
+
+
+def run_script(args: list[str], timeout: int) -> str:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "ok"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--skip-benchmarks", action="store_true")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    check("AutoPrecision on the GPU", precision_choice)
+    check("pinned async save and CUDA load, 1 GiB", pinned_roundtrip)
+    check("TransferAudit on a CUDA run", transfer_audit)
+    if not args.skip_benchmarks:
+        check("precision_gpu.py", lambda: run_script([os.path.join(HERE, "precision_gpu.py")], 300))
+        check("checkpoint_io.py (local, 1 GB)", lambda: run_script(
+            [os.path.join(HERE, "checkpoint_io.py"), "--sizes", "1000", "--runs", "3", "--stores", "local",
+             "--out", os.path.join(args.out, "checkpoint_io_gpu")], 600))
+        check("scaling.py", lambda: run_script(
+            [os.path.join(HERE, "scaling.py"), "--out", os.path.join(args.out, "scaling_gpu")], 300))
+    with open(os.path.join(args.out, "gpu_checks.md"), "w") as f:
+        f.write("# GPU checks\n\n" + "\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""AtomicModelParallelStrategy and AtomicFSDPStrategy: what is checked when they are built and given plugins.
+
+Training through them needs a process group; that runs in subprocesses in tests/io/test_sharded.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from lightning_resilient import AtomicCheckpointIO, AtomicFSDPStrategy, AtomicModelParallelStrategy
+
+STRATEGIES = [AtomicModelParallelStrategy, AtomicFSDPStrategy]
+
+
+@pytest.mark.parametrize("cls", STRATEGIES)
+def test_the_default_checkpoint_io_is_atomic_and_a_given_one_is_kept(cls):
+    assert isinstance(cls().checkpoint_io, AtomicCheckpointIO)
+    io = AtomicCheckpointIO(keep_last=2)
+    strategy = cls()
+    strategy.checkpoint_io = io
+    assert strategy.checkpoint_io is io
+
+
+@pytest.mark.parametrize("cls", STRATEGIES)
+def test_another_checkpoint_io_is_refused_with_what_to_pass_instead(cls):
+    strategy = cls()
+    with pytest.raises(TypeError, match=rf"{cls.__name__} writes through lightning_resilient.AtomicCheckpointIO,"
+                                        r" got TorchCheckpointIO: pass AtomicCheckpointIO"):
+        strategy.checkpoint_io = TorchCheckpointIO()
+
+
+def test_full_state_saves_are_refused_at_construction():
+    with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
+        AtomicModelParallelStrategy(save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match="state_dict_type='sharded'"):
+        AtomicFSDPStrategy(state_dict_type="full")
+    assert AtomicFSDPStrategy()._state_dict_type == "sharded"
