@@ -39,9 +39,10 @@ class AtomicCheckpointIO(CheckpointIO):
     """Save Lightning checkpoints to any fsspec URL as immutable, checksummed objects.
 
     Each save writes its own folder (tensor shards, a skeleton of the rest, then a manifest with every
-    object's size and SHA-256) and becomes visible only when the root's pointer (``latest.json``) is moved
-    by a conditional write. A job claims a new writer epoch when it starts saving or resumes, so an older job
-    that is still running gets :class:`~lightning_resilient.StaleWriterError` instead of overwriting it.
+    object's size and the BLAKE3 digest of each chunk) and becomes visible only when the root's pointer
+    (``latest.json``) is moved by a conditional write. A job claims a new writer epoch when it starts saving or
+    resumes, so an older job that is still running gets :class:`~lightning_resilient.StaleWriterError` instead of
+    overwriting it.
 
     Example::
 
