@@ -34,6 +34,9 @@ class _AtomicSharded:
     load the shards, fall back to the previous committed checkpoint if one is damaged, claim the root)."""
 
     _checkpoint_io: CheckpointIO | None
+    #: The key the strategy shards its weights under (Lightning's own conventions: FSDP1 "model", FSDP2 "state_dict").
+    _weights_key: str
+    _other: str  # the strategy that writes the other layout, for the error message
 
     @property
     def checkpoint_io(self) -> AtomicCheckpointIO:
@@ -72,6 +75,7 @@ class _AtomicSharded:
                 if root.read_manifest(candidate.commit).sharded is None:
                     raise ShardedCheckpointError(f"{root.store.url(candidate.commit)} is a full (not sharded)"
                                                  f" checkpoint: {type(self).__name__} resumes sharded checkpoints only")
+                self._check_layout(root, candidate.commit)
                 self._load_shards(root, candidate.commit)
             except CheckpointCorruptedError as corrupted:
                 if i + 1 == len(candidates):
@@ -87,6 +91,18 @@ class _AtomicSharded:
                 root.claim(resumed_from=candidate)  # fence off the job this one replaces
             return rest
         raise AssertionError("unreachable")
+
+    def _check_layout(self, root: Any, commit: str) -> None:
+        # Checked before any shard is read: otherwise DCP fails deep in its planner with a missing-key error.
+        from lightning_resilient.io.sharded import AtomicStorageReader
+
+        keys = AtomicStorageReader(root, commit).read_metadata().state_dict_metadata
+        if not any(key.startswith(f"{self._weights_key}.") for key in keys):
+            found = sorted({key.split(".", 1)[0] for key in keys})
+            raise ShardedCheckpointError(
+                f"{root.store.url(commit)} holds no weights under {self._weights_key!r} (its top-level keys: {found}):"
+                f" it was written by another strategy; resume it with {self._other}, or consolidate it with"
+                " lightning_resilient.io.sharded.load_full(url)")
 
     def _load_shards(self, root: Any, commit: str) -> None:
         raise NotImplementedError
@@ -107,6 +123,9 @@ class AtomicModelParallelStrategy(_AtomicSharded, ModelParallelStrategy):
     (``save_distributed_checkpoint=True``); async saves are not applied to sharded saves (each rank uploads
     its shards synchronously, in parallel).
     """
+
+    _weights_key = "state_dict"
+    _other = "AtomicFSDPStrategy (FSDP1)"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("save_distributed_checkpoint", True) is not True:
@@ -157,6 +176,9 @@ class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
 
     Takes ``FSDPStrategy``'s arguments; ``state_dict_type`` must be ``"sharded"`` (the default here).
     """
+
+    _weights_key = "model"
+    _other = "AtomicModelParallelStrategy (FSDP2)"
 
     def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
         if state_dict_type != "sharded":

@@ -1,4 +1,5 @@
-"""AtomicModelParallelStrategy and AtomicFSDPStrategy: what is checked when they are built and given plugins.
+"""AtomicModelParallelStrategy and AtomicFSDPStrategy: what is checked when they are built, given plugins, and asked
+to resume a checkpoint they cannot.
 
 Training through them needs a process group; that runs in subprocesses in tests/io/test_sharded.py.
 """
@@ -6,9 +7,16 @@ Training through them needs a process group; that runs in subprocesses in tests/
 from __future__ import annotations
 
 import pytest
+import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lightning_resilient import AtomicCheckpointIO, AtomicFSDPStrategy, AtomicModelParallelStrategy
+from lightning_resilient import (
+    AtomicCheckpointIO,
+    AtomicFSDPStrategy,
+    AtomicModelParallelStrategy,
+    ShardedCheckpointError,
+)
+from lightning_resilient.io.sharded import save_sharded
 
 STRATEGIES = [AtomicModelParallelStrategy, AtomicFSDPStrategy]
 
@@ -36,3 +44,19 @@ def test_full_state_saves_are_refused_at_construction():
     with pytest.raises(ValueError, match="state_dict_type='sharded'"):
         AtomicFSDPStrategy(state_dict_type="full")
     assert AtomicFSDPStrategy()._state_dict_type == "sharded"
+
+
+@pytest.mark.parametrize(("writer_key", "cls", "names"), [("model", AtomicModelParallelStrategy, "AtomicFSDPStrategy"),
+                                                          ("state_dict", AtomicFSDPStrategy,
+                                                           "AtomicModelParallelStrategy")])
+def test_a_checkpoint_of_the_other_sharded_strategy_is_refused_before_any_shard_is_read(tmp_path, writer_key, cls,
+                                                                                        names):
+    root_url = str(tmp_path / "root")
+    io = AtomicCheckpointIO()
+    save_sharded({writer_key: {"w": torch.ones(3)}}, io.root(root_url), "epoch=0-step=1.ckpt",
+                 rest={"global_step": 1}, no_dist=True)
+    strategy = cls()
+    strategy.checkpoint_io = AtomicCheckpointIO(claim_on_load=False)
+    with pytest.raises(ShardedCheckpointError, match=rf"holds no weights under .*written by another strategy; resume"
+                                                      rf" it with {names}"):
+        strategy.load_checkpoint(root_url)
