@@ -18,7 +18,6 @@ from typing import Any
 
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from typing_extensions import override
 
 from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError
 from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _normalize, _resolve
@@ -30,11 +29,12 @@ log = logging.getLogger(__name__)
 
 
 class _AtomicSharded:
-    """What both strategies share: the CheckpointIO is an AtomicCheckpointIO, and the resume loop (resolve,
-    load the shards, fall back to the previous committed checkpoint if one is damaged, claim the root)."""
+    """What both strategies share: the CheckpointIO is an AtomicCheckpointIO; a save splits Lightning's checkpoint
+    into the sharded state and the rest; a resume resolves the path, checks the layout, loads the shards, falls back
+    to the previous committed checkpoint if one is damaged, and claims the root. Each strategy loads its shards."""
 
     _checkpoint_io: CheckpointIO | None
-    #: The key the strategy shards its weights under (Lightning's own conventions: FSDP1 "model", FSDP2 "state_dict").
+    #: The key the weights are sharded under (Lightning's own conventions: FSDP1 "model", FSDP2 "state_dict").
     _weights_key: str
     _other: str  # the strategy that writes the other layout, for the error message
 
@@ -52,22 +52,26 @@ class _AtomicSharded:
                             f" {type(io).__name__}: pass AtomicCheckpointIO(...) in Trainer(plugins=[...]) or none")
         self._checkpoint_io = io
 
-    def _save_shards(self, state: dict[str, Any], rest: dict[str, Any], filepath: Any,
-                     storage_options: Any | None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: set"
                             " storage_options on AtomicCheckpointIO")
+        # The sharded keys are Lightning's own (weights under _weights_key, "optimizer_<i>"); the rest of the
+        # checkpoint (loops, callbacks, RNG) goes into the commit's skeleton, from the coordinator.
+        state = {self._weights_key: checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         path = self.broadcast(str(filepath))  # type: ignore[attr-defined]
         root, name = root_and_name(self.checkpoint_io, path)
         # Every rank uploads its shards; the coordinator (rank 0) commits once all have finished.
-        save_sharded(state, root, name, rest=rest if self.global_rank == 0 else None)  # type: ignore[attr-defined]
+        rest = checkpoint if self.global_rank == 0 else None  # type: ignore[attr-defined]
+        save_sharded(state, root, name, rest=rest)
 
-    def _resume(self, checkpoint_path: Any, weights_only: bool | None, fallback: Any) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))  # type: ignore[attr-defined]
         io = self.checkpoint_io
         found = _resolve(_normalize(path), io.root)
-        if found is None:
-            return fallback(path)  # a stock Lightning checkpoint
+        if found is None:  # a stock Lightning checkpoint: the Lightning strategy loads it
+            return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
         root, entry, fallbacks = found
         candidates = [entry, *(fallbacks if io.settings.fallback_on_corruption else [])]
         for i, candidate in enumerate(candidates):
@@ -80,8 +84,9 @@ class _AtomicSharded:
             except CheckpointCorruptedError as corrupted:
                 if i + 1 == len(candidates):
                     raise
-                message = (f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {corrupted};"
-                           f" loading the previous committed one, {root.store.url(candidates[i + 1].commit)}")
+                message = (f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded:"
+                           f" {corrupted}; loading the previous committed one,"
+                           f" {root.store.url(candidates[i + 1].commit)}")
                 log.error(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
                 continue
@@ -133,17 +138,6 @@ class AtomicModelParallelStrategy(_AtomicSharded, ModelParallelStrategy):
                              " save_distributed_checkpoint=False, or use ModelParallelStrategy for full-state saves")
         super().__init__(*args, **kwargs)
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        self._save_shards(state, checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._resume(checkpoint_path, weights_only,
-                            lambda path: ModelParallelStrategy.load_checkpoint(self, path, weights_only=weights_only))
-
     def _load_shards(self, root: Any, commit: str) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -170,7 +164,8 @@ class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
 
     Example::
 
-        Trainer(accelerator="cuda", devices=8, strategy=AtomicFSDPStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}),
+        Trainer(accelerator="cuda", devices=8,
+                strategy=AtomicFSDPStrategy(auto_wrap_policy={nn.TransformerEncoderLayer}),
                 plugins=[AtomicCheckpointIO(storage_options={...})],
                 callbacks=[ModelCheckpoint(dirpath="s3://bucket/run/ckpt", every_n_train_steps=500)])
 
@@ -185,17 +180,6 @@ class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
             raise ValueError("AtomicFSDPStrategy saves sharded checkpoints only: use state_dict_type='sharded' (the"
                              " default), or FSDPStrategy with AtomicCheckpointIO for full-state saves")
         super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        state = {"model": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        self._save_shards(state, checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._resume(checkpoint_path, weights_only,
-                            lambda path: FSDPStrategy.load_checkpoint(self, path, weights_only=weights_only))
 
     def _load_shards(self, root: Any, commit: str) -> None:
         from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
