@@ -2,8 +2,8 @@
 
 In-process: the DCP storage writer/reader on every store (one process, no process group). Subprocesses (2 gloo
 processes, FSDP2 through AtomicModelParallelStrategy and FSDP1 through AtomicFSDPStrategy): bit-exact resume
-through a kill, a rank killed mid-save keeps the previous checkpoint latest, resharding from 2 processes to 1,
-and S3.
+through a kill, a rank killed mid-save keeps the previous checkpoint latest, a damaged shard makes every rank
+resume the previous checkpoint, resharding from 2 processes to 1, and S3.
 """
 
 from __future__ import annotations
@@ -104,8 +104,10 @@ def test_a_partial_load_reads_only_the_chunks_it_needs(local_backend):
 # -- real processes ------------------------------------------------------------------------------------------------
 
 def launch(root: str, out: Path, options: dict[str, Any], *, kill_after: int | None = None,
-           env: dict[str, str] | None = None) -> str:
-    """Run the child; with ``kill_after``, SIGKILL every process of the job once rank 0 saved that step."""
+           env: dict[str, str] | None = None, stderr: bool = False) -> str:
+    """Run the child; with ``kill_after``, SIGKILL every process of the job once rank 0 saved that step.
+
+    Returns its stdout, or with ``stderr`` its stderr (a run that is not killed)."""
     proc = subprocess.Popen([sys.executable, str(CHILD), root, str(out), json.dumps(options)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
@@ -131,7 +133,7 @@ def launch(root: str, out: Path, options: dict[str, Any], *, kill_after: int | N
         return "".join(lines)
     out_text, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-4000:]
-    return out_text
+    return err if stderr else out_text
 
 
 def losses(out: Path) -> list[list[str]]:
@@ -182,6 +184,23 @@ def test_a_rank_killed_mid_save_keeps_the_last_checkpoint_and_resumes_on_one_pro
     assert all(torch.equal(consolidated["state_dict"][k], final[k]) for k in final)
     step2 = load_full(f"{root}/epoch=0-step=2.ckpt")
     assert step2["global_step"] == 2 and set(step2["state_dict"]) == set(final)
+
+
+@pytest.mark.slow
+def test_a_damaged_sharded_checkpoint_is_not_loaded_the_previous_one_is_and_training_ends_the_same(tmp_path):
+    launch(str(tmp_path / "full"), tmp_path / "full", BASE)
+    root = str(tmp_path / "part")
+    launch(root, tmp_path / "part", {**BASE, "max_steps": 4})
+    shard = next(Path(root, "epoch=0-step=4.ckpt").rglob("r00001-shard-*.bin"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    # Only rank 1 reads the damaged shard; DCP carries its failure to rank 0, so both fall back to step 2 together.
+    err = launch(root, tmp_path / "part", BASE, stderr=True)
+    assert "is corrupted and was NOT loaded" in err and "epoch=0-step=2.ckpt" in err
+    assert [line.split()[0] for line in losses(tmp_path / "part")[-1]] == ["3", "4", "5", "6"]
+    full, part = torch.load(str(tmp_path / "full") + ".weights"), torch.load(str(tmp_path / "part") + ".weights")
+    assert all(torch.equal(full[k], part[k]) for k in full)
 
 
 @pytest.mark.slow
