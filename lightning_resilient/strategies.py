@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError
 from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _normalize, _resolve
-from lightning_resilient.io.sharded import load_sharded, root_and_name, save_sharded
+from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded, own_errors, root_and_name, save_sharded
 
 __all__ = ["AtomicFSDPStrategy", "AtomicModelParallelStrategy"]
 
@@ -76,11 +76,16 @@ class _AtomicSharded:
         candidates = [entry, *(fallbacks if io.settings.fallback_on_corruption else [])]
         for i, candidate in enumerate(candidates):
             try:
-                if root.read_manifest(candidate.commit).sharded is None:
+                # One manifest read and one metadata read per candidate, shared by every step below.
+                manifest = root.read_manifest(candidate.commit)
+                if manifest.sharded is None:
                     raise ShardedCheckpointError(f"{root.store.url(candidate.commit)} is a full (not sharded)"
                                                  f" checkpoint: {type(self).__name__} resumes sharded checkpoints only")
-                self._check_layout(root, candidate.commit)
-                self._load_shards(root, candidate.commit)
+                reader = AtomicStorageReader(root, candidate.commit, manifest=manifest)
+                self._check_layout(reader)
+                self._load_shards(reader)
+                rest = root.load(candidate.commit, map_location=None, weights_only=weights_only, sharded_rest=True,
+                                 manifest=manifest).checkpoint
             except CheckpointCorruptedError as corrupted:
                 if i + 1 == len(candidates):
                     raise
@@ -90,26 +95,22 @@ class _AtomicSharded:
                 log.error(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
                 continue
-            rest = root.load(candidate.commit, map_location=None, weights_only=weights_only,
-                             sharded_rest=True).checkpoint
             if io.claim_on_load and self.global_rank == 0 and root.epoch is None:  # type: ignore[attr-defined]
                 root.claim(resumed_from=candidate)  # fence off the job this one replaces
             return rest
         raise AssertionError("unreachable")
 
-    def _check_layout(self, root: Any, commit: str) -> None:
+    def _check_layout(self, reader: AtomicStorageReader) -> None:
         # Checked before any shard is read: otherwise DCP fails deep in its planner with a missing-key error.
-        from lightning_resilient.io.sharded import AtomicStorageReader
-
-        keys = AtomicStorageReader(root, commit).read_metadata().state_dict_metadata
+        keys = reader.read_metadata().state_dict_metadata
         if not any(key.startswith(f"{self._weights_key}.") for key in keys):
             found = sorted({key.split(".", 1)[0] for key in keys})
             raise ShardedCheckpointError(
-                f"{root.store.url(commit)} holds no weights under {self._weights_key!r} (its top-level keys: {found}):"
-                f" it was written by another strategy; resume it with {self._other}, or consolidate it with"
-                " lightning_resilient.io.sharded.load_full(url)")
+                f"{reader.root.store.url(reader.commit)} holds no weights under {self._weights_key!r} (its top-level"
+                f" keys: {found}): it was written by another strategy; resume it with {self._other}, or consolidate"
+                " it with lightning_resilient.io.sharded.load_full(url)")
 
-    def _load_shards(self, root: Any, commit: str) -> None:
+    def _load_shards(self, reader: AtomicStorageReader) -> None:
         raise NotImplementedError
 
 
@@ -138,7 +139,7 @@ class AtomicModelParallelStrategy(_AtomicSharded, ModelParallelStrategy):
                              " save_distributed_checkpoint=False, or use ModelParallelStrategy for full-state saves")
         super().__init__(*args, **kwargs)
 
-    def _load_shards(self, root: Any, commit: str) -> None:
+    def _load_shards(self, reader: AtomicStorageReader) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -148,12 +149,12 @@ class AtomicModelParallelStrategy(_AtomicSharded, ModelParallelStrategy):
 
         assert self.model is not None and self.lightning_module is not None
         module_state = {"state_dict": get_model_state_dict(self.model)}
-        load_sharded(module_state, root, commit)
+        load_sharded(module_state, reader.root, reader.commit, reader=reader)
         self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            load_sharded(optim_state, root, commit)
+            load_sharded(optim_state, reader.root, reader.commit, reader=reader)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
 
@@ -181,31 +182,23 @@ class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
                              " default), or FSDPStrategy with AtomicCheckpointIO for full-state saves")
         super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
 
-    def _load_shards(self, root: Any, commit: str) -> None:
+    def _load_shards(self, reader: AtomicStorageReader) -> None:
         from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
         from lightning.pytorch.trainer.states import TrainerFn
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        from lightning_resilient.io.sharded import AtomicStorageReader, own_error
-
         assert self.model is not None and self.lightning_module is not None
         with _get_sharded_state_dict_context(self.model):
             module_state = {"model": self.model.state_dict()}
-            load_sharded(module_state, root, commit)
+            load_sharded(module_state, reader.root, reader.commit, reader=reader)
             self.model.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)
             if self.lightning_module.trainer.state.fn != TrainerFn.FITTING or not self.optimizers:
                 return
             for idx, optimizer in enumerate(self.optimizers):
                 key = f"optimizer_{idx}"
-                try:
-                    optim_state = load_sharded_optimizer_state_dict(
-                        model_state_dict=module_state["model"], optimizer_key=key,
-                        storage_reader=AtomicStorageReader(root, commit))
-                except BaseException as exc:
-                    own = own_error(exc)
-                    if own is None or own is exc:
-                        raise
-                    raise own from exc
+                with own_errors():
+                    optim_state = load_sharded_optimizer_state_dict(model_state_dict=module_state["model"],
+                                                                    optimizer_key=key, storage_reader=reader)
                 optimizer.load_state_dict(FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key],
                                                                         model=self.model, optim=optimizer))

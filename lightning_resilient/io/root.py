@@ -488,17 +488,21 @@ class CheckpointRoot:
 
     def load(self, commit: str, *, map_location: Any, weights_only: bool | None,
              pin_memory: bool = False, sharded_rest: bool = False,
-             tee: Callable[[str, int, memoryview], None] | None = None) -> Loaded:
+             tee: Callable[[str, int, memoryview], None] | None = None, manifest: Manifest | None = None) -> Loaded:
         """Read, verify and rebuild one commit: one manifest read, then every chunk of every object in parallel,
         scattered straight into one buffer per tensor (pinned when ``pin_memory``).
 
         A sharded commit holds its model and optimizer states in per-rank streams that only
         ``torch.distributed.checkpoint`` can place: loading it here is an error unless ``sharded_rest`` asks for
         just the rest (loops, callbacks, ...), as the sharded strategy does. ``tee(path, offset, piece)`` also
-        receives every byte read (the node cache keeps a copy with it).
+        receives every byte read (the node cache keeps a copy with it). ``manifest``: this commit's manifest, when
+        the caller has already read it.
         """
         started = time.perf_counter()
-        manifest = self.read_manifest(commit)
+        if manifest is None:
+            manifest = self.read_manifest(commit)
+        elif manifest.commit != commit:
+            raise ValueError(f"the manifest given is {manifest.commit!r}'s, not {commit!r}'s")
         if manifest.sharded is not None and not sharded_rest:
             raise ShardedCheckpointError(
                 f"{self.store.url(commit)} is a sharded checkpoint written by {manifest.sharded['world_size']}"

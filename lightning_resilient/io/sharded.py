@@ -17,15 +17,16 @@ DCP's metadata (shapes, chunk layout) is pickled, as DCP itself stores it; tenso
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import time
-from collections.abc import Callable
-from torch.futures import Future
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from typing import Any
 
 import torch
+from torch.futures import Future
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -45,8 +46,8 @@ from lightning_resilient.io import _paths, layout
 from lightning_resilient.io.manifest import Manifest, ObjectEntry
 from lightning_resilient.io.root import CheckpointRoot
 
-__all__ = ["AtomicStorageReader", "AtomicStorageWriter", "load_full", "load_sharded", "own_error", "root_and_name",
-           "save_sharded"]
+__all__ = ["AtomicStorageReader", "AtomicStorageWriter", "load_full", "load_sharded", "own_error", "own_errors",
+           "root_and_name", "save_sharded"]
 
 METADATA_NAME = "dcp.metadata"
 
@@ -157,13 +158,18 @@ class AtomicStorageWriter(StorageWriter):
 
 
 class AtomicStorageReader(StorageReader):
-    """A DCP storage reader over one committed sharded checkpoint (``commit`` in ``root``)."""
+    """A DCP storage reader over one committed sharded checkpoint (``commit`` in ``root``).
 
-    def __init__(self, root: CheckpointRoot, commit: str) -> None:
+    It keeps the manifest and the metadata once read, so one reader serves every ``dcp.load`` of a resume (the
+    model, then each optimizer) with one read of each; pass ``manifest`` when the caller has already read it.
+    """
+
+    def __init__(self, root: CheckpointRoot, commit: str, manifest: Manifest | None = None) -> None:
         super().__init__()
         self.root = root
         self.commit = commit
-        self.manifest: Manifest | None = None
+        self.manifest = manifest
+        self.metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -174,7 +180,9 @@ class AtomicStorageReader(StorageReader):
         return True
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        manifest = self.root.read_manifest(self.commit)
+        if self.metadata is not None:
+            return self.metadata
+        manifest = self.manifest if self.manifest is not None else self.root.read_manifest(self.commit)
         if manifest.sharded is None:
             raise CheckpointCorruptedError(f"{self.root.store.url(self.commit)} is not a sharded checkpoint",
                                            object=self.root.store.url(self.commit))
@@ -190,6 +198,7 @@ class AtomicStorageReader(StorageReader):
         if not isinstance(metadata, Metadata):
             raise CheckpointCorruptedError(f"{self.root.store.url(manifest.objects[index].path)} is not DCP metadata",
                                            object=self.root.store.url(manifest.objects[index].path))
+        self.metadata = metadata
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -264,6 +273,19 @@ def own_error(exc: BaseException) -> CheckpointError | None:
     return None
 
 
+@contextlib.contextmanager
+def own_errors() -> Iterator[None]:
+    """Around a DCP call: re-raise our own error (a ``StaleWriterError``, a ``CheckpointCorruptedError``, ...) as
+    it is, on every rank, instead of DCP's ``CheckpointException`` wrapper."""
+    try:
+        yield
+    except BaseException as exc:
+        own = own_error(exc)
+        if own is None or own is exc:
+            raise
+        raise own from exc
+
+
 def save_sharded(state: dict[str, Any], root: CheckpointRoot, name: str, rest: dict[str, Any] | None = None,
                  **dcp_kwargs: Any) -> Any:
     """Save ``state`` (DTensors / sharded tensors per rank) as checkpoint ``name`` of ``root``; every rank calls.
@@ -274,30 +296,26 @@ def save_sharded(state: dict[str, Any], root: CheckpointRoot, name: str, rest: d
     import torch.distributed.checkpoint as dcp
 
     writer = AtomicStorageWriter(root, name, rest)
-    try:
+    with own_errors():
         dcp.save(state, storage_writer=writer, **dcp_kwargs)
-    except BaseException as exc:
-        own = own_error(exc)
-        if own is None or own is exc:
-            raise
-        raise own from exc
     return writer.entry
 
 
-def load_sharded(state: dict[str, Any], root: CheckpointRoot, commit: str, **dcp_kwargs: Any) -> None:
+def load_sharded(state: dict[str, Any], root: CheckpointRoot, commit: str, *,
+                 reader: AtomicStorageReader | None = None, **dcp_kwargs: Any) -> None:
     """Load ``commit`` into ``state`` in place (DCP: any number of processes, resharded as needed).
 
+    ``reader``: an :class:`AtomicStorageReader` of this commit to reuse (its manifest and metadata are read once).
     A damaged chunk raises :class:`~lightning_resilient.CheckpointCorruptedError` naming the object.
     """
     import torch.distributed.checkpoint as dcp
 
-    try:
-        dcp.load(state, storage_reader=AtomicStorageReader(root, commit), **dcp_kwargs)
-    except BaseException as exc:
-        own = own_error(exc)
-        if own is None or own is exc:
-            raise
-        raise own from exc
+    if reader is None:
+        reader = AtomicStorageReader(root, commit)
+    elif reader.root is not root or reader.commit != commit:
+        raise ValueError(f"reader is for {reader.root.store.url(reader.commit)}, not {root.store.url(commit)}")
+    with own_errors():
+        dcp.load(state, storage_reader=reader, **dcp_kwargs)
 
 
 def load_full(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -101,6 +101,38 @@ def test_a_partial_load_reads_only_the_chunks_it_needs(local_backend):
     io.teardown()
 
 
+def test_one_reader_serves_every_load_of_a_resume_with_one_manifest_and_one_metadata_read(local_backend):
+    io = make_io(local_backend)
+    root, name = root_and_name(io, local_backend.url("a.ckpt"))
+    state = sharded_state()
+    entry = save_sharded(state, root, name, no_dist=True)
+    manifest_reads: list[str] = []
+    metadata_reads: list[str] = []
+    original_read, original_range = root.store.read, root.store.read_range
+
+    def read(rel: str) -> bytes:
+        manifest_reads.append(rel)
+        return original_read(rel)
+
+    def read_range(rel: str, start: int, end: int, consume: Any) -> Any:
+        if rel.endswith("dcp.metadata"):
+            metadata_reads.append(rel)
+        return original_range(rel, start, end, consume)
+
+    root.store.read = read  # type: ignore[method-assign]
+    root.store.read_range = read_range  # type: ignore[method-assign]
+    reader = AtomicStorageReader(root, entry.commit)
+    target = zeros_like(state)
+    load_sharded({"state_dict": target["state_dict"]}, root, entry.commit, reader=reader, no_dist=True)
+    load_sharded({"optimizer_0": target["optimizer_0"]}, root, entry.commit, reader=reader, no_dist=True)
+    assert torch.equal(target["state_dict"]["w"], state["state_dict"]["w"])
+    assert torch.equal(target["optimizer_0"]["state"]["w"]["exp_avg"], state["optimizer_0"]["state"]["w"]["exp_avg"])
+    assert len([r for r in manifest_reads if r.endswith(MANIFEST_NAME)]) == 1 and len(metadata_reads) == 1
+    with pytest.raises(ValueError, match="reader is for"):
+        load_sharded(zeros_like(state), root, "c0-e1-other", reader=reader, no_dist=True)
+    io.teardown()
+
+
 # -- real processes ------------------------------------------------------------------------------------------------
 
 def launch(root: str, out: Path, options: dict[str, Any], *, kill_after: int | None = None,
@@ -187,15 +219,17 @@ def test_a_rank_killed_mid_save_keeps_the_last_checkpoint_and_resumes_on_one_pro
 
 
 @pytest.mark.slow
-def test_a_damaged_sharded_checkpoint_is_not_loaded_the_previous_one_is_and_training_ends_the_same(tmp_path):
+@pytest.mark.parametrize("damaged", ["r00001-shard-*.bin", "skeleton.pt"])
+def test_a_damaged_sharded_checkpoint_is_not_loaded_the_previous_one_is_and_training_ends_the_same(tmp_path, damaged):
     launch(str(tmp_path / "full"), tmp_path / "full", BASE)
     root = str(tmp_path / "part")
     launch(root, tmp_path / "part", {**BASE, "max_steps": 4})
-    shard = next(Path(root, "epoch=0-step=4.ckpt").rglob("r00001-shard-*.bin"))
-    data = bytearray(shard.read_bytes())
+    target = next(Path(root, "epoch=0-step=4.ckpt").rglob(damaged))
+    data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 1
-    shard.write_bytes(bytes(data))
-    # Only rank 1 reads the damaged shard; DCP carries its failure to rank 0, so both fall back to step 2 together.
+    target.write_bytes(bytes(data))
+    # A shard only rank 1 reads: DCP carries its failure to rank 0, so both fall back to step 2 together. The
+    # skeleton (loops, callbacks, RNG) is read after the shards and falls back the same way.
     err = launch(root, tmp_path / "part", BASE, stderr=True)
     assert "is corrupted and was NOT loaded" in err and "epoch=0-step=2.ckpt" in err
     assert [line.split()[0] for line in losses(tmp_path / "part")[-1]] == ["3", "4", "5", "6"]
