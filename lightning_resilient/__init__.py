@@ -1,39 +1,65 @@
-"""lightning_resilient: safe, cheap resumption for PyTorch Lightning on failure-prone nodes."""
+"""lightning_resilient: safe, cheap resumption for PyTorch Lightning on failure-prone nodes.
 
-from lightning_resilient.errors import (
-    CheckpointCorruptedError,
-    CheckpointError,
-    ShardedCheckpointError,
-    StaleWriterError,
-    UnsupportedFormatError,
-)
-from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint, repair_pointer
-from lightning_resilient.planning import CheckpointCadence, TransferAudit
-from lightning_resilient.precision import AutoPrecision, select_precision
-from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
-from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
-from lightning_resilient.strategies import AtomicFSDPStrategy, AtomicModelParallelStrategy
+The public names below are imported on first use (PEP 562), so that a tool that needs only the storage protocol
+(``lightning_resilient.io.root``, a subprocess of the tests, ``lightning-resilient --help``) does not pay for
+importing Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AccumulationAwareScheduler",
-    "AtomicCheckpointIO",
-    "AtomicFSDPStrategy",
-    "AtomicModelParallelStrategy",
-    "AutoPrecision",
-    "CheckpointCadence",
-    "CheckpointCorruptedError",
-    "CheckpointError",
-    "PerSampleSeeded",
-    "ResumeStateCallback",
-    "ShardedCheckpointError",
-    "StaleWriterError",
-    "TransferAudit",
-    "UnsupportedFormatError",
-    "__version__",
-    "find_latest_checkpoint",
-    "repair_pointer",
-    "select_precision",
-    "warmup_schedule",
-]
+_WHERE = {
+    "AccumulationAwareScheduler": "lightning_resilient.schedule",
+    "AtomicCheckpointIO": "lightning_resilient.io.checkpoint_io",
+    "AtomicFSDPStrategy": "lightning_resilient.strategies",
+    "AtomicModelParallelStrategy": "lightning_resilient.strategies",
+    "AutoPrecision": "lightning_resilient.precision",
+    "CheckpointCadence": "lightning_resilient.planning",
+    "CheckpointCorruptedError": "lightning_resilient.errors",
+    "CheckpointError": "lightning_resilient.errors",
+    "PerSampleSeeded": "lightning_resilient.state",
+    "ResumeStateCallback": "lightning_resilient.state",
+    "ShardedCheckpointError": "lightning_resilient.errors",
+    "StaleWriterError": "lightning_resilient.errors",
+    "TransferAudit": "lightning_resilient.planning",
+    "UnsupportedFormatError": "lightning_resilient.errors",
+    "find_latest_checkpoint": "lightning_resilient.io.catalog",
+    "repair_pointer": "lightning_resilient.io.catalog",
+    "select_precision": "lightning_resilient.precision",
+    "warmup_schedule": "lightning_resilient.schedule",
+}
+
+__all__ = sorted([*_WHERE, "__version__"])
+
+if TYPE_CHECKING:
+    from lightning_resilient.errors import (
+        CheckpointCorruptedError,
+        CheckpointError,
+        ShardedCheckpointError,
+        StaleWriterError,
+        UnsupportedFormatError,
+    )
+    from lightning_resilient.io.catalog import find_latest_checkpoint, repair_pointer
+    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+    from lightning_resilient.planning import CheckpointCadence, TransferAudit
+    from lightning_resilient.precision import AutoPrecision, select_precision
+    from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
+    from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
+    from lightning_resilient.strategies import AtomicFSDPStrategy, AtomicModelParallelStrategy
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_resilient' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

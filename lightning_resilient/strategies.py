@@ -20,7 +20,8 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError
-from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _normalize, _resolve
+from lightning_resilient.io.catalog import normalize, resolve
+from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
 from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded, own_errors, root_and_name, save_sharded
 
 __all__ = ["AtomicFSDPStrategy", "AtomicModelParallelStrategy"]
@@ -69,10 +70,10 @@ class _AtomicSharded:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))  # type: ignore[attr-defined]
         io = self.checkpoint_io
-        found = _resolve(_normalize(path), io.root)
+        found = resolve(normalize(path), io.root)
         if found is None:  # a stock Lightning checkpoint: the Lightning strategy loads it
             return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
-        root, entry, fallbacks = found
+        root, entry, fallbacks = found.root, found.entry, found.fallbacks
         candidates = [entry, *(fallbacks if io.settings.fallback_on_corruption else [])]
         for i, candidate in enumerate(candidates):
             try:
@@ -81,7 +82,7 @@ class _AtomicSharded:
                 if manifest.sharded is None:
                     raise ShardedCheckpointError(f"{root.store.url(candidate.commit)} is a full (not sharded)"
                                                  f" checkpoint: {type(self).__name__} resumes sharded checkpoints only")
-                reader = AtomicStorageReader(root, candidate.commit, manifest=manifest)
+                reader = AtomicStorageReader(root, candidate.commit, manifest=manifest, weights_only=weights_only)
                 self._check_layout(reader)
                 self._load_shards(reader)
                 rest = root.load(candidate.commit, map_location=None, weights_only=weights_only, sharded_rest=True,
@@ -95,8 +96,11 @@ class _AtomicSharded:
                 log.error(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
                 continue
+            # The coordinator claims the root at its first save, with this checkpoint as its lineage's origin (or at
+            # once with claim_on_load): a load alone never fences the job writing the root.
+            root.resumed(candidate)
             if io.claim_on_load and self.global_rank == 0 and root.epoch is None:  # type: ignore[attr-defined]
-                root.claim(resumed_from=candidate)  # fence off the job this one replaces
+                root.claim()
             return rest
         raise AssertionError("unreachable")
 

@@ -14,18 +14,57 @@ Use it in place of ``LightningCLI`` in your script, or run any LightningModule t
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
 
-__all__ = ["ResilientCLI", "main"]
+__all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "main", "redact_storage_options"]
 
 log = logging.getLogger(__name__)
+
+
+REDACTED = "<redacted>"
+# Keys of fsspec storage options that hold credentials (s3fs key/secret/token, botocore's aws_* names, gcsfs token,
+# adlfs account_key/sas_token/connection_string, passwords of ssh/ftp/webdav filesystems).
+_SECRET_KEY = re.compile(r"(^|_)(key|secret|token|password|passwd|credentials?|connection_string|sas)($|_)",
+                         re.IGNORECASE)
+
+
+def redact_storage_options(config: Any, *, inside: bool = False) -> Any:
+    """A copy of ``config`` (dicts, lists, jsonargparse Namespaces) whose ``storage_options`` hold no credential:
+    every credential-like key in them (``key``, ``secret``, ``token``, ``aws_secret_access_key``, ...) maps to
+    :data:`REDACTED`. Everything else is kept as it is."""
+    if isinstance(config, Namespace):
+        out = Namespace()
+        for key, value in vars(config).items():
+            setattr(out, key, _redacted(key, value, inside))
+        return out
+    if isinstance(config, dict):
+        return {key: _redacted(key, value, inside) for key, value in config.items()}
+    if isinstance(config, list):
+        return [redact_storage_options(value, inside=inside) for value in config]
+    return config
+
+
+def _redacted(key: Any, value: Any, inside: bool) -> Any:
+    if inside and isinstance(key, str) and _SECRET_KEY.search(key) and value is not None:
+        return REDACTED
+    return redact_storage_options(value, inside=inside or key == "storage_options")
+
+
+class RedactingSaveConfigCallback(SaveConfigCallback):
+    """LightningCLI's config saver, minus credentials: ``storage_options`` are written with their secrets redacted
+    (the run itself uses the real values). Put credentials in the environment or a profile rather than a config."""
+
+    def __init__(self, parser: LightningArgumentParser, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(parser, redact_storage_options(config), *args, **kwargs)
 
 
 class ResilientCLI(LightningCLI):
@@ -33,7 +72,8 @@ class ResilientCLI(LightningCLI):
 
     Takes the arguments of ``LightningCLI``. Two defaults differ, both so that the same command can simply be run
     again: ``fit`` looks up the checkpoint to resume from (``--auto_resume``, default true), and the saved
-    ``config.yaml`` of a previous attempt is overwritten instead of aborting the run.
+    ``config.yaml`` of a previous attempt is overwritten instead of aborting the run. The saved ``config.yaml``
+    never holds credentials: secrets in any ``storage_options`` are redacted (:class:`RedactingSaveConfigCallback`).
 
     Example::
 
@@ -44,6 +84,8 @@ class ResilientCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, save_config_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if len(args) < 3:  # save_config_callback is LightningCLI's third positional argument
+            kwargs.setdefault("save_config_callback", RedactingSaveConfigCallback)
         # A rerun after a kill writes the same config into the same folder: that is the point, not a mistake.
         super().__init__(*args, save_config_kwargs={"overwrite": True, **(save_config_kwargs or {})}, **kwargs)
 

@@ -6,8 +6,9 @@ import os
 
 # Must be set before gcsfs is imported, or every call probes the emulator over gRPC/TLS for 30-80 s.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# Test credentials and no instance-metadata lookups, before any S3 client exists (subprocesses inherit them).
 for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}.items():
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
     os.environ.setdefault(_k, _v)
 
 import platform
@@ -19,6 +20,11 @@ from typing import Any
 
 import fsspec
 import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", help="run the randomized protocol test long (2000 operations)")
+    parser.addoption("--protocol-seed", type=int, default=None, help="replay the randomized protocol test's seed")
 
 
 @dataclass

@@ -128,3 +128,23 @@ def test_every_plugin_argument_is_settable_from_a_config():
         untyped = [n for n, p in params.items() if n not in ("self", "args", "kwargs")
                    and p.annotation is inspect.Parameter.empty]
         assert not untyped, f"{cls.__name__}: {untyped}"
+
+
+@pytest.mark.parametrize("store_env", ["local"], indirect=True)
+def test_the_saved_config_never_holds_credentials(store_env, tmp_path):
+    store, root = store_env
+    config = yaml.safe_load((CONFIGS / "local.yaml").read_text())
+    plugin = next(p for p in config["trainer"]["plugins"] if p["class_path"].endswith("AtomicCheckpointIO"))
+    plugin["init_args"]["storage_options"] = {"key": "AKIAEXAMPLEKEY", "secret": "s3cr3t-value",
+                                              "client_kwargs": {"aws_session_token": "t0ken-value", "verify": False}}
+    with_secrets = tmp_path / "with-secrets.yaml"
+    with_secrets.write_text(yaml.safe_dump(config))
+    main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(with_secrets), "--trainer.max_steps", "2", *QUIET])
+    saved = (tmp_path / "config.yaml").read_text()
+    for secret in ("AKIAEXAMPLEKEY", "s3cr3t-value", "t0ken-value"):
+        assert secret not in saved
+    options = next(p for p in yaml.safe_load(saved)["trainer"]["plugins"]
+                   if p["class_path"].endswith("AtomicCheckpointIO"))["init_args"]["storage_options"]
+    assert options == {"key": "<redacted>", "secret": "<redacted>",
+                       "client_kwargs": {"aws_session_token": "<redacted>", "verify": False}}
+    assert pointer(root).latest.step == 2  # the run itself had the real options

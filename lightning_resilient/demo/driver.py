@@ -111,9 +111,20 @@ def _folders(root: str) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for p in sorted(fs.find(path)):
         parts = p[len(path) + 1:].split("/")
-        if len(parts) == 3:
+        if len(parts) == 3 and not parts[0].startswith("."):  # the protocol's own dot-folder holds no checkpoint
             out.setdefault("/".join(parts[:2]), set()).add(parts[2])
     return out
+
+
+def _retired(root: str) -> set[str]:
+    """Commit folders retention has dropped (their manifest goes at once, their data after the next commit)."""
+    import fsspec
+
+    from lightning_resilient.io.pointer import POINTER_NAME, Pointer
+
+    fs, path = fsspec.core.url_to_fs(root)
+    fs.invalidate_cache()
+    return set(Pointer.from_bytes(fs.cat_file(f"{path}/{POINTER_NAME}"), where=root).retired)
 
 
 # -- records the job leaves ------------------------------------------------------------------------------------
@@ -244,11 +255,13 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
           f" ({len(stored)} objects stored, {what}) ***\n")
 
     folders = _folders(root)
-    partial = sorted(f for f, names in folders.items() if MANIFEST_NAME not in names)
+    retired = _retired(root)
+    partial = sorted(f for f, names in folders.items() if MANIFEST_NAME not in names and f not in retired)
     latest = find_latest_checkpoint(root)
     print("What the store holds after the kill:")
     for folder, names in sorted(folders.items()):
-        state = "committed" if MANIFEST_NAME in names else "PARTIAL (no manifest: invisible to resume)"
+        state = ("committed" if MANIFEST_NAME in names else "retired by keep_last (deleted after the next commit)"
+                 if folder in retired else "PARTIAL (no manifest: invisible to resume)")
         print(f"  {folder:60s} {len(names):3d} objects  {state}")
     print(f"\nNewest committed checkpoint: {latest}\n")
 

@@ -1,6 +1,37 @@
-"""Atomic, verified, fenced checkpoint storage on any fsspec filesystem."""
+"""Atomic, verified, fenced checkpoint storage on any fsspec filesystem.
 
-from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, find_latest_checkpoint, repair_pointer
-from lightning_resilient.io.retry import RetryPolicy
+``AtomicCheckpointIO`` (which imports Lightning) is imported on first use, so the protocol modules below it load
+without Lightning.
+"""
 
-__all__ = ["AtomicCheckpointIO", "RetryPolicy", "find_latest_checkpoint", "repair_pointer"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE = {
+    "AtomicCheckpointIO": "lightning_resilient.io.checkpoint_io",
+    "RetryPolicy": "lightning_resilient.io.retry",
+    "find_latest_checkpoint": "lightning_resilient.io.catalog",
+    "repair_pointer": "lightning_resilient.io.catalog",
+}
+
+__all__ = sorted(_WHERE)
+
+if TYPE_CHECKING:
+    from lightning_resilient.io.catalog import find_latest_checkpoint, repair_pointer
+    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+    from lightning_resilient.io.retry import RetryPolicy
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_resilient.io' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -7,7 +7,6 @@ import os
 import tempfile
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -18,15 +17,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
-from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError, UnsupportedFormatError
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
-from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
-from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
-from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.catalog import find_latest_checkpoint, load_resolved, normalize, repair_pointer
 from lightning_resilient.io.node_cache import NodeCache
-from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, _int, commit_time
-from lightning_resilient.io.store import LocalStore, MemoryStore, Store, open_store
+from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, _int
+from lightning_resilient.io.store import LocalStore, MemoryStore, open_store
 
 __all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "repair_pointer"]
 
@@ -40,9 +37,9 @@ class AtomicCheckpointIO(CheckpointIO):
 
     Each save writes its own folder (tensor shards, a skeleton of the rest, then a manifest with every
     object's size and the BLAKE3 digest of each chunk) and becomes visible only when the root's pointer
-    (``latest.json``) is moved by a conditional write. A job claims a new writer epoch when it starts saving or
-    resumes, so an older job that is still running gets :class:`~lightning_resilient.StaleWriterError` instead of
-    overwriting it.
+    (``latest.json``) is moved by a conditional write. A job claims a new writer epoch at its first save (recording
+    the checkpoint it resumed from as the origin of its lineage), so an older job that is still running gets
+    :class:`~lightning_resilient.StaleWriterError` instead of overwriting it; loading alone never fences anyone.
 
     Example::
 
@@ -80,13 +77,16 @@ class AtomicCheckpointIO(CheckpointIO):
             to load a checkpoint reads it from the store and keeps a verified copy on node-local disk, which the
             node's other processes load: a resume reads the store once per node, not once per rank.
         node_cache_dir: where that copy goes (one checkpoint at a time); default: the system's temp folder.
-        orphan_grace_seconds: folders of crashed saves (no manifest, not referenced by the pointer) are
-            deleted once older than this, as are incomplete multipart uploads; younger ones may be saves in
-            progress.
+        orphan_grace_seconds: folders of crashed saves (no manifest, written by a writer epoch that a newer job
+            has since fenced off) are deleted once older than this, by the store's own timestamps, as are
+            incomplete multipart uploads. A save of the current writer is never deleted, whatever its age.
         fallback_on_corruption: when a checkpoint fails verification on load, load the previous committed one
-            (with a loud warning) instead of raising.
-        claim_on_load: loading (resuming) claims the root for this job, fencing off older writers. Set False
-            in processes that only read (evaluation, export).
+            of the same lineage (with a loud warning) instead of raising.
+        claim_on_load: loading never fences the job writing the root by default: a process claims the root
+            (becomes its writer, fencing off older jobs) at its first save, with the checkpoint it loaded as the
+            origin of its lineage. So evaluation scripts, ``trainer.test(ckpt_path=...)`` and notebooks can load
+            from a root a job is training into. True claims at once when a checkpoint is loaded (a fit that
+            resumes, to stop the job it replaces before its own first save); only for processes that will train.
         retry_attempts: tries per storage request for transient errors (5xx, throttling, dropped connections).
         retry_base_delay: first backoff in seconds (doubles per retry, full jitter).
         retry_max_delay: longest single backoff in seconds.
@@ -106,7 +106,7 @@ class AtomicCheckpointIO(CheckpointIO):
         node_cache_dir: str | None = None,
         orphan_grace_seconds: float = 3600.0,
         fallback_on_corruption: bool = True,
-        claim_on_load: bool = True,
+        claim_on_load: bool = False,
         retry_attempts: int = 6,
         retry_base_delay: float = 0.2,
         retry_max_delay: float = 10.0,
@@ -170,7 +170,7 @@ class AtomicCheckpointIO(CheckpointIO):
     def root(self, url: str, storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
         """The protocol object of the checkpoint root ``url`` (one per root, shared by saves and loads)."""
         options = self._options(storage_options)
-        url = _normalize(url)
+        url = normalize(url)
         key = (url, repr(sorted(options.items())))
         with self._lock:
             root = self._roots.get(key)
@@ -184,10 +184,11 @@ class AtomicCheckpointIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if not isinstance(checkpoint, dict):
             raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}")
-        url = _normalize(_fspath(path))
+        url = normalize(_fspath(path))
         name = _paths.basename(url)
         if not name:
             raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")
+        _check_not_nested(url, checkpoint)
         root = self.root(_paths.dirname(url), storage_options)
         started = time.perf_counter()
         stats = self.save_stats_for(name, checkpoint)
@@ -221,32 +222,30 @@ class AtomicCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        url = _normalize(_fspath(path))
+        url = normalize(_fspath(path))
         if self._async is not None:
             self._async.wait()  # a load never races the save in flight
             self._async.raise_error()
-        found = _resolve(url, lambda u: self.root(u))
-        if found is None:
+        done = load_resolved(url, self.root, fallback=self.settings.fallback_on_corruption, load_for=self._loader,
+                             map_location=map_location, weights_only=weights_only,
+                             pin_memory=self.pin_memory and _targets_cuda(map_location))
+        if done is None:
             return _load_plain_file(url, self._options(None), map_location, weights_only)
-        root, entry, fallbacks = found
-        loaded = _load_with_fallback(root, entry, fallbacks if self.settings.fallback_on_corruption else [],
-                                     load=self._loader(root), map_location=map_location, weights_only=weights_only,
-                                     pin_memory=self.pin_memory and _targets_cuda(map_location))
+        found, loaded = done
         self.last_load = loaded.stats
+        root = found.root
+        resumed = next((e for e in [found.entry, *found.fallbacks] if e.commit == loaded.entry_commit), found.entry)
+        # A read never fences the job writing the root: this process claims it at its first save (if it ever
+        # saves), with what it loaded as its lineage's origin; claim_on_load claims now.
+        root.resumed(resumed)
         if self.claim_on_load and _global_rank() == 0 and root.epoch is None:
-            resumed = next((e for e in [entry, *fallbacks] if e.commit == loaded.entry_commit), entry)
-            try:
-                root.claim(resumed_from=resumed)
-            except StaleWriterError:
-                raise
-            except Exception as exc:  # a read-only root can still be loaded; saving there will fail clearly
-                log.warning("loaded %s but could not claim %s for writing: %s", url, root.url, exc)
+            root.claim()
         root.remember_loaded(loaded)
         return loaded.checkpoint
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        url = _normalize(_fspath(path))
+        url = normalize(_fspath(path))
         root, name = self.root(_paths.dirname(url)), _paths.basename(url)
         if self._async is not None:
             # Lightning removes the checkpoint a new save replaces right after starting that save: only once
@@ -272,9 +271,11 @@ class AtomicCheckpointIO(CheckpointIO):
         """Like :func:`find_latest_checkpoint`, with this plugin's storage options."""
         return find_latest_checkpoint(root, self.storage_options)
 
-    def collect_garbage(self, root: str, *, dry_run: bool = False) -> list[str]:
-        """Delete (or, with ``dry_run``, list) orphaned folders of crashed saves under ``root``."""
-        return self.root(root).collect_garbage(dry_run=dry_run)
+    def collect_garbage(self, root: str, *, dry_run: bool = False, abandoned: bool = False) -> list[str]:
+        """Delete (or, with ``dry_run``, list) what no committed checkpoint under ``root`` needs: folders of crashed
+        saves of fenced writers, retired folders whose time has come and, with ``abandoned``, checkpoints of
+        branches a rollback left behind. Returns the URLs."""
+        return [url for url, _ in self.root(root).collect_garbage(dry_run=dry_run, abandoned=abandoned)]
 
 
 def _is_int(value: Any) -> bool:
@@ -297,74 +298,10 @@ def _fspath(path: Any) -> str:
     raise TypeError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
 
 
-def _normalize(url: str) -> str:
-    protocol, rest = _paths.split_protocol(url)
-    if protocol in (None, "file", "local"):
-        return os.path.abspath(os.path.expanduser(rest))
-    return _paths.strip_trailing(url)
-
-
 def _global_rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     return int(getattr(rank_zero_only, "rank", 0) or 0)
-
-
-def _entry_from_manifest(manifest: Manifest) -> Entry:
-    return Entry(name=manifest.name, commit=manifest.commit, step=manifest.step, epoch=manifest.epoch,
-                 created=manifest.created, writer_epoch=manifest.writer_epoch, folders=tuple(manifest.folders),
-                 size=manifest.total_bytes)
-
-
-def _resolve(url: str, root_for: Any) -> tuple[CheckpointRoot, Entry, list[Entry]] | None:
-    """What ``url`` names: a root (its latest), a name in a root, or one commit folder.
-
-    Returns the root, the entry to load, and the older committed entries to fall back to; None when the URL
-    is none of these (a plain file, e.g. a stock Lightning checkpoint). A root or a commit folder (what
-    :func:`find_latest_checkpoint` returns) costs one pointer read: the load then reads the manifest and the
-    data, and nothing else.
-    """
-    name = _paths.basename(url)
-    if commit_time(name) is not None:
-        # <root>/<name>/<commit>: what resuming passes. The root's pointer knows the commit and what is older.
-        root: CheckpointRoot = root_for(_paths.dirname(_paths.dirname(url)))
-        commit = f"{_paths.basename(_paths.dirname(url))}/{name}"
-        pointer, _ = root.read_pointer()
-        known = {e.commit: e for e in pointer.candidates()} if pointer is not None else {}
-        if commit in known:
-            return root, known[commit], _older(pointer, known[commit])  # type: ignore[arg-type]
-        if root.store.exists(f"{commit}/{MANIFEST_NAME}"):  # committed, no longer (or never) in the catalog
-            entry = _entry_from_manifest(root.read_manifest(commit))
-            return root, entry, _older(pointer, entry) if pointer else []
-
-    as_root: CheckpointRoot = root_for(url)
-    pointer, _ = as_root.read_pointer()
-    if pointer is not None:
-        candidates = pointer.candidates()
-        if not candidates:
-            raise FileNotFoundError(f"checkpoint root {url} has a pointer but no committed checkpoint yet")
-        return as_root, candidates[0], candidates[1:]
-
-    parent: CheckpointRoot = root_for(_paths.dirname(url))
-    pointer, _ = parent.read_pointer()
-    if pointer is not None:
-        entry = pointer.checkpoints.get(name)
-        if entry is None and pointer.latest is not None and pointer.latest.name == name:
-            entry = pointer.latest
-        if entry is not None:
-            return parent, entry, _older(pointer, entry)
-    if parent.store.is_file(name):
-        return None  # a plain file
-    if pointer is not None:
-        raise FileNotFoundError(f"no committed checkpoint named {name!r} under {parent.url}: committed names are"
-                                f" {sorted(pointer.checkpoints)}")
-    raise FileNotFoundError(f"no checkpoint at {url}: it is not a checkpoint root (no {POINTER_NAME}), not a"
-                            " committed name in its parent's pointer, not a checkpoint folder (no"
-                            f" {MANIFEST_NAME}), and not a file")
-
-
-def _older(pointer: Pointer, entry: Entry) -> list[Entry]:
-    return [e for e in pointer.candidates() if e.commit != entry.commit and e.order <= entry.order]
 
 
 def _targets_cuda(map_location: Any) -> bool:
@@ -375,34 +312,6 @@ def _targets_cuda(map_location: Any) -> bool:
         return any(torch.device(t).type == "cuda" for t in targets)
     except (TypeError, RuntimeError):
         return False
-
-
-def _load_with_fallback(root: CheckpointRoot, entry: Entry, fallbacks: list[Entry], *, map_location: Any,
-                        weights_only: bool | None, pin_memory: bool = False,
-                        load: Callable[..., Loaded] | None = None) -> Any:
-    first_error: CheckpointCorruptedError | None = None
-    tried: list[str] = []
-    for candidate in [entry, *fallbacks]:
-        try:
-            loaded = (load or root.load)(candidate.commit, map_location=map_location, weights_only=weights_only,
-                                         pin_memory=pin_memory)
-        except CheckpointCorruptedError as exc:
-            first_error = first_error or exc
-            tried.append(root.store.url(candidate.commit))
-            message = f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {exc}"
-            log.error(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            continue
-        if tried:
-            message = (f"loaded the previous committed checkpoint {root.store.url(candidate.commit)} (step"
-                       f" {candidate.step}) instead of {tried[0]}, which failed verification")
-            log.error(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return loaded
-    assert first_error is not None
-    raise CheckpointCorruptedError(
-        f"no valid checkpoint to load: {first_error}" + (f" (also tried {', '.join(tried[1:])})" if len(tried) > 1
-                                                          else ""), object=first_error.object)
 
 
 def _load_plain_file(url: str, options: dict[str, Any], map_location: Any, weights_only: bool | None) -> Any:
@@ -416,94 +325,21 @@ def _load_plain_file(url: str, options: dict[str, Any], map_location: Any, weigh
         return torch.load(f, **kwargs)
 
 
-def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The newest committed checkpoint under ``root``, as a URL for ``trainer.fit(model, ckpt_path=...)``.
+def _check_not_nested(url: str, checkpoint: dict[str, Any]) -> None:
+    """Refuse a save into a sub-folder of a ModelCheckpoint's dirpath (``filename="{epoch}/{step}"``).
 
-    Returns None when the root holds no committed checkpoint (a first run). It reads the pointer and the
-    newest checkpoint's manifest (which must verify); every byte of the data is verified when the checkpoint is
-    loaded, and a damaged one is then replaced by the previous committed checkpoint, with a loud warning. A
-    missing bucket raises ``FileNotFoundError`` rather than returning None, since a typo there would silently
-    restart training from scratch.
+    The checkpoint root is the folder a checkpoint is saved in; a sub-folder would be a root of its own, with its
+    own pointer, fencing and retention, and ``find_latest_checkpoint(dirpath)`` would find nothing.
     """
-    checkpoint_root = _reader(root, storage_options)
-    store = checkpoint_root.store
-    pointer, _ = checkpoint_root.read_pointer()
-    candidates = pointer.candidates() if pointer else []
-    if pointer is None:
-        _check_bucket(store)
-        found = _scan_manifests(checkpoint_root)
-        if found:
-            newest = max(found, key=lambda m: (m.step, m.created))
-            warnings.warn(f"{store.url(POINTER_NAME)} is missing but {len(found)} committed checkpoint(s) exist"
-                          f" under {store.root_url}; using the newest, {newest.commit}. Call"
-                          f" lightning_resilient.repair_pointer({store.root_url!r}) to restore the pointer.",
-                          RuntimeWarning, stacklevel=2)
-            return store.url(newest.commit)
-    for entry in candidates:
-        try:
-            checkpoint_root.read_manifest(entry.commit)
-        except CheckpointCorruptedError as exc:
-            warnings.warn(f"skipping {store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=2)
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        dirpath = state.get("dirpath") if isinstance(state, dict) and str(key).startswith("ModelCheckpoint") else None
+        if not isinstance(dirpath, str) or not dirpath:
             continue
-        return store.url(entry.commit)
-    return None
-
-
-def _reader(root: str, storage_options: dict[str, Any] | None) -> CheckpointRoot:
-    """A root opened outside any plugin (find_latest_checkpoint, repair_pointer): default retries, serial I/O."""
-    options = _check_storage_options(storage_options, "storage_options")
-    store = open_store(_normalize(root), options, RetryPolicy())
-    return CheckpointRoot(store, RootSettings(None, 1, 0.0, True), _SerialExecutor)
-
-
-def _check_bucket(store: Store) -> None:
-    protocol = _paths.split_protocol(store.root_url)[0]
-    if protocol in ("s3", "s3a", "gs", "gcs"):
-        bucket = store.root_path.split("/", 1)[0]
-        if not store.bucket_exists(bucket):
-            raise FileNotFoundError(f"bucket {bucket!r} does not exist (looking for checkpoints in"
-                                    f" {store.root_url}): create it, fix the checkpoint dirpath, or use"
-                                    " credentials that can see it")
-
-
-def _scan_manifests(root: CheckpointRoot) -> list[Manifest]:
-    found = []
-    for name in root.store.list_dir(""):
-        if name == POINTER_NAME or name.startswith("."):
-            continue
-        for child in root.store.list_dir(name):
-            if commit_time(child) is None:
-                continue
-            try:
-                found.append(root.read_manifest(f"{name}/{child}"))
-            except (CheckpointCorruptedError, UnsupportedFormatError):
-                continue
-    return found
-
-
-def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """Rebuild a missing or damaged pointer from the committed manifests under ``root``.
-
-    The newest commit of each name is cataloged; latest is the newest overall; the writer epoch is the highest
-    any manifest records, so a job still writing with that epoch continues. Returns the new latest's URL.
-    """
-    checkpoint_root = _reader(root, storage_options)
-    store = checkpoint_root.store
-    found = _scan_manifests(checkpoint_root)
-    pointer = Pointer(writer="repaired")
-    for manifest in sorted(found, key=lambda m: (m.step, m.created)):
-        entry = _entry_from_manifest(manifest)
-        pointer.checkpoints[manifest.name] = entry
-        pointer.latest = entry
-        pointer.writer_epoch = max(pointer.writer_epoch, manifest.writer_epoch)
-    current = store.read_versioned(POINTER_NAME)
-    pointer.txn = "repaired"
-    if not store.write_if(POINTER_NAME, pointer.to_bytes(), current[1] if current else None):
-        raise RuntimeError(f"{store.url(POINTER_NAME)} changed while it was being repaired: a writer is active."
-                           " Run the repair again once it has stopped.")
-    return store.url(pointer.latest.commit) if pointer.latest else None
-
-
-class _SerialExecutor(Executor):
-    def map(self, fn, *iterables, timeout=None, chunksize=1):  # type: ignore[no-untyped-def, override]
-        return map(fn, *iterables)
+        root = normalize(dirpath)
+        parent = _paths.dirname(url)
+        if parent != root and parent.startswith(root.rstrip("/") + "/"):
+            raise ValueError(
+                f"checkpoint {url!r} would be saved in a sub-folder of the ModelCheckpoint dirpath {root!r} (its"
+                f" filename contains '/'): with AtomicCheckpointIO every folder is a separate checkpoint root, so the"
+                f" run would be split across roots and find_latest_checkpoint({root!r}) would not see it. Use a"
+                " filename without '/', e.g. ModelCheckpoint(filename='{epoch}-{step}').")

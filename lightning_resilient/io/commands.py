@@ -15,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
-from lightning_resilient.io.checkpoint_io import _check_bucket, _normalize, _scan_manifests
+from lightning_resilient.io.catalog import check_bucket, normalize, was_retired
+from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import RESUMED, CheckpointRoot, RootSettings, commit_time
+from lightning_resilient.io.root import RESUMED, CheckpointRoot, RootSettings, commit_epoch
 from lightning_resilient.io.store import open_store
 
 __all__ = ["add_commands"]
@@ -49,15 +50,21 @@ def add_commands(subparsers: Any) -> None:
     verify.set_defaults(func=_guarded(_verify))
 
     gc = subparsers.add_parser("gc", help="delete what no committed checkpoint needs (or show it: --dry-run)",
-                               description="Collect folders of crashed or superseded saves older than --grace"
-                                           " seconds and incomplete multipart uploads; with --keep-last N, also drop"
-                                           " all but the N newest committed checkpoints (never the latest, never"
-                                           " one a job resumed from).")
+                               description="Collect folders of crashed saves of fenced-off jobs (never a save of the"
+                                           " job writing the root, whatever --grace), retired folders whose time has"
+                                           " come and incomplete multipart uploads; with --keep-last N, also drop"
+                                           " all but the N newest checkpoints of the current run (never the latest,"
+                                           " never one a job resumed from); with --abandoned, the checkpoints of"
+                                           " branches a rollback left behind. Safe beside a running job.")
     gc.add_argument("root", help="the checkpoint root")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     gc.add_argument("--grace", type=float, default=3600.0,
-                    help="seconds an uncommitted folder is left alone: it may be a save in progress (default 3600)")
-    gc.add_argument("--keep-last", type=int, default=None, help="retention: keep only the N newest checkpoints")
+                    help="seconds a crashed save of a fenced-off job is left alone, by the store's clock (default"
+                         " 3600); a save of the current job is never collected")
+    gc.add_argument("--keep-last", type=int, default=None,
+                    help="retention: keep only the N newest checkpoints of the current run")
+    gc.add_argument("--abandoned", action="store_true",
+                    help="also delete checkpoints outside the current run's lineage (a branch a rollback left)")
     _storage_option(gc)
     gc.set_defaults(func=_guarded(_gc))
 
@@ -99,11 +106,11 @@ def _open(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
         if not isinstance(options, dict):
             raise _Usage(f"--storage-options must be a JSON object, got {args.storage_options!r}")
     try:
-        store = open_store(_normalize(args.root), options, RetryPolicy())
+        store = open_store(normalize(args.root), options, RetryPolicy())
     except (ValueError, ImportError) as exc:
         raise _Usage(f"cannot open {args.root!r}: {exc}. Use a local path, s3://bucket/prefix, gs://bucket/prefix"
                      " or another fsspec URL whose filesystem is installed.") from None
-    _check_bucket(store)
+    check_bucket(store)
     settings = RootSettings(keep_last=None, shard_size=1, orphan_grace_seconds=grace, fallback_on_corruption=False)
     return CheckpointRoot(store, settings, lambda: ThreadPoolExecutor(_CONCURRENCY,
                                                                       thread_name_prefix="lightning_resilient-cli"))
@@ -145,38 +152,59 @@ def _ls(args: argparse.Namespace) -> int:
     root = _open(args)
     pointer = _pointer(root)
     print(f"root:    {root.url}")
+    scanned = pointer is None
     if pointer is None:
-        found = _scan_manifests(root)
-        if not found:
+        scan = root.scan()
+        if not scan.manifests and not scan.unreadable:
             print("no checkpoints (no pointer, no committed checkpoint)")
             return 0
-        print(f"pointer: MISSING ({POINTER_NAME}); {len(found)} committed checkpoint(s) found by scanning. Rebuild it"
-              f" with: python -c \"import lightning_resilient as lr; lr.repair_pointer({root.url!r})\"")
-        entries = [Entry(m.name, m.commit, m.step, m.epoch, m.created, m.writer_epoch, tuple(m.folders),
-                         m.total_bytes) for m in found]
+        pointer = scan.pointer()
+        print(f"pointer: MISSING ({POINTER_NAME}); {len(scan.manifests)} committed checkpoint(s) found by scanning."
+              f" Rebuild it with: python -c \"import lightning_resilient as lr; lr.repair_pointer({root.url!r})\"")
     else:
         latest = f"{pointer.latest.name} (step {pointer.latest.step})" if pointer.latest else "none"
         print(f"pointer: {POINTER_NAME}, writer epoch {pointer.writer_epoch} ({pointer.writer or 'unknown'}),"
               f" latest {latest}")
-        entries = pointer.candidates()
-    rows = [(e, _check(root, e, args.quick)) for e in entries]
-    latest_commit = pointer.latest.commit if pointer is not None and pointer.latest else None
+    members = pointer.candidates()
+    abandoned = pointer.abandoned()
+    rows = [(e, _check(root, e, args.quick)) for e in members + abandoned]
+    latest_commit = pointer.latest.commit if pointer.latest else None
     print()
-    print("| name | step | epoch | size | age | commit | verifies |")
-    print("|---|---:|---:|---:|---:|---|---|")
+    print("| name | step | epoch | writer epoch | size | age | commit | verifies |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
     for e, status in rows:
-        marks = (" (latest)" if e.commit == latest_commit else "") + (
-            " (resumed from)" if pointer is not None and pointer.protected.get(e.commit, "").startswith(RESUMED)
-            else "")
-        print(f"| {e.name}{marks} | {e.step} | {e.epoch} | {_size(e.size)} | {_age(e.created)} | {e.commit} |"
-              f" {status} |")
-    live = pointer.live_folders() if pointer is not None else {e.commit for e in entries}
-    uncommitted = [f"{name}/{child}" for name in root.store.list_dir("") if name != POINTER_NAME
-                   and not name.startswith(".") for child in root.store.list_dir(name)
-                   if commit_time(child) is not None and f"{name}/{child}" not in live]
+        marks = (" (latest)" if e.commit == latest_commit and not scanned else "") + (
+            " (resumed from)" if pointer.protected.get(e.commit, "").startswith(RESUMED) else "") + (
+            " (abandoned branch)" if e in abandoned else "")
+        print(f"| {e.name}{marks} | {e.step} | {e.epoch} | {e.writer_epoch} | {_size(e.size)} | {_age(e.created)} |"
+              f" {e.commit} | {status} |")
+    if abandoned:
+        print(f"\n{len(abandoned)} checkpoint(s) belong to an abandoned branch (a later job resumed from an earlier"
+              f" checkpoint): never resumed; `lightning-resilient gc {args.root} --abandoned` deletes them")
+    live = pointer.live_folders()
+    retired, others, uncommitted = [], [], []
+    for name in root.store.list_dir(""):
+        if name == POINTER_NAME or name.startswith("."):
+            continue
+        for child in root.store.list_dir(name):
+            folder = f"{name}/{child}"
+            if commit_epoch(child) is None or folder in live:
+                continue
+            if folder in pointer.retired:
+                retired.append(folder)
+            elif MANIFEST_NAME in root.store.list_detail(folder):
+                others.append(folder)
+            else:
+                uncommitted.append(folder)
+    if retired:
+        print(f"\n{len(retired)} folder(s) retired by retention, deleted after the next commit")
+    if others and not scanned:
+        print(f"\n{len(others)} committed folder(s) the pointer does not reference (a save whose job died before its"
+              f" pointer update, or an older commit of a name): kept; `gc --abandoned` deletes those outside the"
+              f" current run")
     if uncommitted:
-        print(f"\n{len(uncommitted)} folder(s) belong to no committed checkpoint (crashed, superseded or in-progress"
-              f" saves): see `lightning-resilient gc {args.root} --dry-run`")
+        print(f"\n{len(uncommitted)} folder(s) without a manifest (crashed or in-progress saves): never loadable; see"
+              f" `lightning-resilient gc {args.root} --dry-run`")
     bad = [e for e, status in rows if status.startswith("NO")]
     if bad:
         print(f"\n{len(bad)} checkpoint(s) FAIL verification", file=sys.stderr)
@@ -190,16 +218,25 @@ def _verify(args: argparse.Namespace) -> int:
         pointer = _pointer(root)
         if pointer is None:
             raise _Usage(f"no pointer under {root.url}: nothing committed to verify")
-        targets = pointer.candidates()
+        targets = pointer.candidates() + pointer.abandoned()
     else:
         targets = [_target(root, args.checkpoint)]
     failed = 0
-    for entry in targets:
+    attempts = 0
+    while targets:
+        entry = targets.pop(0)
         url = root.store.url(entry.commit)
         bar = None if args.no_progress else _progress(entry.size, entry.name)
         try:
             manifest = root.verify(entry.commit, progress=bar.update if bar is not None else None)
         except CheckpointCorruptedError as exc:
+            if was_retired(root, entry):
+                # Retention of the job writing the root deleted it while it was read: nothing is damaged.
+                print(f"RETIRED {url}: deleted by retention while it was verified (not a failure)")
+                if not args.all and args.checkpoint is None and attempts < 5:
+                    attempts += 1
+                    targets.append(_target(root, None))  # the latest has moved on: verify the new one
+                continue
             failed += 1
             print(f"FAILED {url}: {exc}")
             continue
@@ -213,25 +250,25 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _target(root: CheckpointRoot, checkpoint: str | None) -> Entry:
     """The entry ``checkpoint`` names: a name (last.ckpt), a commit folder, either relative to the root or as a
-    URL under it; the pointer's latest when None."""
+    URL under it; the latest of the current run when None."""
     pointer = _pointer(root)
     if checkpoint is None:
-        if pointer is None or pointer.latest is None:
+        candidates = pointer.candidates() if pointer is not None else []
+        if not candidates:
             raise _Usage(f"no committed checkpoint under {root.url} (no {POINTER_NAME}); name one to verify")
-        return pointer.latest
+        return candidates[0]
     rel = checkpoint.strip("/")
     prefix = root.url.rstrip("/") + "/"
-    if _normalize(checkpoint).startswith(prefix):
-        rel = _normalize(checkpoint)[len(prefix):]
-    known = {e.commit: e for e in pointer.candidates()} if pointer is not None else {}
+    if normalize(checkpoint).startswith(prefix):
+        rel = normalize(checkpoint)[len(prefix):]
+    known = {e.commit: e for e in pointer.entries()} if pointer is not None else {}
     if rel in known:
         return known[rel]
-    if commit_time(rel.rsplit("/", 1)[-1]) is not None:
+    if commit_epoch(rel.rsplit("/", 1)[-1]) is not None:
         try:
-            m = root.read_manifest(rel)
+            return Entry.from_manifest(root.read_manifest(rel))
         except CheckpointCorruptedError as exc:
             raise _Usage(f"{root.store.url(rel)} is not a committed checkpoint: {exc}") from None
-        return Entry(m.name, m.commit, m.step, m.epoch, m.created, m.writer_epoch, tuple(m.folders), m.total_bytes)
     if pointer is not None:
         entry = pointer.checkpoints.get(rel) or (pointer.latest if pointer.latest and pointer.latest.name == rel
                                                  else None)
@@ -253,13 +290,19 @@ def _gc(args: argparse.Namespace) -> int:
     if args.keep_last is not None and args.keep_last < 1:
         raise _Usage(f"--keep-last must be >= 1, got {args.keep_last}")
     root = _open(args, grace=args.grace)
+    if _pointer(root) is None and root.scan().manifests:
+        raise _Usage(f"{root.store.url(POINTER_NAME)} is missing: nothing is deleted under a root whose pointer is lost"
+                     " (its checkpoints are all kept). Rebuild it first: python -c \"import lightning_resilient as lr;"
+                     f" lr.repair_pointer({root.url!r})\"")
     verb = "would delete" if args.dry_run else "deleted"
     dropped = root.retain(args.keep_last, dry_run=args.dry_run) if args.keep_last is not None else []
     for entry in dropped:
         print(f"{verb} checkpoint {entry.name} (step {entry.step}): beyond --keep-last {args.keep_last}")
-    doomed = root.collect_garbage(dry_run=args.dry_run)
-    for url in doomed:
-        print(f"{verb} {url}: belongs to no committed checkpoint and is older than {args.grace:g} s")
+    doomed = root.collect_garbage(dry_run=args.dry_run, abandoned=args.abandoned)
+    dropped_folders = {root.store.url(f) for e in dropped for f in e.folders}
+    for url, why in doomed:
+        if url not in dropped_folders:
+            print(f"{verb} {url}: {why}")
     if not dropped and not doomed:
         print(f"nothing to delete under {root.url}")
     return 0

@@ -22,6 +22,7 @@ import blake3
 from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
 from lightning_resilient.io._paths import check_relative
 from lightning_resilient.io._sealed import seal, unseal
+from lightning_resilient.io.lineage import Origin
 
 __all__ = ["FORMAT", "HASH", "MANIFEST_NAME", "Manifest", "ObjectEntry", "TensorEntry", "chunk_digests", "hasher",
            "object_digest"]
@@ -113,6 +114,10 @@ class Manifest:
     # A sharded (torch.distributed.checkpoint) save: {"world_size": N, "metadata": object index of DCP's
     # metadata, "ranks": [[object indices of rank r's stream], ...]}. The stream/tensors above hold the rest.
     sharded: dict[str, Any] | None = None
+    # Where the training of this checkpoint's writer epoch came from (its lineage, recorded in every checkpoint so
+    # that a root whose pointer is lost still knows which branch is current). None: written before lineage was
+    # recorded.
+    origin: Origin | None = None
 
     def rank_offsets(self, rank: int) -> list[int]:
         """Where each object of rank ``rank``'s stream starts in that stream (sharded saves)."""
@@ -199,8 +204,10 @@ def _parse_v2(raw: dict[str, Any], where: str) -> Manifest:
     if sharded is not None:
         sharded = {"world_size": int(sharded["world_size"]), "metadata": int(sharded["metadata"]),
                    "ranks": [[int(i) for i in r] for r in sharded["ranks"]]}
+    origin = raw.get("origin")
     return Manifest(**_header(raw, where), chunk_size=chunk_size, hash=algorithm,
-                    stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors, sharded=sharded)
+                    stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors, sharded=sharded,
+                    origin=Origin.from_json(origin) if origin is not None else None)
 
 
 def _parse_v1(raw: dict[str, Any], where: str) -> Manifest:

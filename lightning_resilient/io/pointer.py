@@ -1,8 +1,12 @@
 """The pointer (``latest.json``): the only object of a root that is ever overwritten.
 
-It names the latest committed checkpoint, the catalog of live checkpoints by name, and the writer epoch used
-for fencing. It is replaced only by a conditional write against the version that was read, so two writers
-can never both believe they moved it.
+It names the latest committed checkpoint, the catalog of live checkpoints by name, the writer epoch used for
+fencing, where each writer epoch's training came from (its origin: the lineage), and the folders retired by
+retention that are still waiting to be deleted. It is replaced only by a conditional write against the version
+that was read, so two writers can never both believe they moved it.
+
+Fields added after the first release (``origins``, ``commits``, ``retired``) are optional on read, so pointers
+written before them still load (their epochs have no known origin: see :mod:`~lightning_resilient.io.lineage`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from typing import Any
 from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
 from lightning_resilient.io._paths import check_relative
 from lightning_resilient.io._sealed import seal, unseal
+from lightning_resilient.io.lineage import Lineage, Origin, order
+from lightning_resilient.io.manifest import Manifest
 
 __all__ = ["POINTER_NAME", "Entry", "Pointer"]
 
@@ -34,9 +40,16 @@ class Entry:
     folders: tuple[str, ...]  # commit folders its objects live in (its own, plus any it shares data with)
     size: int = 0
 
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> Entry:
+        return cls(name=manifest.name, commit=manifest.commit, step=manifest.step, epoch=manifest.epoch,
+                   created=manifest.created, writer_epoch=manifest.writer_epoch, folders=tuple(manifest.folders),
+                   size=manifest.total_bytes)
+
     @property
-    def order(self) -> tuple[int, float]:
-        return (self.step, self.created)
+    def order(self) -> tuple[int, int, float]:
+        """Lineage order: writer epoch, then step, then creation time (see :mod:`~lightning_resilient.io.lineage`)."""
+        return order(self)
 
 
 @dataclass
@@ -47,28 +60,77 @@ class Pointer:
     checkpoints: dict[str, Entry] = field(default_factory=dict)
     protected: dict[str, str] = field(default_factory=dict)  # commit -> why (e.g. resumed from it)
     txn: str = ""  # unique per write: lets a writer recognise its own write after a lost response
+    origins: dict[int, Origin] = field(default_factory=dict)  # writer epoch -> where its training came from
+    commits: int = 0  # commits made to this root: the clock that retirement counts in
+    # folder -> the value of ``commits`` when retention dropped it. A retired folder is deleted only once a later
+    # commit has happened, so a reader that resolved it just before has a whole save interval to read it.
+    retired: dict[str, int] = field(default_factory=dict)
+
+    def entries(self) -> list[Entry]:
+        """Every checkpoint the pointer names (latest and the catalog), each once."""
+        seen: dict[str, Entry] = {}
+        for entry in ([self.latest] if self.latest else []) + list(self.checkpoints.values()):
+            seen.setdefault(entry.commit, entry)
+        return list(seen.values())
 
     def live_folders(self) -> set[str]:
-        entries = list(self.checkpoints.values()) + ([self.latest] if self.latest else [])
-        folders = {f for e in entries for f in e.folders}
+        folders = {f for e in self.entries() for f in e.folders}
         return folders | set(self.protected)
 
+    def lineage(self) -> Lineage:
+        """The lineage of the current writer epoch: what a resume of this root continues."""
+        return Lineage(self.origins, self.writer_epoch)
+
     def candidates(self) -> list[Entry]:
-        """Committed checkpoints, newest first: latest, then the catalog by step and time."""
-        seen: set[str] = set()
-        out: list[Entry] = []
-        rest = sorted(self.checkpoints.values(), key=lambda e: e.order, reverse=True)
-        for entry in ([self.latest] if self.latest else []) + rest:
-            if entry.commit not in seen:
-                seen.add(entry.commit)
-                out.append(entry)
-        return out
+        """The committed checkpoints a resume may load, newest first: the current lineage's, in lineage order."""
+        return self.lineage().members(self.entries())
+
+    def abandoned(self) -> list[Entry]:
+        """Checkpoints the pointer names that belong to an abandoned branch (a rollback left them behind)."""
+        return self.lineage().outside(self.entries())
+
+    def retired_due(self) -> set[str]:
+        """Retired folders whose deletion may go ahead: a commit has happened since they were retired."""
+        return {folder for folder, at in self.retired.items() if self.commits > at}
+
+    @classmethod
+    def rebuilt(cls, manifests: list[Manifest], max_epoch: int, origins: dict[int, Origin] | None = None) -> Pointer:
+        """A pointer rebuilt from the committed manifests of a root whose pointer is missing or damaged.
+
+        Lineage comes from the origin records of the writer epochs (``origins``) and from the manifests (each
+        records its writer epoch's origin). Each name catalogs its newest
+        commit of the current lineage (or, for a name only an abandoned branch used, that branch's newest), latest
+        is the lineage's newest, and the writer epoch is ``max_epoch``, the highest any commit folder carries, so a
+        job still writing with it continues and the next claim fences them all. Nothing is retired or protected:
+        a rebuild never makes anything deletable.
+        """
+        pointer = cls(writer="rebuilt from the manifests")
+        pointer.origins = {**(origins or {}), **{m.writer_epoch: m.origin for m in manifests if m.origin is not None}}
+        pointer.writer_epoch = max([max_epoch, *(m.writer_epoch for m in manifests)])
+        if manifests:
+            head = max(m.writer_epoch for m in manifests)
+            if pointer.writer_epoch > head and pointer.writer_epoch not in pointer.origins:
+                # The newest epoch committed nothing (it died before its first save): it most likely resumed the
+                # newest checkpoint of the lineage before it, which keeps that lineage current.
+                newest = Lineage(pointer.origins, head).members(manifests)
+                if newest:
+                    n = newest[0]
+                    pointer.origins[pointer.writer_epoch] = Origin(n.commit, n.writer_epoch, n.step)
+        lineage = pointer.lineage()
+        members = lineage.members(manifests)
+        for manifest in reversed([*lineage.outside(manifests), *members]):  # oldest first, members last
+            pointer.checkpoints[manifest.name] = Entry.from_manifest(manifest)
+        pointer.latest = Entry.from_manifest(members[0]) if members else None
+        return pointer
 
     def copy(self) -> Pointer:
-        return replace(self, checkpoints=dict(self.checkpoints), protected=dict(self.protected))
+        return replace(self, checkpoints=dict(self.checkpoints), protected=dict(self.protected),
+                       origins=dict(self.origins), retired=dict(self.retired))
 
     def to_bytes(self) -> bytes:
-        return seal({"format": FORMAT, "kind": KIND, **asdict(self)})
+        body = asdict(self)
+        body["origins"] = {str(k): v.to_json() for k, v in self.origins.items()}
+        return seal({"format": FORMAT, "kind": KIND, **body})
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Pointer:
@@ -98,6 +160,10 @@ class Pointer:
                 checkpoints={str(k): entry(v, f"checkpoints[{k!r}]") for k, v in raw["checkpoints"].items()},
                 protected={check_relative(k, where=f"{where} protected"): str(v) for k, v in raw["protected"].items()},
                 txn=str(raw["txn"]),
+                origins={int(k): Origin.from_json(v) for k, v in raw.get("origins", {}).items()},
+                commits=int(raw.get("commits", 0)),
+                retired={check_relative(k, where=f"{where} retired"): int(v)
+                         for k, v in raw.get("retired", {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptedError(f"pointer {where} is malformed ({type(exc).__name__}: {exc}).{hint}",

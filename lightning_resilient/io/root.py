@@ -1,29 +1,55 @@
-"""One checkpoint root: the commit protocol, writer fencing, retention and garbage collection.
+"""One checkpoint root: the commit protocol, writer fencing, lineage, retention and garbage collection.
 
-Save: shard objects -> skeleton -> manifest (last) -> conditional swap of the pointer -> delete what no live
-checkpoint needs any more. A crash before the swap leaves the previous pointer valid and the new folder an
-orphan (collected after a grace period); a crash after it leaves at worst undeleted garbage.
+Save: shard objects -> skeleton -> check they are all stored -> manifest (last) -> conditional swap of the pointer.
+A crash before the swap leaves the previous pointer valid and the new folder uncommitted; a crash after it leaves
+at worst undeleted garbage.
+
+What may be deleted, and when (nothing else ever is):
+
+- a folder the pointer no longer references (retention: ``keep_last``, Lightning's removals, a name saved again)
+  is *retired*: recorded in the pointer, its manifest deleted at once (it is no checkpoint any more, even for a
+  pointer rebuilt after a loss), and its data once a later commit has happened: a reader already reading it has a
+  save interval to finish;
+- a folder the pointer does not reference, written by a writer epoch older than the pointer's (a fenced writer,
+  which can never commit it): without a manifest (a crashed upload), or with one outside the current lineage (the
+  writer died between its manifest and the pointer update: never visible, never resumable). A save in progress
+  of the current writer is never touched, whatever its age or the clocks;
+- with ``gc --abandoned`` only: checkpoints the pointer catalogs outside the current lineage (a branch a rollback
+  left behind).
+
+A folder with a manifest is a committed checkpoint whatever the pointer says: a missing pointer makes nothing
+deletable (it is rebuilt from the manifests), a damaged one stops collection until it is repaired, and a commit
+the pointer does not reference is kept while it belongs to the current lineage.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import random
 import re
 import socket
 import time
 import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError, StaleWriterError
+from lightning_resilient.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    ShardedCheckpointError,
+    StaleWriterError,
+    UnsupportedFormatError,
+)
 from lightning_resilient.io import layout
+from lightning_resilient.io.lineage import ORIGINS_DIR, Lineage, Origin, origin_record_name
 from lightning_resilient.io.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -34,9 +60,9 @@ from lightning_resilient.io.manifest import (
     object_digest,
 )
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
-from lightning_resilient.io.store import LocalStore, Store
+from lightning_resilient.io.store import Store
 
-__all__ = ["CheckpointRoot", "LoadStats", "Prepared", "RootSettings"]
+__all__ = ["CheckpointRoot", "LoadStats", "Prepared", "RootSettings", "Scan"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +70,9 @@ _COMMIT_RE = re.compile(r"^c(\d{13})-e(\d+)-[0-9a-f]{8}$")
 SKELETON_NAME = "skeleton.pt"
 _CAS_ATTEMPTS = 50
 RESUMED = "resumed from"
+# Consecutive checksummed chunks are read with one request of at least this many bytes: the number of requests
+# depends on the bytes read, never on a manifest's chunk size (a chunk size of 1 must not mean a request per byte).
+READ_SPAN = 4 * 2**20
 
 
 def writer_identity() -> str:
@@ -51,9 +80,15 @@ def writer_identity() -> str:
 
 
 def commit_time(commit: str) -> float | None:
-    """When a commit folder was started (its name carries the time; object stores have no folder mtime)."""
+    """When a commit folder was started, by its writer's clock (for display only: no decision depends on it)."""
     match = _COMMIT_RE.match(commit.rsplit("/", 1)[-1])
     return int(match.group(1)) / 1000 if match else None
+
+
+def commit_epoch(commit: str) -> int | None:
+    """The writer epoch a commit folder was written under (its name carries it), or None if it is not one."""
+    match = _COMMIT_RE.match(commit.rsplit("/", 1)[-1])
+    return int(match.group(2)) if match else None
 
 
 @dataclass(frozen=True)
@@ -102,6 +137,20 @@ class Loaded:
     stats: LoadStats | None = None
 
 
+@dataclass
+class Scan:
+    """What a listing of every commit folder of a root found (used when the pointer cannot be)."""
+
+    manifests: list[Manifest] = field(default_factory=list)
+    unreadable: dict[str, str] = field(default_factory=dict)  # commit -> why its manifest does not load
+    uncommitted: list[str] = field(default_factory=list)  # commit folders without a manifest
+    max_epoch: int = 0  # the highest writer epoch any commit folder's name (or origin record) carries
+    origins: dict[int, Origin] = field(default_factory=dict)  # from the origin records of the writer epochs
+
+    def pointer(self) -> Pointer:
+        return Pointer.rebuilt(self.manifests, self.max_epoch, self.origins)
+
+
 Job = Callable[[], int]
 
 
@@ -121,6 +170,45 @@ def _discard_piece(offset: int, piece: memoryview) -> None:
     pass
 
 
+_warned_fencing: set[str] = set()
+
+
+class _ChunkCheck:
+    """Checks consecutive chunks of one object against their digests while their bytes stream past."""
+
+    def __init__(self, manifest: Manifest, obj: ObjectEntry, chunks: list[tuple[int, int, int]], url: str) -> None:
+        self.algorithm, self.obj, self.chunks, self.url = manifest.hash, obj, chunks, url
+        self.restart()
+
+    def restart(self) -> None:
+        self.i, self.pos, self.digest = 0, self.chunks[0][1], hasher(self.algorithm)
+
+    def feed(self, piece: Any) -> None:
+        view = memoryview(piece).cast("B")
+        while len(view) and self.i < len(self.chunks):
+            end = self.chunks[self.i][2]
+            take = min(len(view), end - self.pos)
+            self.digest.update(view[:take])
+            self.pos += take
+            view = view[take:]
+            if self.pos == end:
+                self._close()
+
+    def _close(self) -> None:
+        j, a, b = self.chunks[self.i]
+        if self.digest.hexdigest() != self.obj.chunks[j]:
+            raise CheckpointCorruptedError(f"{self.url} fails its {self.algorithm} checksum at bytes {a}-{b}: its bytes"
+                                           " were corrupted", object=self.url)
+        self.i, self.digest = self.i + 1, hasher(self.algorithm)
+
+    def finish(self) -> None:
+        while self.i < len(self.chunks) and self.chunks[self.i][1] == self.chunks[self.i][2]:  # an empty object
+            self._close()
+        if self.i != len(self.chunks):
+            raise CheckpointCorruptedError(f"{self.url} ends at byte {self.pos}, the manifest says it has"
+                                           f" {self.obj.size} (truncated or replaced)", object=self.url)
+
+
 class CheckpointRoot:
     """The protocol for the checkpoints under one root URL, as one writer sees it."""
 
@@ -131,7 +219,14 @@ class CheckpointRoot:
         self._executor = executor
         self.writer = writer_identity()
         self.epoch: int | None = None  # writer epoch this process claimed, once it did
+        self.origin: Origin | None = None  # where this writer's training came from, once it claimed
         self.resumed_from: str | None = None
+        #: What this process last loaded from the root: a fit that resumed from it claims the root with it as
+        #: origin at its first save. A process that only reads never writes, so never claims (never fences).
+        self.pending_resume: Entry | None = None
+        self._resumed_entry: Entry | None = None  # what this writer claimed with as its origin
+        # Retired folders this process deleted: their records leave the pointer at its next update.
+        self._deleted: set[str] = set()
         # (digest, size) -> root-relative path of the objects of the last commit, and its step. A save of the
         # same step whose shard is byte-identical (ModelCheckpoint's save_last right after a top-k save)
         # references the object instead of uploading it again. Only at the same step: checkpoints of
@@ -151,50 +246,124 @@ class CheckpointRoot:
         data, version = got
         return Pointer.from_bytes(data, where=self.store.url(POINTER_NAME)), version
 
-    def _update(self, mutate: Callable[[Pointer], Pointer | None], *, fenced: bool) -> tuple[Pointer, Pointer]:
-        """Apply ``mutate`` to the current pointer with a compare-and-swap loop; returns (new, old)."""
+    def _update(self, mutate: Callable[[Pointer], Pointer | None], *, fenced: bool,
+                retire_now: bool = False) -> tuple[Pointer, Pointer]:
+        """Apply ``mutate`` to the current pointer with a compare-and-swap loop; returns (new, old).
+
+        Folders the old pointer kept alive and the new one does not are retired in the same write (deletable
+        after the next commit, or at once with ``retire_now``: an operator's explicit retention). A missing
+        pointer is rebuilt from the manifests first, so an update never forgets what is committed.
+        """
         for attempt in range(_CAS_ATTEMPTS):
             current, version = self.read_pointer()
-            base = current if current is not None else Pointer()
-            if fenced and current is not None and self.epoch is not None and current.writer_epoch != self.epoch:
-                raise StaleWriterError(self.url, self.epoch, current.writer_epoch, current.writer)
-            new = mutate(base.copy())
-            if new is None:
+            if current is None:
+                scan = self.scan()
+                base = scan.pointer()
+                if scan.manifests or scan.max_epoch:
+                    log.warning("%s is missing: rebuilt it from the %d manifest(s) under %s",
+                                self.store.url(POINTER_NAME), len(scan.manifests), self.url)
+                if self._resumed_entry is not None and self.epoch == base.writer_epoch:
+                    _protect(base, self._resumed_entry, self.writer)  # this writer's own protection, lost with it
+            else:
+                base = current
+            if fenced and self.epoch is not None and base.writer_epoch > self.epoch:
+                raise StaleWriterError(self.url, self.epoch, base.writer_epoch, base.writer)
+            new = base.copy()
+            for folder in self._deleted & set(new.retired):
+                del new.retired[folder]
+            if mutate(new) is None:
                 return base, base
+            live = new.live_folders()
+            for folder in base.live_folders() - live:
+                new.retired.setdefault(folder, -1 if retire_now else new.commits)
+            for folder in [f for f in new.retired if f in live]:  # referenced again (a rebuilt catalog): keep it
+                del new.retired[folder]
             new.txn = uuid.uuid4().hex
-            if self.store.write_if(POINTER_NAME, new.to_bytes(), version):
-                return new, base
-            # The swap failed: someone else wrote, or our own write landed and only its response was lost
-            # (the retried request then fails its precondition). The txn tells which.
-            again, _ = self.read_pointer()
-            if again is not None and again.txn == new.txn:
+            if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
+                self._deleted -= set(base.retired) - set(new.retired)
+                for folder in sorted(set(new.retired) - set(base.retired)):
+                    # A retired folder stops being a checkpoint at once (its manifest goes now; a reader already
+                    # reading it keeps its data until the next commit), so that a pointer rebuilt after a loss
+                    # never takes it for a live checkpoint again.
+                    self._discard(f"{folder}/{MANIFEST_NAME}")
                 return new, base
             time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
         raise TimeoutError(f"could not update {self.store.url(POINTER_NAME)}: {_CAS_ATTEMPTS} conditional writes"
                            " in a row lost to other writers")
 
+    def _landed(self, new: Pointer) -> bool:
+        # The swap failed: someone else wrote, or our own write landed and only its response was lost (the retried
+        # request then fails its precondition). The txn tells which.
+        try:
+            again, _ = self.read_pointer()
+        except CheckpointError:
+            return False
+        return again is not None and again.txn == new.txn
+
     def claim(self, *, resumed_from: Entry | None = None) -> int:
-        """Become the writer of this root: a newer epoch than any before, so older jobs are fenced off."""
+        """Become the writer of this root: a newer epoch than any before, so older jobs are fenced off.
+
+        ``resumed_from`` (default: what this process loaded from the root) is the origin of this writer's lineage:
+        it becomes the latest, and checkpoints of older epochs after it are an abandoned branch from now on. None
+        is a fresh start: every older checkpoint is then an abandoned branch (kept until ``gc --abandoned``).
+        """
+        if resumed_from is None:
+            resumed_from = self.pending_resume
+        self._check_fencing()
+        origin = Origin(None) if resumed_from is None else Origin(resumed_from.commit, resumed_from.writer_epoch,
+                                                                  resumed_from.step)
 
         def bump(p: Pointer) -> Pointer:
             p.writer_epoch += 1
             p.writer = self.writer
+            p.origins[p.writer_epoch] = origin
             # Protections belong to the job that set them; this job protects what it resumed from.
             p.protected = {}
             if resumed_from is not None:
-                p.protected = {f: f"data of the checkpoint {self.writer} resumed from" for f in resumed_from.folders}
-                p.protected[resumed_from.commit] = f"{RESUMED} by {self.writer}"
+                _protect(p, resumed_from, self.writer)
+            # The newest checkpoint of the new lineage: what a restart of this job resumes until it saves.
+            p.latest = resumed_from
+            _prune_origins(p)
+            # Recorded before the swap, so that a crash right after it cannot lose the lineage with a lost pointer.
+            self._record_origin(p.writer_epoch, origin)
             return p
 
         new, _ = self._update(bump, fenced=False)
         self.epoch = new.writer_epoch
+        self.origin = origin
+        self._resumed_entry = resumed_from
+        self._record_origin(self.epoch, origin)  # again: a claimant that lost the race may have written it
+
         self.resumed_from = resumed_from.commit if resumed_from else None
-        log.info("claimed %s as writer epoch %d (%s)", self.url, self.epoch, self.writer)
+        self.pending_resume = None
+        log.info("claimed %s as writer epoch %d (%s), %s", self.url, self.epoch, self.writer,
+                 f"resuming {resumed_from.commit}" if resumed_from else "starting fresh")
         try:
             self.collect_garbage()
         except Exception as exc:  # garbage collection must never stop training
             log.warning("garbage collection under %s failed: %s", self.url, exc)
         return self.epoch
+
+    def _record_origin(self, epoch: int, origin: Origin) -> None:
+        """Store writer epoch ``epoch``'s origin beside the pointer, so that the lineage survives a lost pointer
+        even for a job that dies before its first commit (best effort: the manifests carry it too)."""
+        try:
+            self.store.write(origin_record_name(epoch), origin.record(epoch, self.writer))
+        except Exception as exc:
+            log.warning("could not record the origin of writer epoch %d under %s: %s", epoch, self.url, exc)
+
+    def _check_fencing(self) -> None:
+        """Once per root and process, before the first write: warn when the store ignores conditional writes."""
+        if self.url in _warned_fencing or not self.store.supports_cas:  # a store without any says so itself
+            return
+        _warned_fencing.add(self.url)
+        reason = self.store.check_fencing()
+        if reason is not None:
+            warnings.warn(
+                f"writer fencing is OFF for {self.url}: {reason}, so two jobs writing this root at once can overwrite"
+                " each other's pointer (last writer wins). Checkpoints stay atomic and verified; make sure only one"
+                " job writes the root (stop the old one before starting its replacement), or use a store that"
+                " enforces conditional writes (AWS S3, GCS, local disk).", RuntimeWarning, stacklevel=4)
 
     # -- save --------------------------------------------------------------------------------------------------
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
@@ -272,49 +441,89 @@ class CheckpointRoot:
         (``extra``), and a function giving the manifest's ``sharded`` record from the final object list.
         """
         commit = commit or self.new_commit(prepared.name, prepared.created)
-        assert self.epoch is not None
-        epoch, name, step = self.epoch, prepared.name, prepared.step
         try:
             prepared.ready()
-            objects = self.upload_stream(f"{commit}/", prepared.total, prepared.pieces, step)
-            stream = list(range(len(objects)))
-            objects.append(self._put(f"{commit}/{SKELETON_NAME}", [memoryview(prepared.skeleton)],
-                                     self._known if step == self._known_step else {}))
-            skeleton = len(objects) - 1
-            objects += extra or []
-            self.store.sync_folder(commit)  # the data is durable before the manifest names it
-            manifest = Manifest(name=name, commit=commit, step=step, epoch=prepared.epoch, created=prepared.created,
-                                writer_epoch=epoch, chunk_size=self.settings.chunk_size, skeleton=skeleton,
-                                stream=stream, objects=objects, tensors=prepared.tensors,
-                                sharded=sharded(objects) if sharded is not None else None)
-            # The manifest goes last: until it exists, this folder is not a checkpoint.
-            self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
-            for folder in (commit, name, ""):  # and it, and the folders holding it, before the pointer names it
-                self.store.sync_folder(folder)
-            entry = Entry(name=name, commit=commit, step=manifest.step, epoch=manifest.epoch,
-                          created=prepared.created, writer_epoch=epoch, folders=tuple(manifest.folders),
-                          size=manifest.total_bytes)
-
-            def add(p: Pointer) -> Pointer:
-                p.writer_epoch = max(p.writer_epoch, epoch)
-                p.writer = p.writer or self.writer
-                p.checkpoints[name] = entry
-                # Within one writer the pointer never moves to a lower step; an older writer's latest (a job
-                # this one superseded) is replaced whatever its step.
-                if p.latest is None or p.latest.writer_epoch < epoch or entry.order >= p.latest.order:
-                    p.latest = entry
-                self._apply_keep_last(p)
-                return p
-
-            new, old = self._update(add, fenced=True)
-        except StaleWriterError:
-            self._discard(commit)
+            return self._commit(prepared, commit, extra, sharded)
+        except BaseException:
+            # Not committed, so nothing refers to it: delete it now (a crash instead leaves it to gc). If the
+            # pointer may have moved to it after all (a lost response), it is left alone.
+            if not self._maybe_referenced(commit):
+                self._discard(commit)
             raise
-        self._release(old, new)
+
+    def _maybe_referenced(self, commit: str) -> bool:
+        try:
+            pointer, _ = self.read_pointer()
+        except Exception:
+            return True
+        return pointer is None or commit in pointer.live_folders()
+
+    def _commit(self, prepared: Prepared, commit: str, extra: list[ObjectEntry] | None,
+                sharded: Callable[[list[ObjectEntry]], dict[str, Any]] | None) -> Entry:
+        assert self.epoch is not None and self.origin is not None
+        epoch, origin, name, step = self.epoch, self.origin, prepared.name, prepared.step
+        objects = self.upload_stream(f"{commit}/", prepared.total, prepared.pieces, step)
+        stream = list(range(len(objects)))
+        objects.append(self._put(f"{commit}/{SKELETON_NAME}", [memoryview(prepared.skeleton)],
+                                 self._known if step == self._known_step else {}))
+        skeleton = len(objects) - 1
+        objects += extra or []
+        self.store.sync_folder(commit)  # the data is durable before the manifest names it
+        self._check_stored(objects, commit)
+        manifest = Manifest(name=name, commit=commit, step=step, epoch=prepared.epoch, created=prepared.created,
+                            writer_epoch=epoch, chunk_size=self.settings.chunk_size, skeleton=skeleton,
+                            stream=stream, objects=objects, tensors=prepared.tensors,
+                            sharded=sharded(objects) if sharded is not None else None, origin=origin)
+        # The manifest goes last: until it exists, this folder is not a checkpoint.
+        self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
+        for folder in (commit, name, ""):  # and it, and the folders holding it, before the pointer names it
+            self.store.sync_folder(folder)
+        entry = Entry.from_manifest(manifest)
+        reused = set(entry.folders) - {commit}
+
+        def add(p: Pointer) -> Pointer:
+            if not reused <= p.live_folders():  # shared bytes of an earlier commit must still be kept alive
+                raise CheckpointError(f"{self.store.url(commit)} shares objects with {sorted(reused - p.live_folders())},"
+                                      " which were retired while it uploaded: the save was not committed")
+            p.commits += 1
+            p.writer_epoch = max(p.writer_epoch, epoch)  # a rebuilt pointer may not have seen this writer yet
+            p.origins.setdefault(epoch, origin)
+            p.writer = p.writer or self.writer
+            p.checkpoints[name] = entry
+            # Within one writer the pointer never moves to a lower step.
+            if p.latest is None or entry.order >= p.latest.order:
+                p.latest = entry
+            self._apply_keep_last(p)
+            return p
+
+        new, _ = self._update(add, fenced=True)
         self._remember(manifest, new)
         log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(commit), entry.step,
                  len(objects), entry.size)
+        self._delete_retired(new)
         return entry
+
+    def _check_stored(self, objects: list[ObjectEntry], commit: str) -> None:
+        """Every object the manifest will name is stored with its size: a commit never references what is gone."""
+        found = self._stored_sizes({o.path for o in objects})
+        for obj in objects:
+            size = found.get(obj.path)
+            if size == obj.size:
+                continue
+            pointer, _ = self.read_pointer()
+            if pointer is not None and self.epoch is not None and pointer.writer_epoch > self.epoch:
+                raise StaleWriterError(self.url, self.epoch, pointer.writer_epoch, pointer.writer)
+            what = "is missing" if size is None else f"has {size} bytes, not {obj.size}"
+            raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(commit)} was to be"
+                                  " committed (something deleted or replaced it): the save was not committed")
+
+    def _stored_sizes(self, paths: Iterable[str]) -> dict[str, int]:
+        """The stored size of each object under the folders holding ``paths``: one listing per folder."""
+        out: dict[str, int] = {}
+        for folder in sorted({p.rsplit("/", 1)[0] for p in paths}):
+            for obj, info in self.store.list_detail(folder).items():
+                out[f"{folder}/{obj}"] = info.size
+        return out
 
     def _apply_keep_last(self, p: Pointer) -> None:
         if self.settings.keep_last is not None:
@@ -322,10 +531,11 @@ class CheckpointRoot:
                 del p.checkpoints[entry.name]
 
     def retain(self, keep_last: int, *, dry_run: bool = False) -> list[Entry]:
-        """Drop all but the ``keep_last`` newest committed checkpoints now (an operator's retention pass).
+        """Drop all but the ``keep_last`` newest checkpoints of the current lineage now (an operator's retention).
 
-        The latest and what a job resumed from are kept. Does not claim the root: a job writing it is not fenced,
-        and the conditional pointer update makes this safe to run beside it. Returns what was (would be) dropped.
+        The latest and what a job resumed from are kept; abandoned branches are not counted (``gc --abandoned``).
+        Does not claim the root: a job writing it is not fenced, and the conditional pointer update makes this
+        safe to run beside it. Returns what was (would be) dropped.
         """
         pointer, _ = self.read_pointer()
         if pointer is None or dry_run:
@@ -338,26 +548,55 @@ class CheckpointRoot:
                 del p.checkpoints[entry.name]
             return p if dropped else None
 
-        new, old = self._update(drop, fenced=False)
-        self._release(old, new)
+        new, _ = self._update(drop, fenced=False, retire_now=True)
+        self._delete_retired(new)
+        return dropped
+
+    def drop_abandoned(self, *, dry_run: bool = False) -> list[Entry]:
+        """Drop from the catalog every checkpoint outside the current lineage (an operator's ``gc --abandoned``)."""
+        pointer, _ = self.read_pointer()
+        if pointer is None or dry_run:
+            return _abandoned(pointer) if pointer is not None else []
+        dropped: list[Entry] = []
+
+        def drop(p: Pointer) -> Pointer | None:
+            dropped[:] = _abandoned(p)
+            for entry in dropped:
+                del p.checkpoints[entry.name]
+            return p if dropped else None
+
+        new, _ = self._update(drop, fenced=False, retire_now=True)
+        self._delete_retired(new)
         return dropped
 
     def _discard(self, commit: str) -> None:
+        """Delete an uncommitted folder (best effort)."""
         try:
             self.store.remove(commit)
         except Exception as exc:
             log.warning("could not delete uncommitted %s: %s", self.store.url(commit), exc)
 
-    def _release(self, old: Pointer, new: Pointer) -> None:
-        """Delete folders that the old pointer kept alive and the new one does not."""
-        released = old.live_folders() - new.live_folders()
-        for folder in sorted(released):
-            self._discard(folder)
-        self._tidy_names({f.split("/", 1)[0] for f in released})
+    def _delete_committed(self, folder: str) -> bool:
+        """Delete a retired (or abandoned) committed folder: its manifest first, so that a deletion interrupted
+        half-way leaves a folder without a manifest (never a checkpoint with missing objects)."""
+        try:
+            self.store.remove(f"{folder}/{MANIFEST_NAME}")
+            self.store.remove(folder)
+        except Exception as exc:
+            log.warning("could not delete %s: %s", self.store.url(folder), exc)
+            return False
+        return True
+
+    def _delete_retired(self, pointer: Pointer) -> list[str]:
+        """Delete the retired folders whose time has come (a commit happened since they were retired)."""
+        deleted = [f for f in sorted(pointer.retired_due()) if self._delete_committed(f)]
+        self._deleted.update(deleted)
+        self._tidy_names({f.split("/", 1)[0] for f in deleted})
+        return deleted
 
     def _tidy_names(self, names: set[str]) -> None:
         # Local disk keeps empty name folders after their last commit is deleted; object stores have none.
-        if not isinstance(self.store, LocalStore):
+        if not self.store.supports_read_into:  # i.e. not local disk
             return
         for name in names:
             try:
@@ -388,8 +627,12 @@ class CheckpointRoot:
 
         if self.epoch is None:
             self.claim()
-        new, old = self._update(drop, fenced=True)
-        self._release(old, new)
+        self._update(drop, fenced=True)
+
+    def resumed(self, entry: Entry) -> None:
+        """Record that this process loaded ``entry`` from the root (a fit's resume claims with it as origin)."""
+        if self.epoch is None:
+            self.pending_resume = entry
 
     # -- load --------------------------------------------------------------------------------------------------
     def read_manifest(self, commit: str) -> Manifest:
@@ -404,73 +647,87 @@ class CheckpointRoot:
             raise CheckpointCorruptedError(f"{where} describes {manifest.commit!r}, not {commit!r}", object=where)
         return manifest
 
-    def check_sizes(self, commit: str) -> Manifest:
-        """Cheap structural check: the manifest parses and every object exists with its recorded size."""
-        manifest = self.read_manifest(commit)
+    def check_sizes(self, commit: str, manifest: Manifest | None = None) -> Manifest:
+        """Cheap structural check, before anything is allocated or read: every object the manifest names is stored
+        with the size it declares (one listing per folder), and every tensor's byte count matches its dtype and
+        shape. A manifest can therefore never make a load allocate more than the stored bytes."""
+        manifest = manifest if manifest is not None else self.read_manifest(commit)
+        stored = self._stored_sizes(o.path for o in manifest.objects)
         for obj in manifest.objects:
             url = self.store.url(obj.path)
-            try:
-                size = self.store.size(obj.path)
-            except FileNotFoundError as exc:
-                raise CheckpointCorruptedError(f"{url} is missing", object=url) from exc
+            size = stored.get(obj.path)
+            if size is None:
+                raise CheckpointCorruptedError(f"{url} is missing", object=url)
             if size != obj.size:
                 raise CheckpointCorruptedError(f"{url} has {size} bytes, the manifest says {obj.size}", object=url)
+        where = self.store.url(f"{commit}/{MANIFEST_NAME}")
+        for t in manifest.tensors:
+            try:
+                itemsize = layout.parse_dtype(t.dtype).itemsize
+            except ValueError as exc:
+                raise CheckpointCorruptedError(f"tensor {layout.key_id(t.key)!r} in {where}: {exc}",
+                                               object=where) from exc
+            if any(d < 0 for d in t.shape) or math.prod(t.shape) * itemsize != t.nbytes:
+                raise CheckpointCorruptedError(f"tensor {layout.key_id(t.key)!r} in {where} declares shape {t.shape}"
+                                               f" of {t.dtype} in {t.nbytes} bytes", object=where)
         return manifest
 
     def read_chunks(self, manifest: Manifest, index: int, sink: Callable[[int, memoryview], None],
                     only: Callable[[int, int], bool] | None = None,
                     into: Callable[[int, int], list[memoryview]] | None = None) -> list[Job]:
-        """Jobs that read object ``index`` chunk by chunk, verify each chunk and hand its pieces to ``sink``
-        (with their offset in the object); ``only(start, end)`` selects the chunks to read (default: all).
+        """Jobs that read object ``index``, verify every chunk and hand the verified bytes to ``sink`` (with their
+        offset in the object); ``only(start, end)`` selects the chunks to read (default: all).
 
-        ``into(start, end)`` may give the final destination of a chunk's bytes (the tensors' buffers): a store
-        that can read into memory (local disk) then fills them directly, with no copy in between.
+        Consecutive chunks are read with one request of at least :data:`READ_SPAN` bytes, each chunk checked
+        against its own digest; a request's bytes reach ``sink`` only as they pass through the digest (the caller
+        keeps nothing until the whole load has verified). ``into(start, end)`` may give the final destination
+        of a span's bytes (the tensors' buffers): a store that can read into memory (local disk) then fills them
+        directly, with no copy in between.
         """
         obj = manifest.objects[index]
         url = self.store.url(obj.path)
         direct = into is not None and self.store.supports_read_into
+        wanted = [(j, a, b) for j, (a, b) in enumerate(manifest.chunk_ranges(index)) if only is None or only(a, b)]
+        spans: list[list[tuple[int, int, int]]] = []
+        for chunk in wanted:
+            last = spans[-1] if spans else None
+            if last is not None and last[-1][2] == chunk[1] and last[-1][2] - last[0][1] < READ_SPAN:
+                last.append(chunk)
+            else:
+                spans.append([chunk])
 
-        def job(j: int, a: int, b: int) -> int:
-            if direct:
-                assert into is not None
-                views = into(a, b)
-                try:
-                    got = self.store.read_into(obj.path, a, views)
-                except FileNotFoundError as exc:
-                    raise CheckpointCorruptedError(f"{url} is missing", object=url) from exc
-                if got != b - a:
-                    raise CheckpointCorruptedError(f"{url} ends at byte {a + got}, the manifest says it has"
-                                                   f" {obj.size} (truncated or replaced)", object=url)
-                check = hasher(manifest.hash)
-                for view in views:
-                    check.update(view)
-                if check.hexdigest() != obj.chunks[j]:
-                    raise CheckpointCorruptedError(f"{url} fails its {manifest.hash} checksum at bytes {a}-{b}: its"
-                                                   " bytes were corrupted", object=url)
-                return got
-
-            def consume(pieces: Any) -> tuple[int, str]:
-                digest, got = hasher(manifest.hash), 0
-                for piece in pieces:
-                    digest.update(piece)
-                    sink(a + got, piece)
-                    got += len(piece)
-                return got, digest.hexdigest()
-
+        def job(chunks: list[tuple[int, int, int]]) -> int:
+            a, b = chunks[0][1], chunks[-1][2]
+            check = _ChunkCheck(manifest, obj, chunks, url)
             try:
-                got, digest = self.store.read_range(obj.path, a, b, consume)
+                if direct:
+                    assert into is not None
+                    views = into(a, b)
+                    got = self.store.read_into(obj.path, a, views)
+                    remaining = got
+                    for view in views:
+                        check.feed(view[:remaining])
+                        remaining -= min(remaining, len(view))
+                else:
+                    def consume(pieces: Any) -> int:
+                        check.restart()
+                        n = 0
+                        for piece in pieces:
+                            check.feed(piece)
+                            sink(a + n, piece)
+                            n += len(piece)
+                        return n
+
+                    got = self.store.read_range(obj.path, a, b, consume)
             except FileNotFoundError as exc:
                 raise CheckpointCorruptedError(f"{url} is missing", object=url) from exc
             if got != b - a:
                 raise CheckpointCorruptedError(f"{url} ends at byte {a + got}, the manifest says it has {obj.size}"
                                                " (truncated or replaced)", object=url)
-            if digest != obj.chunks[j]:
-                raise CheckpointCorruptedError(f"{url} fails its {manifest.hash} checksum at bytes {a}-{b}: its bytes"
-                                               " were corrupted", object=url)
+            check.finish()
             return got
 
-        return [functools.partial(job, j, a, b) for j, (a, b) in enumerate(manifest.chunk_ranges(index))
-                if only is None or only(a, b)]
+        return [functools.partial(job, chunks) for chunks in spans]
 
     def run(self, jobs: list[Job], on_done: Callable[[int], None] | None = None) -> None:
         """Run read jobs in parallel; the first failure cancels what has not started and is raised."""
@@ -503,6 +760,7 @@ class CheckpointRoot:
             manifest = self.read_manifest(commit)
         elif manifest.commit != commit:
             raise ValueError(f"the manifest given is {manifest.commit!r}'s, not {commit!r}'s")
+        self.check_sizes(commit, manifest)  # before anything is allocated from the manifest's declared sizes
         if manifest.sharded is not None and not sharded_rest:
             raise ShardedCheckpointError(
                 f"{self.store.url(commit)} is a sharded checkpoint written by {manifest.sharded['world_size']}"
@@ -545,9 +803,13 @@ class CheckpointRoot:
             skeleton = layout.load_skeleton(bytes(skeleton_buf), weights_only=weights_only,
                                             map_location=map_location if map_location is not None else "cpu")
         except Exception as exc:
-            if type(exc).__name__ == "UnpicklingError" and weights_only:
-                raise  # a weights_only refusal is the user's decision to make, not corruption
-            raise CheckpointCorruptedError(f"{skeleton_url} does not unpickle: {exc}", object=skeleton_url) from exc
+            # The bytes passed their checksums, so this is not corruption (no fallback): under weights_only, torch
+            # refused an object the checkpoint holds, or a class it names cannot be imported here.
+            _add_note(exc, f"{skeleton_url} (the non-tensor part of {self.store.url(commit)}) verified against its"
+                           " checksums but does not load here. If torch refused an object under weights_only and you"
+                           " trust this checkpoint, allow it with torch.serialization.add_safe_globals([...]) or load"
+                           " with weights_only=False; otherwise make the classes it names importable.")
+            raise
         tensors = {}
         moved = False
         for t, buffer in zip(manifest.tensors, scatter.buffers):
@@ -577,7 +839,7 @@ class CheckpointRoot:
 
         ``progress`` is called with the number of bytes of each chunk verified.
         """
-        manifest = self.read_manifest(commit)
+        manifest = self.check_sizes(commit)
         jobs: list[Job] = []
         for index in range(len(manifest.objects)):
             jobs += self.read_chunks(manifest, index, _discard_piece)
@@ -588,59 +850,166 @@ class CheckpointRoot:
         self._remember(loaded.manifest)
 
     # -- garbage -----------------------------------------------------------------------------------------------
-    def collect_garbage(self, *, dry_run: bool = False, now: float | None = None) -> list[str]:
-        """Delete commit folders no live checkpoint needs and that are older than the grace period.
-
-        Younger unreferenced folders may be saves in progress (this job's or another's), so they stay.
-        Also aborts incomplete multipart uploads under the root, and temp files of interrupted local writes.
-        """
-        pointer, _ = self.read_pointer()
-        live = pointer.live_folders() if pointer else set()
-        cutoff = (now if now is not None else time.time()) - self.settings.orphan_grace_seconds
-        doomed: list[str] = []
+    def scan(self) -> Scan:
+        """List every commit folder and read every manifest (for a root whose pointer is missing or damaged)."""
+        scan = Scan()
+        for record in self.store.list_dir(ORIGINS_DIR):
+            rel = f"{ORIGINS_DIR}/{record}"
+            try:
+                epoch, origin = Origin.from_record(self.store.read(rel), where=self.store.url(rel))
+            except (CheckpointCorruptedError, FileNotFoundError):
+                continue  # a damaged record only costs the lineage of one epoch: the manifests also carry it
+            scan.origins[epoch] = origin
+            scan.max_epoch = max(scan.max_epoch, epoch)
         for name in self.store.list_dir(""):
             if name == POINTER_NAME or name.startswith("."):
                 continue
             for child in self.store.list_dir(name):
-                folder = f"{name}/{child}"
-                started = commit_time(child)
-                if started is not None and folder not in live and started < cutoff:
-                    doomed.append(folder)
+                epoch = commit_epoch(child)
+                if epoch is None:
+                    continue
+                scan.max_epoch = max(scan.max_epoch, epoch)
+                commit = f"{name}/{child}"
+                try:
+                    scan.manifests.append(self.read_manifest(commit))
+                except (CheckpointCorruptedError, UnsupportedFormatError) as exc:
+                    if self.store.exists(f"{commit}/{MANIFEST_NAME}"):
+                        scan.unreadable[commit] = str(exc)
+                    else:
+                        scan.uncommitted.append(commit)
+        return scan
+
+    def collect_garbage(self, *, dry_run: bool = False, abandoned: bool = False) -> list[tuple[str, str]]:
+        """Delete what no committed checkpoint of the root needs; returns ``(url, why)`` of each folder deleted
+        (or, with ``dry_run``, that would be).
+
+        - retired folders whose time has come (a commit has happened since retention dropped them);
+        - folders the pointer does not reference, of a writer epoch older than the pointer's (their writer is
+          fenced, so it can never commit them): those without a manifest, and those whose manifest lies outside the
+          current lineage (the writer died between its manifest and the pointer update, so no resume can ever pick
+          them). A save in progress of the current writer is never touched, whatever its age or the clocks, nor is
+          an unreferenced commit inside the lineage. ``orphan_grace_seconds`` leaves such a folder a while longer,
+          measured with the store's own timestamps (its newest object against the pointer's last write), never
+          against this host's clock;
+        - with ``abandoned`` only: checkpoints the pointer catalogs outside the current lineage (a branch a
+          rollback left behind).
+
+        Also aborts incomplete multipart uploads and removes temp files of interrupted pointer writes. Without a
+        pointer nothing is deleted (a missing pointer is never a licence to delete); a damaged one raises.
+        """
+        pointer, _ = self.read_pointer()
+        if pointer is None:
+            if self.scan().manifests:
+                log.warning("%s is missing: nothing collected under %s (its checkpoints are found by scanning; the"
+                            " next save, or repair_pointer, rebuilds it)", self.store.url(POINTER_NAME), self.url)
+            return []
+        doomed: list[tuple[str, str]] = []
+        if abandoned:
+            for entry in self.drop_abandoned(dry_run=dry_run):
+                doomed += [(self.store.url(f), f"checkpoint {entry.name} (step {entry.step}) of an abandoned branch")
+                           for f in entry.folders]
+            pointer, _ = self.read_pointer()
+            if pointer is None:
+                return doomed
+        head, live, due, lineage = pointer.writer_epoch, pointer.live_folders(), pointer.retired_due(), pointer.lineage()
+        reference = self.store.modified(POINTER_NAME) or time.time()
+        grace = self.settings.orphan_grace_seconds
+        partial: list[str] = []
+        committed: list[str] = []
+        for name in self.store.list_dir(""):
+            if name == POINTER_NAME or name.startswith("."):
+                continue
+            for child in self.store.list_dir(name):
+                epoch, folder = commit_epoch(child), f"{name}/{child}"
+                if epoch is None or folder in live:
+                    continue
+                if folder in pointer.retired:
+                    if folder in due:
+                        committed.append(folder)
+                        doomed.append((self.store.url(folder), "retired by retention"))
+                    continue
+                if epoch >= head:
+                    continue  # the current writer may still commit it: never collected, whatever its age
+                objects = self.store.list_detail(folder)
+                newest = max((o.modified for o in objects.values() if o.modified is not None), default=None)
+                if newest is not None and reference - newest < grace:
+                    continue
+                if MANIFEST_NAME not in objects:
+                    partial.append(folder)
+                    doomed.append((self.store.url(folder), f"no manifest, written by fenced writer epoch {epoch}"))
+                elif self._outside(lineage, folder):
+                    # Its writer died (or was fenced) between the manifest and the pointer update: never visible,
+                    # and outside the lineage, so no resume can ever pick it. One inside the lineage is kept.
+                    committed.append(folder)
+                    doomed.append((self.store.url(folder), f"manifest never referenced by the pointer, writer epoch"
+                                                           f" {epoch} fenced, outside the current lineage"))
         if not dry_run:
-            for folder in doomed:
+            for folder in partial:
                 self._discard(folder)
-            self._tidy_names({f.split("/", 1)[0] for f in doomed})
-            for key in self.store.abort_stale_uploads(cutoff):
+            deleted = [f for f in committed if self._delete_committed(f)]
+            self._tidy_names({f.split("/", 1)[0] for f in partial + deleted})
+            self._deleted |= {f for f in deleted if f in pointer.retired}
+            if self._deleted and self.epoch is None:  # a writer prunes the records at its next commit; an operator
+                self._update(lambda p: p, fenced=False)  # now
+            self._prune_origin_records(pointer)
+            for key in self.store.abort_stale_uploads(reference - grace):
                 log.info("aborted incomplete multipart upload %s", key)
-            if isinstance(self.store, LocalStore):
-                _remove_stale_temp_files(self.store.root_path, cutoff)
+            for name in self.store.remove_stale_temp_files(POINTER_NAME):
+                log.info("removed %s, left by an interrupted pointer write", name)
         if doomed:
-            log.info("%s %d orphaned folder(s) under %s", "would delete" if dry_run else "deleted", len(doomed),
-                     self.url)
-        return [self.store.url(f) for f in doomed]
+            log.info("%s %d folder(s) under %s", "would delete" if dry_run else "deleted", len(doomed), self.url)
+        return doomed
+
+    def _prune_origin_records(self, pointer: Pointer) -> None:
+        """Delete origin records of epochs older than every checkpoint the pointer names: no lineage reaches them."""
+        oldest = min([e.writer_epoch for e in pointer.entries()] + [pointer.writer_epoch])
+        for record in self.store.list_dir(ORIGINS_DIR):
+            match = re.fullmatch(r"e(\d+)\.json", record)
+            if match and int(match.group(1)) < oldest:
+                self._discard(f"{ORIGINS_DIR}/{record}")
+
+    def _outside(self, lineage: Lineage, folder: str) -> bool:
+        try:
+            return not lineage.contains(self.read_manifest(folder))
+        except CheckpointCorruptedError:
+            return True  # a manifest that does not load makes nothing loadable
+        except UnsupportedFormatError:
+            return False  # a newer version wrote it: not ours to judge
 
 
 def _beyond(p: Pointer, keep: int) -> list[Entry]:
-    """Catalog entries past the ``keep`` newest, except the latest and what a job resumed from."""
-    ordered = sorted(p.checkpoints.values(), key=lambda e: e.order, reverse=True)
+    """Catalog entries of the current lineage past the ``keep`` newest, except the latest and what a job resumed
+    from (what its restart would need). Abandoned branches are neither counted nor dropped here."""
+    ordered = p.lineage().members(p.checkpoints.values())
     return [e for e in ordered[keep:] if not (p.latest is not None and e.commit == p.latest.commit)
-            and not _is_resumed(p, e)]  # what a job resumed from is what its restart would need
+            and not _is_resumed(p, e)]
+
+
+def _abandoned(p: Pointer) -> list[Entry]:
+    """Catalog entries outside the current lineage (never the latest or a resumed-from checkpoint)."""
+    return [e for e in p.lineage().outside(p.checkpoints.values())
+            if not (p.latest is not None and e.commit == p.latest.commit) and not _is_resumed(p, e)]
+
+
+def _prune_origins(p: Pointer) -> None:
+    """Forget the origins of epochs older than every checkpoint the pointer still names: no lineage reaches them."""
+    epochs = [e.writer_epoch for e in p.entries()] + [p.writer_epoch]
+    oldest = min(epochs)
+    p.origins = {k: v for k, v in p.origins.items() if k >= oldest}
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", []):
+        exc.add_note(note)
+
+
+def _protect(p: Pointer, resumed: Entry, writer: str) -> None:
+    p.protected.update({f: f"data of the checkpoint {writer} resumed from" for f in resumed.folders})
+    p.protected[resumed.commit] = f"{RESUMED} by {writer}"
 
 
 def _is_resumed(p: Pointer, entry: Entry) -> bool:
     return p.protected.get(entry.commit, "").startswith(RESUMED)
-
-
-def _remove_stale_temp_files(root: str, cutoff: float) -> None:
-    for directory, _, files in os.walk(root):
-        for f in files:
-            if f.startswith(".tmp-"):
-                path = os.path.join(directory, f)
-                try:
-                    if os.path.getmtime(path) < cutoff:
-                        os.unlink(path)
-                except OSError:
-                    pass
 
 
 def _int(value: Any) -> int:

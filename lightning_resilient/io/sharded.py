@@ -12,7 +12,11 @@ shards into one commit folder of a checkpoint root, as the rest of this package 
 - loading verifies every chunk it reads, and reads only the chunks its rank needs; DCP reshards, so a
   checkpoint written by N processes loads into M.
 
-DCP's metadata (shapes, chunk layout) is pickled, as DCP itself stores it; tensor bytes never are.
+DCP's metadata (shapes, chunk layout) is pickled, as DCP itself stores it; tensor bytes never are. Reading never
+unpickles more than a full load would: the metadata goes through an unpickler that knows only DCP's metadata types
+(a payload naming anything else is refused, whatever its checksums say), and DCP's non-tensor items (which DCP's
+planner loads with ``weights_only=False``) are first checked with torch's ``weights_only`` unpickler unless the
+caller passed ``weights_only=False``.
 """
 
 from __future__ import annotations
@@ -46,10 +50,41 @@ from lightning_resilient.io import _paths, layout
 from lightning_resilient.io.manifest import Manifest, ObjectEntry
 from lightning_resilient.io.root import CheckpointRoot
 
-__all__ = ["AtomicStorageReader", "AtomicStorageWriter", "load_full", "load_sharded", "own_error", "own_errors",
-           "root_and_name", "save_sharded"]
+__all__ = ["AtomicStorageReader", "AtomicStorageWriter", "load_full", "load_metadata", "load_sharded", "own_error",
+           "own_errors", "root_and_name", "save_sharded"]
 
 METADATA_NAME = "dcp.metadata"
+
+# What DCP's metadata is made of (torch 2.3-2.13): its own dataclasses and enum, torch.Size, dtypes and layouts.
+_METADATA_TYPES = {"Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                   "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: any other global (a function that would run) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module == "torch.distributed.checkpoint.metadata" and name in _METADATA_TYPES)
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}: it is not one of DCP's metadata types"
+                                         " (a payload that names it could run code)")
+        return super().find_class(module, name)
+
+
+def load_metadata(data: bytes, where: str) -> Metadata:
+    """DCP metadata from its pickled bytes, with the restricted unpickler."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise pickle.UnpicklingError(f"{where}: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptedError(f"{where} is not DCP metadata", object=where)
+    return metadata
 
 
 def _rank() -> int:
@@ -164,11 +199,13 @@ class AtomicStorageReader(StorageReader):
     model, then each optimizer) with one read of each; pass ``manifest`` when the caller has already read it.
     """
 
-    def __init__(self, root: CheckpointRoot, commit: str, manifest: Manifest | None = None) -> None:
+    def __init__(self, root: CheckpointRoot, commit: str, manifest: Manifest | None = None,
+                 weights_only: bool | None = None) -> None:
         super().__init__()
         self.root = root
         self.commit = commit
         self.manifest = manifest
+        self.weights_only = weights_only
         self.metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
 
@@ -186,6 +223,7 @@ class AtomicStorageReader(StorageReader):
         if manifest.sharded is None:
             raise CheckpointCorruptedError(f"{self.root.store.url(self.commit)} is not a sharded checkpoint",
                                            object=self.root.store.url(self.commit))
+        self.root.check_sizes(self.commit, manifest)  # declared sizes against the store before allocating
         self.manifest = manifest
         index = manifest.sharded["metadata"]
         buf = bytearray(manifest.objects[index].size)
@@ -194,10 +232,7 @@ class AtomicStorageReader(StorageReader):
             buf[offset : offset + len(piece)] = piece
 
         self.root.run(self.root.read_chunks(manifest, index, sink))
-        metadata = pickle.loads(bytes(buf))  # verified bytes, written by our own finish()
-        if not isinstance(metadata, Metadata):
-            raise CheckpointCorruptedError(f"{self.root.store.url(manifest.objects[index].path)} is not DCP metadata",
-                                           object=self.root.store.url(manifest.objects[index].path))
+        metadata = load_metadata(bytes(buf), self.root.store.url(manifest.objects[index].path))
         self.metadata = metadata
         return metadata
 
@@ -239,7 +274,11 @@ class AtomicStorageReader(StorageReader):
             info = self.storage_data[req.storage_index]
             buffer = buffers[(info["rank"], info["offset"])]
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(buffer.numpy().tobytes()))
+                raw = buffer.numpy().tobytes()
+                if self.weights_only is not False:
+                    # DCP's planner loads these with weights_only=False: only what a full load would accept gets there.
+                    torch.load(io.BytesIO(raw), weights_only=True)
+                planner.load_bytes(req, io.BytesIO(raw))
                 continue
             tensor = layout.tensor_view(buffer, layout.parse_dtype(info["dtype"]), info["shape"])
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
@@ -259,16 +298,21 @@ def _shifted(write: Callable[[int, memoryview], None], start: int) -> Callable[[
     return lambda offset, piece: write(start + offset, piece)
 
 
-def own_error(exc: BaseException) -> CheckpointError | None:
-    """Our own error inside DCP's ``CheckpointException`` (which wraps every rank's failure), if there is one.
+# Errors raised by our storage plugins that a caller must see as they are: ours, and a refusal to unpickle.
+_OWN = (CheckpointError, pickle.UnpicklingError)
+
+
+def own_error(exc: BaseException) -> BaseException | None:
+    """Our own error inside DCP's ``CheckpointException`` (which wraps every rank's failure), if there is one: a
+    ``CheckpointError`` or a refusal to unpickle.
 
     DCP shares each rank's failure with all ranks, so every rank finds the same error here.
     """
-    if isinstance(exc, CheckpointError):
+    if isinstance(exc, _OWN):
         return exc
     for wrapped in getattr(exc, "failures", {}).values():
         inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        if isinstance(inner, CheckpointError):
+        if isinstance(inner, _OWN):
             return inner
     return None
 
@@ -314,6 +358,7 @@ def load_sharded(state: dict[str, Any], root: CheckpointRoot, commit: str, *,
         reader = AtomicStorageReader(root, commit)
     elif reader.root is not root or reader.commit != commit:
         raise ValueError(f"reader is for {reader.root.store.url(reader.commit)}, not {root.store.url(commit)}")
+    reader.read_metadata()  # here, not inside DCP, which reports a failed metadata read only as text
     with own_errors():
         dcp.load(state, storage_reader=reader, **dcp_kwargs)
 
@@ -328,17 +373,20 @@ def load_full(url: str, storage_options: dict[str, Any] | None = None) -> dict[s
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _normalize, _resolve
+    from lightning_resilient.io.catalog import normalize, resolve
+    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
 
-    io_ = AtomicCheckpointIO(storage_options=storage_options, claim_on_load=False)
-    found = _resolve(_normalize(url), lambda u: io_.root(u))
+    io_ = AtomicCheckpointIO(storage_options=storage_options)
+    found = resolve(normalize(url), io_.root)
     if found is None:
         raise ValueError(f"{url} is a plain file, not a lightning_resilient checkpoint")
-    root, entry, _ = found
+    root, entry = found.root, found.entry
     rest = root.load(entry.commit, map_location=None, weights_only=None, sharded_rest=True).checkpoint
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=AtomicStorageReader(root, entry.commit),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    reader = AtomicStorageReader(root, entry.commit)
+    reader.read_metadata()  # here, not inside DCP, which reports a failed metadata read only as text
+    with own_errors():
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     if "model" in state and "state_dict" not in state:
         # FSDP1 (AtomicFSDPStrategy, like Lightning's FSDPStrategy) shards the weights under "model"; a consolidated
         # checkpoint names them "state_dict", as every full Lightning checkpoint does.
@@ -348,9 +396,9 @@ def load_full(url: str, storage_options: dict[str, Any] | None = None) -> dict[s
 
 def root_and_name(io_: Any, path: str) -> tuple[CheckpointRoot, str]:
     """The root and checkpoint name of a save path ``<root>/<name>``."""
-    from lightning_resilient.io.checkpoint_io import _normalize
+    from lightning_resilient.io.catalog import normalize
 
-    url = _normalize(path)
+    url = normalize(path)
     name = _paths.basename(url)
     if not name:
         raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")

@@ -30,6 +30,8 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, TypeVar
 
 import fsspec
@@ -39,7 +41,7 @@ from fsspec.core import url_to_fs
 from lightning_resilient.io._paths import join, split_protocol
 from lightning_resilient.io.retry import RetryPolicy
 
-__all__ = ["GatherReader", "Store", "open_store"]
+__all__ = ["PROTOCOL_DIR", "GatherReader", "ObjectInfo", "Store", "open_store"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +54,34 @@ _IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
 
 _warned_no_cas: set[str] = set()
 _warned_lock = threading.Lock()
+
+#: Under the root, the folder for the protocol's own objects other than the pointer (probes, ...). Listings of
+#: the root skip dot-names, so nothing in it is ever taken for a checkpoint.
+PROTOCOL_DIR = ".lightning_resilient"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a listing says of one stored object: its size, and when the store last wrote it (the store's clock)."""
+
+    size: int
+    modified: float | None
+
+
+def _timestamp(detail: dict[str, Any]) -> float | None:
+    """The store's modification time in a listing entry, whatever the backend calls it."""
+    for key in ("mtime", "LastModified", "updated", "created", "timeCreated"):
+        value = detail.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
 
 
 def _content_version(data: bytes) -> str:
@@ -153,6 +183,46 @@ class Store:
 
         return self._call("list", rel, ls)
 
+    def list_detail(self, rel: str) -> dict[str, ObjectInfo]:
+        """The objects directly under ``rel`` (not sub-folders) with their sizes and store timestamps."""
+
+        def ls() -> dict[str, ObjectInfo]:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return {}
+            out = {}
+            for e in entries:
+                name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+                if name and e.get("type", "file") == "file":
+                    out[name] = ObjectInfo(int(e.get("size") or 0), _timestamp(e))
+            return out
+
+        return self._call("list", rel, ls)
+
+    def modified(self, rel: str) -> float | None:
+        """When the store last wrote ``rel``, by the store's own clock; None when it does not exist."""
+
+        def info() -> float | None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                return _timestamp(self.fs.info(path))
+            except FileNotFoundError:
+                return None
+
+        return self._call("stat", rel, info)
+
+    def check_fencing(self) -> str | None:
+        """Whether this store enforces :meth:`write_if`: None when it does, else what it does not enforce."""
+        return f"the {type(self.fs).__name__} filesystem has no conditional write that lightning_resilient knows"
+
+    def remove_stale_temp_files(self, rel: str) -> list[str]:
+        """Delete temp files left by interrupted :meth:`write_if` calls on ``rel``; returns their names."""
+        return []
+
     def remove(self, rel: str) -> None:
         """Delete an object or a folder recursively; a missing one is fine."""
 
@@ -215,6 +285,25 @@ class LocalStore(Store):
     """Local (or shared POSIX) filesystem: fsync'ed temp file + ``os.replace`` under an ``flock``."""
 
     supports_cas = True
+
+    def check_fencing(self) -> str | None:
+        return None  # the swap is this package's own flock + os.replace
+
+    def remove_stale_temp_files(self, rel: str) -> list[str]:
+        # A conditional write holds the lock from its temp file's creation to its rename, so a temp file found
+        # while holding the lock belongs to a writer that died: it can go. Without the lock, it may be a live one's.
+        path = self.path(rel)
+        removed = []
+        with self._locked(path):
+            directory = os.path.dirname(path)
+            for name in os.listdir(directory) if os.path.isdir(directory) else []:
+                if name.startswith(".tmp-") and name.endswith(f"-{os.path.basename(path)}"):
+                    try:
+                        os.unlink(os.path.join(directory, name))
+                        removed.append(name)
+                    except FileNotFoundError:
+                        pass
+        return removed
 
     def _write(self, path: str, pieces: Pieces) -> None:
         # Objects of a save are immutable and named uniquely: a crash mid-write leaves a short file in a folder
@@ -342,6 +431,9 @@ class MemoryStore(Store):
 
     supports_cas = True
 
+    def check_fencing(self) -> str | None:
+        return None  # the swap is this package's own process-wide lock
+
     def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
         path = self.path(rel)
 
@@ -372,10 +464,37 @@ def _precondition_failed(exc: BaseException) -> bool:
     return False
 
 
+def probe_fencing(store: Store, bogus_version: str) -> str | None:
+    """Check with a probe object that ``store`` really refuses conditional writes it must refuse.
+
+    An S3-compatible server may accept ``If-Match`` / ``If-None-Match`` and ignore them: both jobs would then
+    "fence" each other while both write. Writes a probe under :data:`PROTOCOL_DIR`, then a create of the existing
+    object and a replace against a wrong version (both must be refused), and deletes it. Returns None when both
+    were refused, else what was not enforced.
+    """
+    rel = f"{PROTOCOL_DIR}/fencing-probe-{uuid.uuid4().hex}"
+    try:
+        if not store.write_if(rel, b"probe 1", None):
+            return "a create-only write of a new object was refused"
+        if store.write_if(rel, b"probe 2", None):
+            return "a create-only write (If-None-Match: *) replaced an existing object"
+        if store.write_if(rel, b"probe 3", bogus_version):
+            return "a replace against a wrong version (If-Match / ifGenerationMatch) was accepted"
+        return None
+    finally:
+        try:
+            store.remove(rel)
+        except Exception as exc:  # a leftover probe is harmless: dot-folders are never read as checkpoints
+            log.warning("could not delete the fencing probe %s: %s", store.url(rel), exc)
+
+
 class S3Store(Store):
     """S3 (and S3-compatible stores that enforce conditional PUTs, as AWS and moto do)."""
 
     supports_cas = True
+
+    def check_fencing(self) -> str | None:
+        return probe_fencing(self, '"00000000000000000000000000000000"')
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(path)
@@ -491,6 +610,9 @@ class GCSStore(Store):
     """Google Cloud Storage: generation preconditions (``ifGenerationMatch``)."""
 
     supports_cas = True
+
+    def check_fencing(self) -> str | None:
+        return probe_fencing(self, "1")
 
     def remove(self, rel: str) -> None:
         # gcsfs deletes many objects through the JSON batch endpoint, which emulators (fake-gcs-server)

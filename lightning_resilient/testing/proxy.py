@@ -9,7 +9,9 @@ own behaviour and ours are exercised end to end:
 - ``bandwidth``: bytes per second per connection, applied to request and response bodies (a cloud store
   serves one connection far slower than its aggregate; parallel connections add up);
 - ``requests``: every forwarded request as ``(method, path)``, for tests that count what a client did;
-- :meth:`pause` / :meth:`resume`: hold every request at the door until resumed (a store that hangs).
+- :meth:`pause` / :meth:`resume`: hold every request at the door until resumed (a store that hangs);
+- ``drop_conditions``: strip ``If-Match`` / ``If-None-Match`` from requests, as an S3-compatible store that
+  accepts conditional writes without enforcing them would.
 
 Run it as a process (``python -m lightning_resilient.testing UPSTREAM --latency 0.03
 --bandwidth 40e6``): it prints its URL on the first line, then serves until killed.
@@ -39,7 +41,7 @@ class StoreProxy:
     """See the module docstring. Use as a context manager, or :meth:`start` / :meth:`stop`."""
 
     def __init__(self, upstream: str, *, fail_rate: float = 0.0, latency: float = 0.0,
-                 bandwidth: float | None = None, seed: int = 0) -> None:
+                 bandwidth: float | None = None, seed: int = 0, drop_conditions: bool = False) -> None:
         if not 0.0 <= fail_rate <= 1.0:
             raise ValueError(f"fail_rate must be within [0, 1], got {fail_rate!r}")
         if latency < 0:
@@ -51,6 +53,7 @@ class StoreProxy:
         self.fail_rate = fail_rate
         self.latency = latency
         self.bandwidth = bandwidth
+        self.drop_conditions = drop_conditions
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts = {"forwarded": 0, "503": 0, "reset": 0}
@@ -114,7 +117,8 @@ class StoreProxy:
                 if proxy.latency:
                     time.sleep(proxy.latency)
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding",)}
+                dropped = ("transfer-encoding",) + (("if-match", "if-none-match") if proxy.drop_conditions else ())
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
                 headers["Content-Length"] = str(len(body))
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()

@@ -1,13 +1,14 @@
 """A training job for the crash tests: resumes from the newest committed checkpoint, saves every step.
 
 It prints ``BEGIN <step>`` when a save starts and ``END <step>`` when it returns, so the parent knows whether
-its SIGKILL landed inside a save. Run as ``python crash_child.py ROOT STORAGE_OPTIONS_JSON``.
+its SIGKILL landed inside a save. Run as ``python crash_child.py ROOT STORAGE_OPTIONS_JSON [--max-steps N]
+[--keep-last K]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from typing import Any
 
 import torch
@@ -42,12 +43,12 @@ class Wide(LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def main(root: str, options: dict[str, Any]) -> None:
+def main(root: str, options: dict[str, Any], max_steps: int, keep_last: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(256, 8)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
-    io = Announcing(storage_options=options, keep_last=3, shard_size=256 * 1024, orphan_grace_seconds=0)
-    trainer = Trainer(max_steps=100_000, accelerator="cpu", logger=False, enable_progress_bar=False,
+    io = Announcing(storage_options=options, keep_last=keep_last, shard_size=256 * 1024, orphan_grace_seconds=0)
+    trainer = Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                       enable_model_summary=False, plugins=[io],
                       callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1)])
     ckpt = find_latest_checkpoint(root, options)
@@ -56,4 +57,10 @@ def main(root: str, options: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("options", type=json.loads)
+    parser.add_argument("--max-steps", type=int, default=100_000)
+    parser.add_argument("--keep-last", type=int, default=3)
+    args = parser.parse_args()
+    main(args.root, args.options, args.max_steps, args.keep_last)

@@ -110,14 +110,19 @@ def run_crash_loop(backend, env: dict[str, str]) -> None:
         assert loaded["global_step"] in allowed, (loaded["global_step"], allowed, lines[-4:])
         committed = loaded["global_step"]
 
-    # Orphans of killed saves do not pile up: each new job collects what the previous one left, so at most
-    # the last launch's debris (its interrupted save, an interrupted deletion) is stored beyond what the
-    # pointer needs, and the next job's collection (grace 0 here) removes exactly that.
+    # Leftovers do not pile up: each new job collects what the previous one left, so at most the last launch's
+    # debris (its interrupted save, the folder its last commit retired, one whose deletion was interrupted) is
+    # stored beyond what the pointer needs; a next job's claim (grace 0 here) and first commit remove the debris,
+    # leaving only the folder retired by that commit, deleted after the next one.
     pointer = read_pointer(backend)
     live = pointer.live_folders()
-    assert len(commit_folders(backend) - live) <= 2
-    AtomicCheckpointIO(storage_options=backend.storage_options, orphan_grace_seconds=0).collect_garbage(backend.root)
-    assert commit_folders(backend) == live
+    assert len(commit_folders(backend) - live) <= 3
+    final = AtomicCheckpointIO(storage_options=backend.storage_options, orphan_grace_seconds=0, keep_last=3)
+    final.load_checkpoint(find_latest_checkpoint(backend.root, backend.storage_options))  # a restart resumes...
+    final.save_checkpoint({"global_step": 10**6, "state_dict": {}}, backend.url("final.ckpt"))  # ...and saves
+    pointer = read_pointer(backend)
+    assert commit_folders(backend) <= pointer.live_folders() | set(pointer.retired)
+    assert len(commit_folders(backend) - pointer.live_folders()) <= 1
     assert len(pointer.checkpoints) <= 3
 
 

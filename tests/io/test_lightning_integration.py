@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
+from lightning_resilient import AtomicCheckpointIO, StaleWriterError, find_latest_checkpoint
 
 from ..models import TinyModel, tiny_loader
 from .helpers import read_pointer
@@ -125,3 +125,37 @@ def test_resume_restores_weights_exactly(memory_backend):
     restored = AtomicCheckpointIO(claim_on_load=False).load_checkpoint(memory_backend.root)
     for k, v in model.state_dict().items():
         assert torch.equal(restored["state_dict"][k], v)
+
+
+class EvaluatedModel(TinyModel):
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+def test_loading_to_evaluate_never_fences_the_job_training_into_the_root(lbackend):
+    """``trainer.test(ckpt_path=...)``, a notebook's load, ``find_latest_checkpoint``: reads only. The job that
+    trains into the root keeps saving; only a process that saves (or opts in with claim_on_load) claims it."""
+    root = lbackend.root
+    job = AtomicCheckpointIO(storage_options=lbackend.storage_options)
+    training = trainer(job, root, 2)
+    training.fit(TinyModel(), tiny_loader())
+    epoch = read_pointer(lbackend).writer_epoch
+    evaluation = trainer(AtomicCheckpointIO(storage_options=lbackend.storage_options), root, 2)
+    evaluation.test(EvaluatedModel(), tiny_loader(), ckpt_path=find_latest_checkpoint(root, lbackend.storage_options),
+                    verbose=False)
+    AtomicCheckpointIO(storage_options=lbackend.storage_options).load_checkpoint(root)
+    training.save_checkpoint(f"{root.rstrip('/')}/after-evaluation.ckpt")  # the job is not fenced
+    pointer = read_pointer(lbackend)
+    assert pointer.writer_epoch == epoch and pointer.latest.name == "after-evaluation.ckpt"
+    # Opting in: a process that will train claims at once when it loads, and the old job is stopped.
+    AtomicCheckpointIO(storage_options=lbackend.storage_options, claim_on_load=True).load_checkpoint(root)
+    with pytest.raises(StaleWriterError):
+        training.save_checkpoint(f"{root.rstrip('/')}/stale.ckpt")
+
+
+def test_a_filename_with_folders_is_refused_at_the_first_save(local_backend):
+    t = trainer(AtomicCheckpointIO(), local_backend.root, 2, filename="{epoch}/{step}")
+    with pytest.raises(ValueError, match=r"sub-folder of the ModelCheckpoint dirpath .* filename without '/'"):
+        t.fit(TinyModel(), tiny_loader())
+    assert not any(local_backend.fs().find(local_backend.path()))  # nothing was written

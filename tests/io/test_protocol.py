@@ -30,7 +30,7 @@ def commits_on_store(backend) -> set[str]:
     for path in fs.find(base):
         rel = path[len(base.rstrip("/")) + 1:] if path.startswith(base.rstrip("/")) else path
         parts = rel.split("/")
-        if len(parts) == 3:
+        if len(parts) == 3 and not parts[0].startswith("."):  # the protocol's own dot-folder holds no commit
             found.add("/".join(parts[:2]))
     return found
 
@@ -94,13 +94,21 @@ def test_pointer_never_moves_to_a_lower_step_within_a_writer(backend):
     io.teardown()
 
 
-def test_reused_name_keeps_only_its_newest_commit(backend):
+def test_reused_name_keeps_its_newest_commit_and_deletes_the_previous_one_a_save_later(backend):
     io = make_io(backend)
+    commits = []
     for step in (1, 2, 3):
         io.save_checkpoint(make_checkpoint(step), backend.url("last.ckpt"))
+        commits.append(read_pointer(backend).latest.commit)
     pointer = read_pointer(backend)
-    assert commits_on_store(backend) == {pointer.latest.commit}
-    assert make_io(backend, claim_on_load=False).load_checkpoint(backend.url("last.ckpt"))["global_step"] == 3
+    # Save 2 retired commit 1, deleted after save 3; commit 2, retired by save 3, stays until the next save (a
+    # reader that resolved it just before has a whole save interval to read it).
+    assert commits_on_store(backend) == {commits[1], commits[2]}
+    assert commits[1] in pointer.retired and commits[1] not in pointer.live_folders()
+    assert make_io(backend).load_checkpoint(backend.url("last.ckpt"))["global_step"] == 3
+    io.save_checkpoint(make_checkpoint(4), backend.url("last.ckpt"))
+    assert commits_on_store(backend) == {commits[2], read_pointer(backend).latest.commit}
+    assert commits[0] not in read_pointer(backend).retired  # records of deleted folders are pruned
     io.teardown()
 
 
@@ -123,9 +131,13 @@ def test_save_last_does_not_upload_the_same_state_twice(backend):
     io.remove_checkpoint(backend.url("epoch=0-step=7.ckpt"))
     loaded = make_io(backend, claim_on_load=False).load_checkpoint(backend.url("last.ckpt"))
     assert_same(loaded, ckpt)
-    # When last.ckpt moves on, the shared folder is no longer needed and is deleted.
+    # When last.ckpt moves on, the shared folder is no longer needed: retired, and deleted a save later.
+    shared = set(last.folders)
     io.save_checkpoint(make_checkpoint(8), backend.url("last.ckpt"))
-    assert commits_on_store(backend) == {read_pointer(backend).latest.commit}
+    step8 = read_pointer(backend).latest.commit
+    assert set(read_pointer(backend).retired) == shared and commits_on_store(backend) == shared | {step8}
+    io.save_checkpoint(make_checkpoint(9), backend.url("last.ckpt"))
+    assert commits_on_store(backend) == {step8, read_pointer(backend).latest.commit}
     io.teardown()
 
 
@@ -135,7 +147,9 @@ def test_keep_last_retention(backend):
         io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
     pointer = read_pointer(backend)
     assert sorted(pointer.checkpoints) == ["step=4.ckpt", "step=5.ckpt"]
-    assert commits_on_store(backend) == {e.commit for e in pointer.checkpoints.values()}
+    # step 3, dropped by the last save, is deleted after the next one
+    assert commits_on_store(backend) <= {e.commit for e in pointer.checkpoints.values()} | set(pointer.retired)
+    assert {c.split("/")[0] for c in commits_on_store(backend)} == {"step=3.ckpt", "step=4.ckpt", "step=5.ckpt"}
     io.teardown()
 
 
@@ -162,27 +176,56 @@ def test_remove_of_latest_keeps_its_data_until_latest_moves(backend):
     latest = find_latest_checkpoint(backend.root, backend.storage_options)
     assert latest is not None and make_io(backend, claim_on_load=False).load_checkpoint(latest)["global_step"] == 1
     io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
-    assert commits_on_store(backend) == {read_pointer(backend).latest.commit}
+    assert {c.split("/")[0] for c in commits_on_store(backend)} == {"a.ckpt", "b.ckpt"}  # a: retired
+    io.save_checkpoint(make_checkpoint(3), backend.url("c.ckpt"))
+    assert {c.split("/")[0] for c in commits_on_store(backend)} == {"b.ckpt", "c.ckpt"}
     io.teardown()
 
 
-def test_orphans_of_crashed_saves_are_collected_after_grace(backend):
+def test_crashed_saves_of_a_fenced_writer_are_collected_never_the_current_writers(backend):
+    """A folder without a manifest is collectable only once its writer epoch is fenced off: whatever its name's
+    timestamp says (the writer's clock, here skewed by two hours) and whatever the grace, a save of the current
+    writer is never touched; committed folders never are, pointer or not."""
+    first = make_io(backend)
+    first.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    ancient = f"c{int((time.time() - 7200) * 1000):013d}-e1-0000dead"  # a clock two hours behind
+    put(backend, f"b.ckpt/{ancient}/shard-00000.bin", b"in progress, or crashed")
+    put(backend, "notes/readme.txt", b"user file")
+    gc = make_io(backend, orphan_grace_seconds=0)
+    assert gc.collect_garbage(backend.root) == []  # epoch 1 is the current writer: it may still commit it
+    assert f"b.ckpt/{ancient}" in commits_on_store(backend)
+    second = make_io(backend, orphan_grace_seconds=0)
+    second.save_checkpoint(make_checkpoint(2), backend.url("c.ckpt"))  # claims epoch 2: epoch 1 is fenced; collects
+    remaining = commits_on_store(backend)
+    assert f"b.ckpt/{ancient}" not in remaining
+    assert {c.split("/")[0] for c in remaining} == {"a.ckpt", "c.ckpt"}  # a (committed, older job) is kept
+    young = f"c{int(time.time() * 1000):013d}-e2-0000beef"
+    put(backend, f"b.ckpt/{young}/shard-00000.bin", b"in progress")
+    assert gc.collect_garbage(backend.root) == [] and f"b.ckpt/{young}" in commits_on_store(backend)
+    assert backend.fs().cat_file(backend.path("notes/readme.txt")) == b"user file"
+    for io in (first, gc, second):
+        io.teardown()
+
+
+def test_orphan_grace_is_measured_with_the_stores_clock(local_backend):
+    """Among crashed saves of a fenced writer, the grace keeps those the store wrote recently; ages compare the
+    store's timestamps (the folder's newest object against the pointer's last write), not this host's clock."""
+    import os
+
+    backend = local_backend
     io = make_io(backend, orphan_grace_seconds=3600)
     io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
-    fs = backend.fs()
-    old = f"c{int((time.time() - 7200) * 1000):013d}-e1-0000dead"
-    young = f"c{int(time.time() * 1000):013d}-e1-0000beef"
+    old, young = "c0000000000001-e1-0000dead", "c9999999999999-e1-0000beef"  # names carry nonsense times
     put(backend, f"b.ckpt/{old}/shard-00000.bin", b"partial")
-    put(backend, f"b.ckpt/{young}/shard-00000.bin", b"in progress")
-    put(backend, "notes/readme.txt", b"user file")
-    root = io.root(backend.root)
-    assert root.collect_garbage(dry_run=True) == [backend.url(f"b.ckpt/{old}")]
-    assert commits_on_store(backend) >= {f"b.ckpt/{old}"}
-    assert root.collect_garbage() == [backend.url(f"b.ckpt/{old}")]
+    put(backend, f"b.ckpt/{young}/shard-00000.bin", b"partial")
+    two_hours_ago = time.time() - 7200
+    os.utime(backend.path(f"b.ckpt/{old}/shard-00000.bin"), (two_hours_ago, two_hours_ago))
+    later = make_io(backend, orphan_grace_seconds=3600)
+    later.save_checkpoint(make_checkpoint(2), backend.url("c.ckpt"))  # claims epoch 2 and collects
     remaining = commits_on_store(backend)
     assert f"b.ckpt/{old}" not in remaining and f"b.ckpt/{young}" in remaining
-    assert fs.cat_file(backend.path("notes/readme.txt")) == b"user file"
     io.teardown()
+    later.teardown()
 
 
 def test_stale_writer_is_fenced(backend):
@@ -191,11 +234,11 @@ def test_stale_writer_is_fenced(backend):
     for step in (1, 2):
         old.save_checkpoint(make_checkpoint(step, seed=1), backend.url(f"step={step}.ckpt"))
     new = make_io(backend)
-    new.load_checkpoint(find_latest_checkpoint(backend.root, backend.storage_options))  # resumes: claims epoch 2
+    new.load_checkpoint(find_latest_checkpoint(backend.root, backend.storage_options))  # resumes
     for step in (3, 4, 5):
+        new.save_checkpoint(make_checkpoint(step, seed=2), backend.url(f"step={step}.ckpt"))  # the first claims
         with pytest.raises(StaleWriterError, match="another job resumed"):
             old.save_checkpoint(make_checkpoint(step + 100, seed=1), backend.url(f"step={step + 100}.ckpt"))
-        new.save_checkpoint(make_checkpoint(step, seed=2), backend.url(f"step={step}.ckpt"))
         pointer = read_pointer(backend)
         assert pointer.latest.name == f"step={step}.ckpt" and pointer.writer_epoch == 2
     with pytest.raises(StaleWriterError):
@@ -409,7 +452,8 @@ def test_identical_resave_is_manifest_only_and_survives_collection(backend):
     assert commits_on_store(backend) == read_pointer(backend).live_folders()
     strict = make_io(backend, claim_on_load=False, fallback_on_corruption=False)
     assert_same(strict.load_checkpoint(backend.url("last.ckpt")), ckpt)
-    io.save_checkpoint(make_checkpoint(4), backend.url("last.ckpt"))  # superseding it deletes it
+    io.save_checkpoint(make_checkpoint(4), backend.url("last.ckpt"))  # superseding it retires it
+    io.save_checkpoint(make_checkpoint(5), backend.url("last.ckpt"))  # and the next save deletes it
     assert last.commit not in commits_on_store(backend)
     io.teardown()
 

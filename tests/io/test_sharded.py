@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -262,3 +263,53 @@ def test_sharded_checkpoints_on_s3(s3_backend, tmp_path):
     final = torch.load(str(tmp_path / "s3") + ".weights")
     consolidated = load_full(s3_backend.root, s3_backend.storage_options)
     assert all(torch.equal(consolidated["state_dict"][k], final[k]) for k in final)
+
+
+class _Payload:
+    """Unpickling this runs ``os.mkdir(path)``: a harmless stand-in for code a hostile checkpoint would run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> Any:
+        return (os.mkdir, (self.path,))
+
+
+def test_sharded_metadata_never_unpickles_more_than_dcp_metadata(local_backend, tmp_path):
+    from lightning_resilient.io._sealed import seal
+    from lightning_resilient.io.manifest import chunk_digests, object_digest
+
+    io = make_io(local_backend)
+    root, name = root_and_name(io, local_backend.url("a.ckpt"))
+    entry = save_sharded(sharded_state(), root, name, rest={"global_step": 1}, no_dist=True)
+    marker = tmp_path / "code-ran"
+    payload = pickle.dumps(_Payload(marker))
+    # A manifest-valid checkpoint whose metadata object is the payload: sizes and digests all match.
+    path = local_backend.path(f"{entry.commit}/{MANIFEST_NAME}")
+    body = json.loads(local_backend.fs().cat_file(path))["body"]
+    meta = body["objects"][body["sharded"]["metadata"]]
+    local_backend.fs().pipe_file(local_backend.path(meta["path"]), payload)
+    meta.update(size=len(payload), chunks=chunk_digests([memoryview(payload)], body["chunk_size"]))
+    meta["digest"] = object_digest(meta["chunks"])
+    local_backend.fs().pipe_file(path, seal(body))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to unpickle posix.mkdir"):
+        load_full(local_backend.root)
+    with pytest.raises(pickle.UnpicklingError, match="not one of DCP's metadata types"):
+        load_sharded(zeros_like(sharded_state()), root, entry.commit, no_dist=True)
+    assert not marker.exists()
+    io.teardown()
+
+
+def test_sharded_non_tensor_items_load_as_weights_only_unless_asked_otherwise(local_backend, tmp_path):
+    io = make_io(local_backend)
+    root, name = root_and_name(io, local_backend.url("a.ckpt"))
+    marker = tmp_path / "code-ran"
+    entry = save_sharded({"extra": {"item": _Payload(marker)}}, root, name, no_dist=True)
+    target: dict[str, Any] = {"extra": {"item": None}}
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_sharded(target, root, entry.commit, no_dist=True)  # weights_only by default, as a full load
+    assert not marker.exists()
+    reader = AtomicStorageReader(root, entry.commit, weights_only=False)  # the caller trusts this checkpoint
+    load_sharded(target, root, entry.commit, reader=reader, no_dist=True)
+    assert marker.exists()  # DCP's planner unpickled it: the check above is what stood in the way
+    io.teardown()

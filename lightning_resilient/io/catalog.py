@@ -1,0 +1,298 @@
+"""Finding checkpoints in a root: what a URL names, the newest of the lineage, what to fall back to, repair.
+
+Everything here reads; the only write is :func:`repair_pointer`'s. The order is lineage order
+(:mod:`~lightning_resilient.io.lineage`): a checkpoint of an abandoned branch is never what a resume picks or
+falls back to. A root whose pointer is missing is read from its manifests (with a warning); a damaged pointer
+is an error that names the repair.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
+from lightning_resilient.io import _paths
+from lightning_resilient.io.lineage import Lineage, Origin
+from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
+from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.root import CheckpointRoot, Loaded, RootSettings, commit_epoch
+from lightning_resilient.io.store import Store, open_store
+
+__all__ = ["Resolved", "check_bucket", "find_latest_checkpoint", "load_resolved", "normalize", "reader",
+           "repair_pointer", "resolve", "was_retired"]
+
+log = logging.getLogger(__name__)
+
+# A reader whose checkpoint was retired (deleted by retention) while it read resolves the URL again this often.
+_RESOLVE_ATTEMPTS = 5
+
+
+def normalize(url: str) -> str:
+    """A local path made absolute (``~`` expanded); any other URL without its trailing slash."""
+    protocol, rest = _paths.split_protocol(url)
+    if protocol in (None, "file", "local"):
+        return os.path.abspath(os.path.expanduser(rest))
+    return _paths.strip_trailing(url)
+
+
+def check_bucket(store: Store) -> None:
+    """Raise ``FileNotFoundError`` naming the bucket when an S3/GCS root's bucket does not exist."""
+    protocol = _paths.split_protocol(store.root_url)[0]
+    if protocol in ("s3", "s3a", "gs", "gcs"):
+        bucket = store.root_path.split("/", 1)[0]
+        if not store.bucket_exists(bucket):
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist (looking for checkpoints in"
+                                    f" {store.root_url}): create it, fix the checkpoint dirpath, or use"
+                                    " credentials that can see it")
+
+
+def reader(root: str, storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
+    """A root opened outside any plugin (find_latest_checkpoint, repair_pointer): default retries, serial I/O."""
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise TypeError(f"storage_options must be a dict of fsspec options or None, got {storage_options!r}")
+    store = open_store(normalize(root), dict(storage_options or {}), RetryPolicy())
+    return CheckpointRoot(store, RootSettings(None, 1, 0.0, True), _SerialExecutor)
+
+
+@dataclass
+class Resolved:
+    """What a URL names: the root, the checkpoint to load, and what to fall back to if it fails verification."""
+
+    root: CheckpointRoot
+    entry: Entry
+    fallbacks: list[Entry]
+    pinned: bool  # the URL named this very commit (not "the latest of a root" or "the newest of a name")
+
+
+def _pointer_or_scan(root: CheckpointRoot) -> Pointer | None:
+    pointer, _ = root.read_pointer()
+    if pointer is None:
+        scan = root.scan()
+        if scan.manifests:
+            pointer = scan.pointer()
+    return pointer
+
+
+def older(pointer: Pointer, entry: Entry, origin: Origin | None = None) -> list[Entry]:
+    """What a load of ``entry`` falls back to: the checkpoints of the lineage ``entry`` continues, newest first."""
+    origins = dict(pointer.origins)
+    if origin is not None:
+        origins.setdefault(entry.writer_epoch, origin)
+    return [e for e in Lineage.below(origins, entry).members(pointer.entries()) if e.commit != entry.commit]
+
+
+def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | None:
+    """What ``url`` names: a commit folder, a root (its latest), or a name in a root; None for a plain file.
+
+    A root or a commit folder (what :func:`find_latest_checkpoint` returns) costs one pointer read: the load then
+    reads the manifest and the data, and nothing else.
+    """
+    name = _paths.basename(url)
+    if commit_epoch(name) is not None:
+        # <root>/<name>/<commit>: what resuming passes. The root's pointer knows the commit and its lineage.
+        root = root_for(_paths.dirname(_paths.dirname(url)))
+        commit = f"{_paths.basename(_paths.dirname(url))}/{name}"
+        pointer = _pointer_or_scan(root) or Pointer()
+        known = {e.commit: e for e in pointer.entries()}
+        if commit in known:
+            return Resolved(root, known[commit], older(pointer, known[commit]), pinned=True)
+        if root.store.exists(f"{commit}/{MANIFEST_NAME}"):  # committed, no longer (or never) in the catalog
+            manifest = root.read_manifest(commit)
+            entry = Entry.from_manifest(manifest)
+            return Resolved(root, entry, older(pointer, entry, manifest.origin), pinned=True)
+        if pointer.writer_epoch:
+            latest = pointer.candidates()
+            raise FileNotFoundError(
+                f"checkpoint {url} no longer exists: {root.url} holds no commit {commit!r} (retention deletes the"
+                " checkpoints keep_last or a top-k rotation drop, a save later; a save that never committed leaves"
+                " no manifest)." + (f" The root's latest is {root.store.url(latest[0].commit)}." if latest else ""))
+
+    as_root = root_for(url)
+    pointer, _ = as_root.read_pointer()
+    if pointer is not None:
+        candidates = pointer.candidates()
+        if not candidates:
+            raise FileNotFoundError(f"checkpoint root {url} has a pointer but no committed checkpoint of its current"
+                                    " run yet")
+        return Resolved(as_root, candidates[0], candidates[1:], pinned=False)
+
+    parent = root_for(_paths.dirname(url))
+    pointer, _ = parent.read_pointer()
+    if pointer is not None:
+        entry = pointer.checkpoints.get(name)
+        if entry is None and pointer.latest is not None and pointer.latest.name == name:
+            entry = pointer.latest
+        if entry is not None:
+            return Resolved(parent, entry, older(pointer, entry), pinned=False)
+    if parent.store.is_file(name):
+        return None  # a plain file
+    if pointer is not None:
+        raise FileNotFoundError(f"no committed checkpoint named {name!r} under {parent.url}: committed names are"
+                                f" {sorted(pointer.checkpoints)}")
+    scanned = as_root.scan().pointer() if as_root.store.list_dir("") else None
+    if scanned is not None and scanned.candidates():
+        candidates = scanned.candidates()
+        warnings.warn(f"{as_root.store.url(POINTER_NAME)} is missing; loading the newest committed checkpoint found"
+                      f" by scanning, {candidates[0].commit}. lightning_resilient.repair_pointer({url!r}) restores"
+                      " the pointer.", RuntimeWarning, stacklevel=3)
+        return Resolved(as_root, candidates[0], candidates[1:], pinned=False)
+    raise FileNotFoundError(f"no checkpoint at {url}: it is not a checkpoint root (no {POINTER_NAME}), not a"
+                            " committed name in its parent's pointer, not a checkpoint folder (no"
+                            f" {MANIFEST_NAME}), and not a file")
+
+
+class _Retired(Exception):
+    """The checkpoint being read was retired (deleted by retention) meanwhile: not corruption."""
+
+
+def was_retired(root: CheckpointRoot, entry: Entry) -> bool:
+    """Whether ``entry`` failed to read because retention deleted it meanwhile (not because it is damaged)."""
+    # Retention deletes a folder's manifest first, and only once the pointer no longer references it: a
+    # checkpoint whose manifest is gone and that the pointer has let go of was retired, not damaged.
+    try:
+        pointer, _ = root.read_pointer()
+        return (pointer is not None and entry.commit not in pointer.live_folders()
+                and not root.store.exists(f"{entry.commit}/{MANIFEST_NAME}"))
+    except (CheckpointError, OSError):
+        return False
+
+
+def load_with_fallback(root: CheckpointRoot, entry: Entry, fallbacks: list[Entry], *,
+                       load: Callable[..., Loaded], **load_kwargs: Any) -> Loaded:
+    """Load ``entry``; when it fails verification, the next of ``fallbacks`` (each with a loud warning)."""
+    first_error: CheckpointCorruptedError | None = None
+    tried: list[str] = []
+    for candidate in [entry, *fallbacks]:
+        try:
+            loaded = load(candidate.commit, **load_kwargs)
+        except CheckpointCorruptedError as exc:
+            if was_retired(root, candidate):
+                raise _Retired(root.store.url(candidate.commit)) from exc
+            first_error = first_error or exc
+            tried.append(root.store.url(candidate.commit))
+            message = f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {exc}"
+            log.error(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            continue
+        if tried:
+            message = (f"loaded the previous committed checkpoint {root.store.url(candidate.commit)} (step"
+                       f" {candidate.step}) instead of {tried[0]}, which failed verification")
+            log.error(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return loaded
+    assert first_error is not None
+    raise CheckpointCorruptedError(
+        f"no valid checkpoint to load: {first_error}" + (f" (also tried {', '.join(tried[1:])})" if len(tried) > 1
+                                                          else ""), object=first_error.object)
+
+
+def load_resolved(url: str, root_for: Callable[[str], CheckpointRoot], *, fallback: bool,
+                  load_for: Callable[[CheckpointRoot], Callable[..., Loaded]],
+                  **load_kwargs: Any) -> tuple[Resolved, Loaded] | None:
+    """Resolve ``url`` and load it (falling back when ``fallback``); None when it names a plain file.
+
+    A checkpoint retired by retention while it was read is not reported as corrupted: the URL is resolved again
+    (the root's latest has moved on), or, for a URL naming that very commit, a ``FileNotFoundError`` says so.
+    """
+    for _ in range(_RESOLVE_ATTEMPTS):
+        found = resolve(url, root_for)
+        if found is None:
+            return None
+        try:
+            loaded = load_with_fallback(found.root, found.entry, found.fallbacks if fallback else [],
+                                        load=load_for(found.root), **load_kwargs)
+        except _Retired as retired:
+            if found.pinned:
+                raise FileNotFoundError(f"{retired} was deleted by retention (keep_last or a top-k rotation of the job"
+                                        f" writing {found.root.url}) while it was being read; load the root's latest"
+                                        " instead") from None
+            log.info("%s was retired while it was read: resolving %s again", retired, url)
+            continue
+        return found, loaded
+    raise FileNotFoundError(f"every checkpoint resolved from {url} was retired while it was being read"
+                            f" ({_RESOLVE_ATTEMPTS} times): the job writing it saves faster than it can be read")
+
+
+def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The newest committed checkpoint of the current run under ``root``, for ``trainer.fit(ckpt_path=...)``.
+
+    Returns None when the root holds no committed checkpoint of the current run (a first run). It reads the
+    pointer and the newest checkpoint's manifest (which must verify); every byte of the data is verified when the
+    checkpoint is loaded, and a damaged one is then replaced by the previous committed checkpoint of the same
+    lineage, with a loud warning. A checkpoint of a branch abandoned by a rollback is never returned. A missing
+    bucket raises ``FileNotFoundError``, and a root whose every checkpoint is damaged raises
+    :class:`~lightning_resilient.CheckpointCorruptedError`, rather than returning None: either would otherwise
+    silently restart training from scratch.
+    """
+    checkpoint_root = reader(root, storage_options)
+    store = checkpoint_root.store
+    pointer, _ = checkpoint_root.read_pointer()
+    unreadable: dict[str, str] = {}
+    if pointer is None:
+        check_bucket(store)
+        scan = checkpoint_root.scan()
+        unreadable = dict(scan.unreadable)
+        if scan.manifests:
+            pointer = scan.pointer()
+            warnings.warn(f"{store.url(POINTER_NAME)} is missing but {len(scan.manifests)} committed checkpoint(s)"
+                          f" exist under {store.root_url}; using the newest of the current run. Call"
+                          f" lightning_resilient.repair_pointer({store.root_url!r}) to restore the pointer.",
+                          RuntimeWarning, stacklevel=2)
+    for entry in pointer.candidates() if pointer is not None else []:
+        try:
+            checkpoint_root.read_manifest(entry.commit)
+        except CheckpointCorruptedError as exc:
+            unreadable[entry.commit] = str(exc)
+            warnings.warn(f"skipping {store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        return store.url(entry.commit)
+    if unreadable:
+        first = next(iter(unreadable))
+        raise CheckpointCorruptedError(
+            f"no committed checkpoint under {store.root_url} has a valid manifest ({len(unreadable)} damaged:"
+            f" {', '.join(sorted(unreadable))}; first: {unreadable[first]}). Training would restart from step 0"
+            f" over a root that holds a run: check the store (`lightning-resilient ls {store.root_url}`) before"
+            " deleting it or choosing another dirpath.", object=store.url(first))
+    return None
+
+
+def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """Rebuild a missing or damaged pointer from the committed manifests under ``root``.
+
+    The lineage comes from the manifests (each records where its run came from); each name catalogs its newest
+    commit, latest is the newest checkpoint of the current lineage, and the writer epoch is the highest any commit
+    folder carries, so a job still writing with that epoch continues. Returns the new latest's URL.
+    """
+    checkpoint_root = reader(root, storage_options)
+    store = checkpoint_root.store
+    pointer = checkpoint_root.scan().pointer()
+    pointer.txn = "repaired"
+    current = store.read_versioned(POINTER_NAME)
+    if not store.write_if(POINTER_NAME, pointer.to_bytes(), current[1] if current else None):
+        raise RuntimeError(f"{store.url(POINTER_NAME)} changed while it was being repaired: a writer is active."
+                           " Run the repair again once it has stopped.")
+    return store.url(pointer.latest.commit) if pointer.latest else None
+
+
+class _SerialExecutor(Executor):
+    """Runs every job in the calling thread (for the one-off reads above)."""
+
+    def map(self, fn, *iterables, timeout=None, chunksize=1):  # type: ignore[no-untyped-def, override]
+        return map(fn, *iterables)
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        from concurrent.futures import Future
+
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future

@@ -1,0 +1,128 @@
+"""Lineage: which committed checkpoints belong to the run being resumed, and in which order.
+
+Every job that writes a root claims a new writer epoch, and records where its training came from: a fresh start,
+or the committed checkpoint it resumed from (its :class:`Origin`). A rollback (run A reached step 300, run B
+resumes from A's step 250) therefore abandons A's checkpoints after step 250: B's lineage is B's own checkpoints,
+then A's up to step 250, then whatever A itself resumed from, and so on back to a fresh start.
+
+Everything that picks or drops checkpoints orders them the same way: by lineage membership first, then writer
+epoch, then step, then creation time. The latest checkpoint, the fallback when one is damaged, ``keep_last``,
+the scan of a root whose pointer is missing and ``repair_pointer`` all use :class:`Lineage`; checkpoints outside
+it (an abandoned branch) are never chosen to resume and never counted by retention; ``gc --abandoned`` removes
+them.
+
+Roots written before lineage was recorded have no origins: an epoch whose origin is unknown is taken to continue
+every older epoch (the old order by step), so such roots keep resuming as they did.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from lightning_resilient.errors import CheckpointCorruptedError
+from lightning_resilient.io._sealed import seal, unseal
+
+__all__ = ["ORIGINS_DIR", "Lineage", "Origin", "origin_record_name"]
+
+#: Under the root: one small immutable record per writer epoch, written when a job claims the root, so that the
+#: lineage survives the loss of the pointer even for a job that died before its first commit.
+ORIGINS_DIR = ".lightning_resilient/origins"
+_RECORD_KIND = "lightning_resilient.origin"
+
+
+def origin_record_name(writer_epoch: int) -> str:
+    return f"{ORIGINS_DIR}/e{writer_epoch:010d}.json"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where the training of one writer epoch came from: a fresh start (``commit`` None) or a resumed checkpoint."""
+
+    commit: str | None = None
+    writer_epoch: int = 0  # the writer epoch that committed ``commit``
+    step: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"commit": self.commit, "writer_epoch": self.writer_epoch, "step": self.step}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Origin:
+        if not isinstance(raw, dict):
+            raise TypeError(f"an origin must be an object, got {raw!r}")
+        commit = raw["commit"]
+        return cls(commit=None if commit is None else str(commit), writer_epoch=int(raw["writer_epoch"]),
+                   step=int(raw["step"]))
+
+    def record(self, writer_epoch: int, writer: str) -> bytes:
+        """The sealed record of writer epoch ``writer_epoch``'s origin (stored at :func:`origin_record_name`)."""
+        return seal({"kind": _RECORD_KIND, "format": 1, "writer_epoch": writer_epoch, "writer": writer,
+                     "origin": self.to_json()})
+
+    @classmethod
+    def from_record(cls, data: bytes, *, where: str) -> tuple[int, Origin]:
+        raw = unseal(data, what="origin record", where=where)
+        try:
+            if raw["kind"] != _RECORD_KIND:
+                raise ValueError(f"kind {raw['kind']!r}")
+            return int(raw["writer_epoch"]), cls.from_json(raw["origin"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptedError(f"origin record {where} is malformed ({exc})", object=where) from exc
+
+
+class Ordered(Protocol):
+    """What lineage needs of a checkpoint record (a pointer ``Entry`` or a ``Manifest``)."""
+
+    writer_epoch: int
+    step: int
+    created: float
+
+
+def order(record: Ordered) -> tuple[int, int, float]:
+    """The order of checkpoints within one lineage: writer epoch, then step, then creation time."""
+    return (record.writer_epoch, record.step, record.created)
+
+
+class Lineage:
+    """The checkpoints a run continues: those of ``head`` (up to step ``bound``), then its origin's, and so on."""
+
+    def __init__(self, origins: Mapping[int, Origin], head: int, bound: float = math.inf) -> None:
+        self.head = head
+        #: writer epoch -> the highest step of that epoch that belongs to the lineage
+        self.bounds: dict[int, float] = {}
+        #: epochs below this one, whose origins are unknown (a root from before lineage), all belong up to
+        #: ``legacy_bound``
+        self.legacy_below: int | None = None
+        self.legacy_bound = math.inf
+        epoch = head
+        while True:
+            self.bounds[epoch] = bound
+            origin = origins.get(epoch)
+            if origin is None:
+                self.legacy_below, self.legacy_bound = epoch, bound
+                break
+            if origin.commit is None or origin.writer_epoch >= epoch:  # a fresh start (or a looping record)
+                break
+            bound = min(bound, origin.step)
+            epoch = origin.writer_epoch
+
+    @classmethod
+    def below(cls, origins: Mapping[int, Origin], record: Ordered) -> Lineage:
+        """The lineage that ``record`` itself continues (what a resume of it falls back to)."""
+        return cls(origins, record.writer_epoch, record.step)
+
+    def contains(self, record: Ordered) -> bool:
+        bound = self.bounds.get(record.writer_epoch)
+        if bound is None and self.legacy_below is not None and record.writer_epoch < self.legacy_below:
+            bound = self.legacy_bound
+        return bound is not None and record.step <= bound
+
+    def members(self, records: Iterable[Any]) -> list[Any]:
+        """The records of this lineage, newest first."""
+        return sorted((r for r in records if self.contains(r)), key=order, reverse=True)
+
+    def outside(self, records: Iterable[Any]) -> list[Any]:
+        """The records of abandoned branches (not in this lineage), newest first."""
+        return sorted((r for r in records if not self.contains(r)), key=order, reverse=True)

@@ -1,0 +1,92 @@
+"""Writers for the randomized protocol test: each one job's saves through the storage protocol, no Lightning.
+
+``python protocol_worker.py`` is a zygote: it imports everything once (a couple of seconds), prints ``ZYGOTE``,
+then for each line ``spawn IN OUT`` (two named pipes) forks a writer process, in a session of its own, and prints
+``PID <pid>``; the parent SIGKILLs writers at any instant, and a new one costs a fork, not an import.
+
+A writer reads from IN one line ``ROOT OPTIONS_JSON KEEP_LAST TAG [ORIGIN_URL]`` naming the root and where this
+job's training comes from (a commit URL to resume, or nothing for a fresh start), loads that commit and writes
+``READY <step>`` to OUT. Then each line ``save <step>`` saves the checkpoint :func:`content` gives for (TAG, step)
+as ``TAG-step=<step>.ckpt``, writing ``BEGIN <step>`` before and ``END <commit>`` (or ``ERROR <message>``) after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
+
+import torch
+
+
+def content(tag: str, step: int) -> dict[str, Any]:
+    """The checkpoint a job tagged ``tag`` saves at ``step``: its bytes tell which job and step wrote it."""
+    seed = int.from_bytes(hashlib.sha256(f"{tag}/{step}".encode()).digest()[:8], "little")
+    g = torch.Generator().manual_seed(seed)
+    return {"global_step": step, "epoch": 0, "job": tag,
+            "state_dict": {"w": torch.randn(3000, generator=g), "b": torch.randn(64, generator=g).double()},
+            "loops": {"step": step}}
+
+
+def writer(lines: IO[str], out: IO[str]) -> None:
+    from lightning_resilient.io.catalog import normalize, resolve
+    from lightning_resilient.io.retry import RetryPolicy
+    from lightning_resilient.io.root import CheckpointRoot, RootSettings
+    from lightning_resilient.io.store import open_store
+
+    def say(text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
+    root_url, options, keep_last, tag, *origin = lines.readline().split()
+    settings = RootSettings(keep_last=int(keep_last), shard_size=4096, orphan_grace_seconds=0.0,
+                            fallback_on_corruption=True, chunk_size=2048, parallelism=4)
+    root = CheckpointRoot(open_store(normalize(root_url), json.loads(options), RetryPolicy(3, 0.01, 0.1)), settings,
+                          lambda: ThreadPoolExecutor(4))
+    step = 0
+    if origin:
+        found = resolve(normalize(origin[0]), lambda _: root)
+        assert found is not None
+        loaded = root.load(found.entry.commit, map_location=None, weights_only=True)
+        root.resumed(found.entry)
+        step = loaded.checkpoint["global_step"]
+    say(f"READY {step}")
+    for line in lines:
+        command, arg = line.split()
+        assert command == "save", line
+        say(f"BEGIN {arg}")
+        try:
+            entry = root.save(content(tag, int(arg)), f"{tag}-step={arg}.ckpt")
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+            say(f"ERROR {type(exc).__name__}: {exc}".replace("\n", " "))
+        else:
+            say(f"END {entry.commit}")
+
+
+def zygote() -> None:
+    # Everything a writer needs, imported once; no thread is started before a fork (s3fs starts its own in each).
+    import lightning_resilient.io.catalog  # noqa: F401
+    import lightning_resilient.io.root  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # writers are reaped by the kernel
+    print("ZYGOTE", flush=True)
+    for line in sys.stdin:
+        _, fifo_in, fifo_out = line.split()
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                with open(fifo_in) as lines, open(fifo_out, "w") as out:
+                    writer(lines, out)
+            finally:
+                os._exit(0)
+        print(f"PID {pid}", flush=True)
+
+
+if __name__ == "__main__":
+    zygote()

@@ -1,0 +1,155 @@
+"""Lineage: a rollback (run B resumes from an earlier checkpoint of run A) abandons A's later checkpoints.
+
+Latest, the fallback when a checkpoint is damaged, ``keep_last``, the scan of a root without a pointer,
+``repair_pointer``, ``ls`` and ``gc --abandoned`` all follow B's lineage, on every store.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_resilient import CheckpointCorruptedError, find_latest_checkpoint, repair_pointer
+from lightning_resilient.cli import main
+from lightning_resilient.io.lineage import Lineage, Origin
+from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.pointer import POINTER_NAME, Entry
+
+from .helpers import make_checkpoint, make_io, read_pointer
+
+
+def _entry(epoch: int, step: int, created: float = 0.0) -> Entry:
+    return Entry(f"e{epoch}s{step}", f"x/c{epoch}{step}", step, 0, created, epoch, ())
+
+
+def test_lineage_follows_origins_and_bounds_each_epoch_at_its_resume_step():
+    origins = {1: Origin(None), 2: Origin("a/c", 1, 250), 3: Origin("b/c", 2, 270)}
+    lineage = Lineage(origins, 3)
+    assert lineage.contains(_entry(3, 10**6)) and lineage.contains(_entry(2, 270)) and lineage.contains(_entry(1, 250))
+    assert not lineage.contains(_entry(2, 280))  # epoch 3 resumed from 270: 280 is abandoned
+    assert not lineage.contains(_entry(1, 260))  # epoch 2 resumed from 250
+    records = [_entry(1, 100), _entry(1, 300), _entry(2, 260), _entry(2, 280), _entry(3, 290)]
+    assert [(e.writer_epoch, e.step) for e in lineage.members(records)] == [(3, 290), (2, 260), (1, 100)]
+    # A fresh start ends the lineage; a lineage below one checkpoint is what resuming it falls back to.
+    assert [(e.writer_epoch, e.step) for e in Lineage({1: Origin(None), 2: Origin(None)}, 2).members(records)] == \
+        [(2, 280), (2, 260)]
+    assert [(e.writer_epoch, e.step) for e in Lineage.below(origins, _entry(2, 260)).members(records)] == \
+        [(2, 260), (1, 100)]
+    # Roots from before lineage was recorded: an unknown origin continues every older epoch (the old order).
+    assert Lineage({}, 2).members(records) == sorted([r for r in records if r.writer_epoch <= 2],
+                                                     key=lambda e: (e.writer_epoch, e.step), reverse=True)
+
+
+def _rollback(backend, *, keep_last=None):
+    """Run A saves steps 100..300; run B resumes A's step 250 and saves 260, 270. Returns the commits by label."""
+    a = make_io(backend)
+    commits = {}
+    for step in (100, 200, 250, 270, 300):
+        a.save_checkpoint(make_checkpoint(step, seed=1), backend.url(f"step={step}.ckpt"))
+        commits[f"A{step}"] = read_pointer(backend).latest.commit
+    a.teardown()
+    b = make_io(backend, keep_last=keep_last)
+    b.load_checkpoint(backend.url(commits["A250"]))  # the rollback: an explicit, earlier checkpoint
+    for step in (260, 270):
+        b.save_checkpoint(make_checkpoint(step, seed=2), backend.url(f"b-step={step}.ckpt"))
+        commits[f"B{step}"] = read_pointer(backend).latest.commit
+    return b, commits
+
+
+def _damage(backend, rel):
+    fs = backend.fs()
+    data = bytearray(fs.cat_file(backend.path(rel)))
+    data[len(data) // 2] ^= 1
+    fs.pipe_file(backend.path(rel), bytes(data))
+
+
+def test_a_rollback_never_resumes_the_abandoned_branch(backend):
+    b, commits = _rollback(backend)
+    url = backend.url
+    assert find_latest_checkpoint(backend.root, backend.storage_options) == url(commits["B270"])
+    # B's newest damaged: the fallback is B's previous, then A's 250 (what B resumed from), never A's 270 or 300.
+    _damage(backend, f"{commits['B270']}/skeleton.pt")
+    with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):
+        assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 260
+    _damage(backend, f"{commits['B260']}/skeleton.pt")
+    with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):
+        loaded = make_io(backend).load_checkpoint(backend.root)
+    assert loaded["global_step"] == 250 and loaded["callbacks"] == make_checkpoint(250, seed=1)["callbacks"]
+    # find_latest_checkpoint with B's newest manifest damaged skips to B's previous, not to A's 300.
+    backend.fs().pipe_file(backend.path(f"{commits['B270']}/{MANIFEST_NAME}"), b"{}")
+    with pytest.warns(RuntimeWarning, match="skipping"):
+        assert find_latest_checkpoint(backend.root, backend.storage_options) == url(commits["B260"])
+    b.teardown()
+
+
+def test_keep_last_counts_the_current_lineage_only(backend):
+    b, commits = _rollback(backend, keep_last=2)
+    pointer = read_pointer(backend)
+    # B's two checkpoints are the two newest of its lineage; A's 270 and 300 (abandoned) neither count nor go.
+    assert {e.commit for e in pointer.candidates()} == {commits["B260"], commits["B270"], commits["A250"]}
+    assert {e.commit for e in pointer.abandoned()} == {commits["A270"], commits["A300"]}
+    b.save_checkpoint(make_checkpoint(280, seed=2), backend.url("b-step=280.ckpt"))
+    names = sorted(read_pointer(backend).checkpoints)
+    assert "b-step=270.ckpt" in names and "b-step=280.ckpt" in names and "b-step=260.ckpt" not in names
+    assert "step=300.ckpt" in names and "step=270.ckpt" in names  # abandoned: kept until gc --abandoned
+    b.teardown()
+
+
+def test_scan_and_repair_follow_the_lineage_recorded_in_the_manifests(backend):
+    b, commits = _rollback(backend)
+    b.teardown()
+    backend.fs().rm(backend.path(POINTER_NAME))
+    with pytest.warns(RuntimeWarning, match="is missing"):
+        assert find_latest_checkpoint(backend.root, backend.storage_options) == backend.url(commits["B270"])
+    assert repair_pointer(backend.root, backend.storage_options) == backend.url(commits["B270"])
+    pointer = read_pointer(backend)
+    assert {e.commit for e in pointer.abandoned()} == {commits["A270"], commits["A300"]}
+    assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 270
+
+
+def test_ls_marks_the_abandoned_branch_and_gc_abandoned_deletes_it(backend, capsys):
+    b, commits = _rollback(backend)
+    b.teardown()
+    options = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
+    assert main(["ls", backend.root, "--quick", *options]) == 0
+    out = capsys.readouterr().out
+    assert "step=300.ckpt (abandoned branch)" in out and "step=270.ckpt (abandoned branch)" in out
+    assert "step=250.ckpt (abandoned" not in out and "2 checkpoint(s) belong to an abandoned branch" in out
+    assert main(["gc", backend.root, *options]) == 0  # without --abandoned: nothing of it goes
+    assert "of an abandoned branch" not in capsys.readouterr().out
+    assert main(["gc", backend.root, "--abandoned", "--dry-run", *options]) == 0
+    assert main(["gc", backend.root, "--abandoned", *options]) == 0
+    out = capsys.readouterr().out
+    assert out.count("of an abandoned branch") == 4  # listed by the dry run, then deleted
+    manifests = {p.rsplit("/", 3)[-3] for p in backend.fs().find(backend.path()) if p.endswith(MANIFEST_NAME)}
+    assert manifests == {"step=100.ckpt", "step=200.ckpt", "step=250.ckpt", "b-step=260.ckpt", "b-step=270.ckpt"}
+    assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 270
+
+
+def test_a_fresh_start_abandons_what_was_there_and_deletes_none_of_it(local_backend):
+    backend = local_backend
+    old = make_io(backend)
+    old.save_checkpoint(make_checkpoint(90), backend.url("step=90.ckpt"))
+    old.teardown()
+    fresh = make_io(backend)  # a job started without a checkpoint to resume: its lineage starts empty
+    fresh.save_checkpoint(make_checkpoint(5), backend.url("step=5.ckpt"))
+    pointer = read_pointer(backend)
+    assert pointer.latest.name == "step=5.ckpt" and [e.name for e in pointer.abandoned()] == ["step=90.ckpt"]
+    assert make_io(backend).load_checkpoint(backend.url("step=90.ckpt"))["global_step"] == 90  # still there
+    fresh.teardown()
+
+
+def test_every_manifest_damaged_is_an_error_not_a_fresh_start(backend):
+    io = make_io(backend)
+    for step in (1, 2):
+        io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    io.teardown()
+    for entry in read_pointer(backend).candidates():
+        backend.fs().pipe_file(backend.path(f"{entry.commit}/{MANIFEST_NAME}"), b"not a manifest")
+    with pytest.warns(RuntimeWarning, match="skipping"), \
+            pytest.raises(CheckpointCorruptedError, match="no committed checkpoint .* has a valid manifest"):
+        find_latest_checkpoint(backend.root, backend.storage_options)
+    backend.fs().rm(backend.path(POINTER_NAME))  # the same through the scan of a root without a pointer
+    with pytest.raises(CheckpointCorruptedError, match="has a valid manifest"):
+        find_latest_checkpoint(backend.root, backend.storage_options)
