@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError
 from lightning_resilient.io.catalog import normalize, resolve
@@ -96,11 +97,14 @@ class _AtomicSharded:
                 log.error(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
                 continue
-            # The coordinator claims the root at its first save, with this checkpoint as its lineage's origin (or at
-            # once with claim_on_load): a load alone never fences the job writing the root.
-            root.resumed(candidate)
-            if io.claim_on_load and self.global_rank == 0 and root.epoch is None:  # type: ignore[attr-defined]
-                root.claim()
+            # A resuming fit claims the root with this checkpoint as its lineage's origin (on the coordinator, at once
+            # unless claim_on_load=False); validate/test/predict loads are read-only (see AtomicCheckpointIO).
+            fit = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[attr-defined]
+            if fit or io.claim_on_load:
+                root.resumed(candidate)
+                claim_now = io.claim_on_load if io.claim_on_load is not None else fit
+                if claim_now and self.global_rank == 0 and root.epoch is None:  # type: ignore[attr-defined]
+                    root.claim()
             return rest
         raise AssertionError("unreachable")
 
@@ -188,7 +192,6 @@ class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
 
     def _load_shards(self, reader: AtomicStorageReader) -> None:
         from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
-        from lightning.pytorch.trainer.states import TrainerFn
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

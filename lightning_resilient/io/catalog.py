@@ -104,9 +104,15 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
         if commit in known:
             return Resolved(root, known[commit], older(pointer, known[commit]), pinned=True)
         if root.store.exists(f"{commit}/{MANIFEST_NAME}"):  # committed, no longer (or never) in the catalog
-            manifest = root.read_manifest(commit)
-            entry = Entry.from_manifest(manifest)
-            return Resolved(root, entry, older(pointer, entry, manifest.origin), pinned=True)
+            try:
+                manifest = root.read_manifest(commit)
+            except CheckpointCorruptedError:
+                if root.store.exists(f"{commit}/{MANIFEST_NAME}"):
+                    raise
+                manifest = None  # retired in between: its manifest went first
+            if manifest is not None:
+                entry = Entry.from_manifest(manifest)
+                return Resolved(root, entry, older(pointer, entry, manifest.origin), pinned=True)
         if pointer.writer_epoch:
             latest = pointer.candidates()
             raise FileNotFoundError(
@@ -232,6 +238,19 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
     silently restart training from scratch.
     """
     checkpoint_root = reader(root, storage_options)
+    for _ in range(_RESOLVE_ATTEMPTS):
+        found = _find_latest(checkpoint_root)
+        if found is not _RETIRED:
+            return found  # type: ignore[return-value]
+    raise FileNotFoundError(f"every checkpoint found under {checkpoint_root.url} was retired while it was being read"
+                            f" ({_RESOLVE_ATTEMPTS} times): the job writing it saves faster than it can be read")
+
+
+_RETIRED = object()
+
+
+def _find_latest(checkpoint_root: CheckpointRoot) -> str | None | object:
+    """One attempt of find_latest_checkpoint; ``_RETIRED`` when retention retired the candidates meanwhile."""
     store = checkpoint_root.store
     pointer, _ = checkpoint_root.read_pointer()
     unreadable: dict[str, str] = {}
@@ -244,15 +263,21 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
             warnings.warn(f"{store.url(POINTER_NAME)} is missing but {len(scan.manifests)} committed checkpoint(s)"
                           f" exist under {store.root_url}; using the newest of the current run. Call"
                           f" lightning_resilient.repair_pointer({store.root_url!r}) to restore the pointer.",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
     for entry in pointer.candidates() if pointer is not None else []:
         try:
             checkpoint_root.read_manifest(entry.commit)
         except CheckpointCorruptedError as exc:
+            if was_retired(checkpoint_root, entry):
+                return _RETIRED  # not damaged: the pointer has moved on, read it again
             unreadable[entry.commit] = str(exc)
-            warnings.warn(f"skipping {store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"skipping {store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=3)
             continue
         return store.url(entry.commit)
+    if pointer is not None and not unreadable and pointer.abandoned():
+        log.info("no checkpoint of the current run under %s; %d of an abandoned branch (a later job started fresh or"
+                 " resumed an earlier checkpoint): pass one as ckpt_path to go back to it", store.root_url,
+                 len(pointer.abandoned()))
     if unreadable:
         first = next(iter(unreadable))
         raise CheckpointCorruptedError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -82,11 +83,13 @@ class AtomicCheckpointIO(CheckpointIO):
             incomplete multipart uploads. A save of the current writer is never deleted, whatever its age.
         fallback_on_corruption: when a checkpoint fails verification on load, load the previous committed one
             of the same lineage (with a loud warning) instead of raising.
-        claim_on_load: loading never fences the job writing the root by default: a process claims the root
-            (becomes its writer, fencing off older jobs) at its first save, with the checkpoint it loaded as the
-            origin of its lineage. So evaluation scripts, ``trainer.test(ckpt_path=...)`` and notebooks can load
-            from a root a job is training into. True claims at once when a checkpoint is loaded (a fit that
-            resumes, to stop the job it replaces before its own first save); only for processes that will train.
+        claim_on_load: when loading claims the root (becomes its writer, fencing off the job that wrote it
+            before). None (the default): a ``fit`` that resumes claims at once, with the checkpoint it loaded as the
+            origin of its lineage; every other load (``trainer.validate/test/predict(ckpt_path=...)``, evaluation
+            scripts, notebooks, ``load_checkpoint`` outside a Trainer) is read-only and never fences the job
+            training into the root. False: a resuming fit claims only at its first save (the old job, if still
+            running, keeps writing until then). True: every load claims, for a process that will train outside
+            ``Trainer.fit``. A job that starts without a checkpoint claims at its first save.
         retry_attempts: tries per storage request for transient errors (5xx, throttling, dropped connections).
         retry_base_delay: first backoff in seconds (doubles per retry, full jitter).
         retry_max_delay: longest single backoff in seconds.
@@ -106,7 +109,7 @@ class AtomicCheckpointIO(CheckpointIO):
         node_cache_dir: str | None = None,
         orphan_grace_seconds: float = 3600.0,
         fallback_on_corruption: bool = True,
-        claim_on_load: bool = False,
+        claim_on_load: bool | None = None,
         retry_attempts: int = 6,
         retry_base_delay: float = 0.2,
         retry_max_delay: float = 10.0,
@@ -125,10 +128,12 @@ class AtomicCheckpointIO(CheckpointIO):
         if isinstance(orphan_grace_seconds, bool) or not isinstance(orphan_grace_seconds, (int, float)) \
                 or orphan_grace_seconds < 0:
             raise ValueError(f"orphan_grace_seconds must be a number >= 0, got {orphan_grace_seconds!r}")
-        for flag, value in (("fallback_on_corruption", fallback_on_corruption), ("claim_on_load", claim_on_load),
-                            ("async_save", async_save), ("node_cache", node_cache)):
+        for flag, value in (("fallback_on_corruption", fallback_on_corruption), ("async_save", async_save),
+                            ("node_cache", node_cache)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be True or False, got {value!r}")
+        if claim_on_load is not None and not isinstance(claim_on_load, bool):
+            raise TypeError(f"claim_on_load must be None (a resuming fit claims), True or False, got {claim_on_load!r}")
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise TypeError(f"pin_memory must be True, False or None (pin when CUDA is available), got {pin_memory!r}")
         if pin_memory and not torch.cuda.is_available():
@@ -235,11 +240,15 @@ class AtomicCheckpointIO(CheckpointIO):
         self.last_load = loaded.stats
         root = found.root
         resumed = next((e for e in [found.entry, *found.fallbacks] if e.commit == loaded.entry_commit), found.entry)
-        # A read never fences the job writing the root: this process claims it at its first save (if it ever
-        # saves), with what it loaded as its lineage's origin; claim_on_load claims now.
-        root.resumed(resumed)
-        if self.claim_on_load and _global_rank() == 0 and root.epoch is None:
-            root.claim()
+        fit = _resuming_a_fit()
+        if fit or self.claim_on_load:
+            # What this job's training continues: the origin of its lineage when it claims the root (now, for a
+            # resuming fit on the writing rank, so the job it replaces is stopped before it can retire this
+            # checkpoint; else at its first save). Any other load is read-only: it never fences anyone.
+            root.resumed(resumed)
+            claim_now = self.claim_on_load if self.claim_on_load is not None else fit
+            if claim_now and _global_rank() == 0 and root.epoch is None:
+                root.claim()
         root.remember_loaded(loaded)
         return loaded.checkpoint
 
@@ -298,6 +307,22 @@ def _fspath(path: Any) -> str:
     raise TypeError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
 
 
+def _resuming_a_fit() -> bool:
+    """Whether Lightning is loading this checkpoint to resume ``Trainer.fit`` (not to validate, test or predict, and
+    not outside a Trainer). The CheckpointIO is handed no such fact, so it is read from the Trainer whose checkpoint
+    connector is up the call stack."""
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__ == "_CheckpointConnector":  # lightning.pytorch's (or pytorch_lightning's)
+            fn = getattr(getattr(getattr(owner, "trainer", None), "state", None), "fn", None)
+            return getattr(fn, "value", fn) == "fit"
+        frame = frame.f_back
+    return False
+
+
 def _global_rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
@@ -331,8 +356,8 @@ def _check_not_nested(url: str, checkpoint: dict[str, Any]) -> None:
     The checkpoint root is the folder a checkpoint is saved in; a sub-folder would be a root of its own, with its
     own pointer, fencing and retention, and ``find_latest_checkpoint(dirpath)`` would find nothing.
     """
-    for key, state in (checkpoint.get("callbacks") or {}).items():
-        dirpath = state.get("dirpath") if isinstance(state, dict) and str(key).startswith("ModelCheckpoint") else None
+    for state in (checkpoint.get("callbacks") or {}).values():  # ModelCheckpoint's, or a subclass's (keyed by its name)
+        dirpath = state.get("dirpath") if isinstance(state, dict) else None
         if not isinstance(dirpath, str) or not dirpath:
             continue
         root = normalize(dirpath)

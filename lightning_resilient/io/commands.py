@@ -233,9 +233,14 @@ def _verify(args: argparse.Namespace) -> int:
             if was_retired(root, entry):
                 # Retention of the job writing the root deleted it while it was read: nothing is damaged.
                 print(f"RETIRED {url}: deleted by retention while it was verified (not a failure)")
-                if not args.all and args.checkpoint is None and attempts < 5:
+                named = args.checkpoint is None or commit_epoch(args.checkpoint.rstrip("/").rsplit("/", 1)[-1]) is None
+                if args.all:
+                    continue
+                if not named:
+                    raise _Usage(f"{url} no longer exists: retention deleted it while it was being verified")
+                if attempts < 5:
                     attempts += 1
-                    targets.append(_target(root, None))  # the latest has moved on: verify the new one
+                    targets.append(_target(root, args.checkpoint))  # the latest (or the name) moved on: verify it
                 continue
             failed += 1
             print(f"FAILED {url}: {exc}")

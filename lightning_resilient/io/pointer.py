@@ -5,7 +5,7 @@ fencing, where each writer epoch's training came from (its origin: the lineage),
 retention that are still waiting to be deleted. It is replaced only by a conditional write against the version
 that was read, so two writers can never both believe they moved it.
 
-Fields added after the first release (``origins``, ``commits``, ``retired``) are optional on read, so pointers
+Fields added after the first release (``origins``, ``saves``, ``last_saved``, ``retired``) are optional on read, so pointers
 written before them still load (their epochs have no known origin: see :mod:`~lightning_resilient.io.lineage`).
 """
 
@@ -61,9 +61,12 @@ class Pointer:
     protected: dict[str, str] = field(default_factory=dict)  # commit -> why (e.g. resumed from it)
     txn: str = ""  # unique per write: lets a writer recognise its own write after a lost response
     origins: dict[int, Origin] = field(default_factory=dict)  # writer epoch -> where its training came from
-    commits: int = 0  # commits made to this root: the clock that retirement counts in
-    # folder -> the value of ``commits`` when retention dropped it. A retired folder is deleted only once a later
-    # commit has happened, so a reader that resolved it just before has a whole save interval to read it.
+    # Saves of distinct checkpoints (a top-k save and save_last at the same step count once): the clock that
+    # retirement counts in, and the (writer epoch, step) of the last one.
+    saves: int = 0
+    last_saved: list[int] = field(default_factory=list)
+    # folder -> the value of ``saves`` when retention dropped it. A retired folder's data is deleted only once the
+    # root has saved another step, so a reader that resolved it just before has a whole save interval to read it.
     retired: dict[str, int] = field(default_factory=dict)
 
     def entries(self) -> list[Entry]:
@@ -90,8 +93,8 @@ class Pointer:
         return self.lineage().outside(self.entries())
 
     def retired_due(self) -> set[str]:
-        """Retired folders whose deletion may go ahead: a commit has happened since they were retired."""
-        return {folder for folder, at in self.retired.items() if self.commits > at}
+        """Retired folders whose deletion may go ahead: another step was saved since they were retired."""
+        return {folder for folder, at in self.retired.items() if self.saves > at}
 
     @classmethod
     def rebuilt(cls, manifests: list[Manifest], max_epoch: int, origins: dict[int, Origin] | None = None) -> Pointer:
@@ -118,14 +121,16 @@ class Pointer:
                     pointer.origins[pointer.writer_epoch] = Origin(n.commit, n.writer_epoch, n.step)
         lineage = pointer.lineage()
         members = lineage.members(manifests)
-        for manifest in reversed([*lineage.outside(manifests), *members]):  # oldest first, members last
+        # Abandoned branches first, then the lineage, each oldest first: a name both used ends up naming the
+        # lineage's newest commit of it.
+        for manifest in [*reversed(lineage.outside(manifests)), *reversed(members)]:
             pointer.checkpoints[manifest.name] = Entry.from_manifest(manifest)
         pointer.latest = Entry.from_manifest(members[0]) if members else None
         return pointer
 
     def copy(self) -> Pointer:
         return replace(self, checkpoints=dict(self.checkpoints), protected=dict(self.protected),
-                       origins=dict(self.origins), retired=dict(self.retired))
+                       origins=dict(self.origins), retired=dict(self.retired), last_saved=list(self.last_saved))
 
     def to_bytes(self) -> bytes:
         body = asdict(self)
@@ -161,7 +166,8 @@ class Pointer:
                 protected={check_relative(k, where=f"{where} protected"): str(v) for k, v in raw["protected"].items()},
                 txn=str(raw["txn"]),
                 origins={int(k): Origin.from_json(v) for k, v in raw.get("origins", {}).items()},
-                commits=int(raw.get("commits", 0)),
+                saves=int(raw.get("saves", 0)),
+                last_saved=[int(v) for v in raw.get("last_saved", [])],
                 retired={check_relative(k, where=f"{where} retired"): int(v)
                          for k, v in raw.get("retired", {}).items()},
             )

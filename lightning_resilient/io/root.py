@@ -275,7 +275,7 @@ class CheckpointRoot:
                 return base, base
             live = new.live_folders()
             for folder in base.live_folders() - live:
-                new.retired.setdefault(folder, -1 if retire_now else new.commits)
+                new.retired.setdefault(folder, -1 if retire_now else new.saves)
             for folder in [f for f in new.retired if f in live]:  # referenced again (a rebuilt catalog): keep it
                 del new.retired[folder]
             new.txn = uuid.uuid4().hex
@@ -312,8 +312,12 @@ class CheckpointRoot:
         self._check_fencing()
         origin = Origin(None) if resumed_from is None else Origin(resumed_from.commit, resumed_from.writer_epoch,
                                                                   resumed_from.step)
+        if resumed_from is not None and not self.store.exists(f"{resumed_from.commit}/{MANIFEST_NAME}"):
+            raise self._origin_gone(resumed_from)
 
         def bump(p: Pointer) -> Pointer:
+            if resumed_from is not None and resumed_from.commit in p.retired:
+                raise self._origin_gone(resumed_from)
             p.writer_epoch += 1
             p.writer = self.writer
             p.origins[p.writer_epoch] = origin
@@ -324,15 +328,15 @@ class CheckpointRoot:
             # The newest checkpoint of the new lineage: what a restart of this job resumes until it saves.
             p.latest = resumed_from
             _prune_origins(p)
-            # Recorded before the swap, so that a crash right after it cannot lose the lineage with a lost pointer.
-            self._record_origin(p.writer_epoch, origin)
             return p
 
         new, _ = self._update(bump, fenced=False)
         self.epoch = new.writer_epoch
         self.origin = origin
         self._resumed_entry = resumed_from
-        self._record_origin(self.epoch, origin)  # again: a claimant that lost the race may have written it
+        # After the swap (a record is only ever written for an epoch that was claimed): a crash between the two loses
+        # nothing while the pointer lives (it holds the origin too); only a pointer lost as well makes a rebuild guess.
+        self._record_origin(self.epoch, origin)
 
         self.resumed_from = resumed_from.commit if resumed_from else None
         self.pending_resume = None
@@ -343,6 +347,13 @@ class CheckpointRoot:
         except Exception as exc:  # garbage collection must never stop training
             log.warning("garbage collection under %s failed: %s", self.url, exc)
         return self.epoch
+
+    def _origin_gone(self, resumed: Entry) -> CheckpointError:
+        return CheckpointError(
+            f"{self.store.url(resumed.commit)}, the checkpoint this job resumed from, was deleted by the retention of the"
+            f" job still writing {self.url} before this job claimed the root, so this job's lineage cannot be"
+            " recorded: nothing of it was committed. Stop the old job, then run this one again: it resumes the newest"
+            " checkpoint. (A fit that resumes claims the root as soon as it loads, unless claim_on_load=False.)")
 
     def _record_origin(self, epoch: int, origin: Origin) -> None:
         """Store writer epoch ``epoch``'s origin beside the pointer, so that the lineage survives a lost pointer
@@ -485,9 +496,11 @@ class CheckpointRoot:
             if not reused <= p.live_folders():  # shared bytes of an earlier commit must still be kept alive
                 raise CheckpointError(f"{self.store.url(commit)} shares objects with {sorted(reused - p.live_folders())},"
                                       " which were retired while it uploaded: the save was not committed")
-            p.commits += 1
+            if p.last_saved != [epoch, step]:  # save_last at the step of a top-k save is the same save
+                p.saves += 1
+                p.last_saved = [epoch, step]
             p.writer_epoch = max(p.writer_epoch, epoch)  # a rebuilt pointer may not have seen this writer yet
-            p.origins.setdefault(epoch, origin)
+            p.origins[epoch] = origin  # this writer knows its origin (a rebuilt pointer may only have guessed it)
             p.writer = p.writer or self.writer
             p.checkpoints[name] = entry
             # Within one writer the pointer never moves to a lower step.

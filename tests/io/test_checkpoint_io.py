@@ -30,7 +30,7 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
     ({"storage_options": "anon"}, "storage_options must be a dict of fsspec options"),
     ({"storage_options": {1: 2}}, "storage_options must be a dict of fsspec options"),
     ({"fallback_on_corruption": "yes"}, "fallback_on_corruption must be True or False"),
-    ({"claim_on_load": 1}, "claim_on_load must be True or False"),
+    ({"claim_on_load": 1}, "claim_on_load must be None \\(a resuming fit claims\\), True or False"),
     ({"async_save": "no"}, "async_save must be True or False"),
     ({"pin_memory": 1}, "pin_memory must be True, False or None"),
 ])

@@ -117,7 +117,8 @@ def run_crash_loop(backend, env: dict[str, str]) -> None:
     pointer = read_pointer(backend)
     live = pointer.live_folders()
     assert len(commit_folders(backend) - live) <= 3
-    final = AtomicCheckpointIO(storage_options=backend.storage_options, orphan_grace_seconds=0, keep_last=3)
+    final = AtomicCheckpointIO(storage_options=backend.storage_options, orphan_grace_seconds=0, keep_last=3,
+                               claim_on_load=True)
     final.load_checkpoint(find_latest_checkpoint(backend.root, backend.storage_options))  # a restart resumes...
     final.save_checkpoint({"global_step": 10**6, "state_dict": {}}, backend.url("final.ckpt"))  # ...and saves
     pointer = read_pointer(backend)

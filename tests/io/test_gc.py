@@ -45,7 +45,7 @@ def test_a_missing_pointer_never_licenses_a_deletion(backend, capsys):
     # the root, which rebuilds the pointer from the manifests and collects garbage: nothing committed goes.
     with pytest.warns(RuntimeWarning, match="is missing"):
         latest = find_latest_checkpoint(backend.root, backend.storage_options)
-    job = make_io(backend, orphan_grace_seconds=0)
+    job = make_io(backend, orphan_grace_seconds=0, claim_on_load=True)  # a job that trains (outside Trainer.fit)
     assert job.load_checkpoint(latest)["global_step"] == 2
     job.save_checkpoint(make_checkpoint(3), backend.url("step=3.ckpt"))
     assert committed < commits_on_store(backend)
@@ -201,3 +201,61 @@ def read_pointer_or_none(backend):
         return read_pointer(backend)
     except FileNotFoundError:
         return None
+
+
+def test_find_latest_checkpoint_beside_retention_reads_the_pointer_again(backend, monkeypatch):
+    """Between its pointer read and its manifest read, the checkpoint is retired (keep_last=1): not corruption."""
+    from lightning_resilient.io.root import CheckpointRoot
+
+    writer = make_io(backend, keep_last=1)
+    writer.save_checkpoint(make_checkpoint(1), backend.url("step=1.ckpt"))
+    read = CheckpointRoot.read_manifest
+    raced: list[str] = []
+
+    def after_two_saves(self, commit):
+        if not raced:
+            raced.append(commit)
+            for step in (2, 3):
+                writer.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+        return read(self, commit)
+
+    monkeypatch.setattr(CheckpointRoot, "read_manifest", after_two_saves)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        latest = find_latest_checkpoint(backend.root, backend.storage_options)
+    assert raced and raced[0].startswith("step=1.ckpt/") and latest.startswith(backend.url("step=3.ckpt/"))
+    writer.teardown()
+
+
+def test_a_retired_checkpoint_waits_for_the_next_step_not_the_next_commit(local_backend):
+    """save_last commits twice per save (top-k, then last.ckpt at the same step): what the first commit retires is
+    still readable after the second, and goes with the next step's save."""
+    backend = local_backend
+    io = make_io(backend, keep_last=1)
+    for step in (1, 2):
+        io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+        io.save_checkpoint(make_checkpoint(step), backend.url("last.ckpt"))
+    step1 = [c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/")]
+    assert step1 and step1[0] in read_pointer(backend).retired  # retired by step 2's saves, data kept
+    io.save_checkpoint(make_checkpoint(3), backend.url("step=3.ckpt"))
+    assert not [c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/")]
+    io.teardown()
+
+
+def test_a_job_whose_origin_was_retired_before_it_claimed_refuses_to_commit(local_backend):
+    """A job that claims only at its first save (claim_on_load=False) while the old job, still running with
+    keep_last=1, retires the checkpoint it resumed from: its save is refused with a clear error, nothing is
+    committed, and the root still resumes the old job's newest checkpoint."""
+    backend = local_backend
+    old = make_io(backend, keep_last=1)
+    old.save_checkpoint(make_checkpoint(1), backend.url("step=1.ckpt"))
+    new = make_io(backend, claim_on_load=False)
+    new.root(backend.root).resumed(read_pointer(backend).latest)  # what a resuming fit records (fit is not run here)
+    for step in (2, 3):
+        old.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    with pytest.raises(CheckpointError, match="the checkpoint this job resumed from, was deleted by the retention"):
+        new.save_checkpoint(make_checkpoint(2, seed=9), backend.url("new-step=2.ckpt"))
+    assert read_pointer(backend).writer_epoch == 1  # the old job is not fenced by a claim that could not be made
+    assert find_latest_checkpoint(backend.root).startswith(backend.url("step=3.ckpt/"))
+    old.teardown()
+    new.teardown()

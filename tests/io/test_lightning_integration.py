@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilient import AtomicCheckpointIO, StaleWriterError, find_latest_checkpoint
@@ -154,8 +154,39 @@ def test_loading_to_evaluate_never_fences_the_job_training_into_the_root(lbacken
         training.save_checkpoint(f"{root.rstrip('/')}/stale.ckpt")
 
 
-def test_a_filename_with_folders_is_refused_at_the_first_save(local_backend):
-    t = trainer(AtomicCheckpointIO(), local_backend.root, 2, filename="{epoch}/{step}")
+class MyCheckpoint(ModelCheckpoint):
+    """A user's subclass: Lightning keys its state by this name."""
+
+
+@pytest.mark.parametrize("callback", [ModelCheckpoint, MyCheckpoint])
+def test_a_filename_with_folders_is_refused_at_the_first_save(local_backend, callback):
+    t = Trainer(max_steps=2, plugins=[AtomicCheckpointIO()], accelerator="cpu", logger=False,
+                enable_progress_bar=False, enable_model_summary=False,
+                callbacks=[callback(dirpath=local_backend.root, filename="{epoch}/{step}", every_n_train_steps=2)])
     with pytest.raises(ValueError, match=r"sub-folder of the ModelCheckpoint dirpath .* filename without '/'"):
         t.fit(TinyModel(), tiny_loader())
     assert not any(local_backend.fs().find(local_backend.path()))  # nothing was written
+
+
+def test_a_resuming_fit_fences_the_job_it_replaces_as_soon_as_it_loads(local_backend):
+    """So that the old job, if still running, cannot retire the checkpoint the new one resumed from."""
+    root = local_backend.root
+    old_io = AtomicCheckpointIO(keep_last=1)
+    old = trainer(old_io, root, 2)
+    old.fit(TinyModel(), tiny_loader())
+    seen: list[str] = []
+
+    class TryTheOldJob(Callback):
+        def on_train_start(self, trainer, pl_module):  # after the resume's load, before any save of the new job
+            try:
+                old.save_checkpoint(f"{root}/old-again.ckpt")
+            except StaleWriterError:
+                seen.append("fenced")
+
+    new = Trainer(max_steps=4, plugins=[AtomicCheckpointIO()], callbacks=[TryTheOldJob(), ModelCheckpoint(
+        dirpath=root, every_n_train_steps=2)], accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False)
+    latest = find_latest_checkpoint(root)
+    new.fit(TinyModel(), tiny_loader(), ckpt_path=latest)
+    pointer = read_pointer(local_backend)
+    assert seen == ["fenced"] and pointer.origins[pointer.writer_epoch].commit == latest.split(root + "/", 1)[1]

@@ -49,7 +49,7 @@ def _rollback(backend, *, keep_last=None):
         a.save_checkpoint(make_checkpoint(step, seed=1), backend.url(f"step={step}.ckpt"))
         commits[f"A{step}"] = read_pointer(backend).latest.commit
     a.teardown()
-    b = make_io(backend, keep_last=keep_last)
+    b = make_io(backend, keep_last=keep_last, claim_on_load=True)  # a job that trains (outside Trainer.fit here)
     b.load_checkpoint(backend.url(commits["A250"]))  # the rollback: an explicit, earlier checkpoint
     for step in (260, 270):
         b.save_checkpoint(make_checkpoint(step, seed=2), backend.url(f"b-step={step}.ckpt"))
@@ -153,3 +153,47 @@ def test_every_manifest_damaged_is_an_error_not_a_fresh_start(backend):
     backend.fs().rm(backend.path(POINTER_NAME))  # the same through the scan of a root without a pointer
     with pytest.raises(CheckpointCorruptedError, match="has a valid manifest"):
         find_latest_checkpoint(backend.root, backend.storage_options)
+
+
+def test_a_rebuilt_pointer_names_each_shared_name_after_the_current_lineage():
+    """A name both branches used (``last.ckpt``) catalogs the lineage's commit of it, not the abandoned one."""
+    from lightning_resilient.io.lineage import Origin
+    from lightning_resilient.io.manifest import Manifest
+    from lightning_resilient.io.pointer import Pointer
+
+    def manifest(name, epoch, step, origin):
+        return Manifest(name=name, commit=f"{name}/c{epoch}{step:012d}-e{epoch}-00000000", step=step, epoch=0,
+                        created=float(step), writer_epoch=epoch, chunk_size=1, skeleton=0, origin=origin)
+
+    a = [manifest("step=250.ckpt", 1, 250, Origin(None)), manifest("last.ckpt", 1, 300, Origin(None))]
+    b = [manifest("last.ckpt", 2, 270, Origin(a[0].commit, 1, 250))]
+    for order in (a + b, b + a):
+        pointer = Pointer.rebuilt(order, max_epoch=2)
+        assert pointer.checkpoints["last.ckpt"].commit == b[0].commit and pointer.latest.commit == b[0].commit
+
+
+def test_an_evaluation_load_is_no_origin_for_a_later_fresh_fit(local_backend):
+    """validate(ckpt_path=...) then a fresh fit with the same plugin: the fit starts a lineage of its own."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_resilient import AtomicCheckpointIO
+
+    from ..models import TinyModel, tiny_loader
+
+    class Validated(TinyModel):
+        def validation_step(self, batch, batch_idx):
+            pass
+
+    def trainer(io, steps):
+        return Trainer(max_steps=steps, plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=local_backend.root)])
+
+    trainer(AtomicCheckpointIO(), 4).fit(Validated(), tiny_loader())  # the old run
+    io = AtomicCheckpointIO()
+    again = trainer(io, 2)
+    again.validate(Validated(), tiny_loader(), ckpt_path=find_latest_checkpoint(local_backend.root), verbose=False)
+    again.fit(Validated(), tiny_loader())  # from scratch, the same plugin
+    pointer = read_pointer(local_backend)
+    assert pointer.origins[pointer.writer_epoch] == Origin(None)
+    assert [e.name for e in pointer.candidates()] == ["epoch=0-step=2.ckpt"]  # the old run is not its lineage

@@ -158,7 +158,7 @@ def test_retention_and_topk_never_delete_the_resumed_from_checkpoint(backend):
     for step in (1, 2):
         first.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
     first.teardown()
-    resumed = make_io(backend, keep_last=1)
+    resumed = make_io(backend, keep_last=1, claim_on_load=True)  # a job that trains (outside Trainer.fit here)
     resumed.load_checkpoint(backend.url("step=2.ckpt"))
     for step in (3, 4):
         resumed.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
