@@ -191,16 +191,21 @@ class TrackedBatchSampler:
     every batch the stream yields is appended to ``lengths`` (so samples consumed can be counted).
     """
 
-    def __init__(self, inner: Any, on_epoch_start: Callable[[], int], lengths: list[int]) -> None:
+    def __init__(self, inner: Any, on_epoch_start: Callable[[], int], lengths: list[int],
+                 on_same_epoch: Callable[[], None] | None = None) -> None:
         self.inner = inner
         self.on_epoch_start = on_epoch_start
+        self.on_same_epoch = on_same_epoch
         self.lengths = lengths
         self._last: _Stream | None = None
 
     def __iter__(self) -> Iterator[Any]:
         if self._last is not None and not self._last.started:
             # torch's multiprocessing iterator asks for the index stream twice while it is created (once in
-            # the base class, once in its first reset) and throws the first away: same epoch, same skip.
+            # the base class, then, after drawing its workers' base seed, in its first reset) and throws the first
+            # away: same epoch, same skip.
+            if self.on_same_epoch is not None:
+                self.on_same_epoch()
             stream = _Stream(self.inner, self._last.skip, self.lengths)
         else:
             stream = _Stream(self.inner, self.on_epoch_start(), self.lengths)

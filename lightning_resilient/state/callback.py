@@ -24,8 +24,11 @@ from collections import deque
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loops.loop import _Loop
 from torch.utils.data import DataLoader
+
 from lightning_resilient.state._loader import (
     DATASET,
     ITERABLE,
@@ -49,6 +52,9 @@ __all__ = ["ResumeStateCallback"]
 
 log = logging.getLogger(__name__)
 FORMAT = 2  # 1: no epoch / samples / kind / loader state (still loaded)
+# Lightning's warning on every mid-epoch resume of a loader it cannot resume itself; replaced by our own line when
+# this callback did resume the position.
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 _DESCRIBE = {
     MAP: "map-style DataLoader",
@@ -114,13 +120,20 @@ class ResumeStateCallback(Callback):
     right ``batch_idx``. Randomness drawn inside dataset workers resumes exactly when the dataset is wrapped in
     :class:`PerSampleSeeded` (or is part of a stateful dataset's state).
 
+    It runs first among the callbacks (it moves itself there), so a saver's ``on_train_batch_end`` (a user's
+    ``trainer.save_checkpoint``, ``OnExceptionCheckpoint``) sees the batch counted; the RNG draws Lightning's restart
+    makes when it skips the validation that followed a save are replayed from the save's RNG; a resume from an
+    epoch-end save with ``max_steps`` starts the next epoch, as without ``max_steps``; and an epoch's order is drawn
+    from the epoch's RNG however many iterators are created before it (``persistent_workers``).
+
     Not covered; a warning at resume says what was resumed instead (the RNG states and the loop's epoch and
     step) and that the epoch's data starts from its beginning: an ``IterableDataset`` without state, or with state
     read by ``num_workers > 0`` in a plain ``DataLoader`` (use ``StatefulDataLoader``); several training loaders;
     a changed world size, batch size, number of batches, loader kind, sampler seed, number of sampler
     generators, or (``StatefulDataLoader``) number of workers. Training data that is not a ``DataLoader`` gets RNG
     states only (Lightning restores its ``state_dict()`` if it has one). Also not covered: random numbers drawn
-    by validation between a save and the next training step, ``training_step(dataloader_iter)``, a
+    by a validation right after a save (a resume skips it; a warning names the step when it happens),
+    ``training_step(dataloader_iter)``, a
     ``StatefulDataLoader`` with ``in_order=False``, ``reload_dataloaders_every_n_epochs`` mid-epoch positions,
     and samplers whose randomness lives outside ``torch.Generator`` objects and the global RNGs.
     """
@@ -150,6 +163,12 @@ class ResumeStateCallback(Callback):
         self._owns_position = False  # our per-rank loader state replaces Lightning's rank-0 copy
         self._draining = False  # creating an iterator only to replay a saved end-of-epoch state
         self._drawn: set[int] | None = None  # while an epoch's iterator is built: sampler wrappers that drew
+        self._validation_follows = False  # at the last save: a validation runs before the next training step
+        self._watch_validation: int | None = None  # step of that save, while its validation runs
+        self._val_rng: dict[str, Any] | None = None
+        self._warned_validation = False
+        self._restored: str | None = None  # what the resume restored, for the one line that replaces Lightning's
+        self._patched: set[tuple[int, str]] = set()
 
     @property
     def state_key(self) -> str:
@@ -163,24 +182,67 @@ class ResumeStateCallback(Callback):
         self._kind = None
         self._owns_position = False
         self._trainer = trainer
+        self._warned_validation = False
+        # First in line for every hook: another callback that saves from its on_train_batch_end (a user's saver,
+        # OnExceptionCheckpoint, a preemption handler) then sees this batch counted, and a callback that draws
+        # random numbers in on_train_batch_start draws them after the resumed RNG is back. A new list, since
+        # Lightning is iterating the current one to call this very hook.
+        trainer.callbacks = [self, *(c for c in trainer.callbacks if c is not self)]
         fit_loop = trainer.fit_loop
-        load_states = fit_loop._load_combined_loader_states
 
         # Lightning builds (and, under DDP, re-instantiates) the train DataLoader in FitLoop.setup_data and
         # creates its iterator right after restoring loader states: the last point where the loader can be
         # wrapped before it is iterated. When configure_optimizers reads estimated_stepping_batches, this runs
         # before the loops' state is restored (so Lightning has no loader state to load yet, #20550); the
         # callback's own state is already loaded then.
-        def track_then_load_states() -> None:
+        def track_then_load_states(load_states: Any) -> None:
             self._track(fit_loop._combined_loader)  # may load this rank's own loader state
             if self._owns_position:
                 fit_loop._combined_loader_states_to_load = []  # ...which replaces Lightning's rank-0 copy
             load_states()
 
-        fit_loop._load_combined_loader_states = track_then_load_states  # type: ignore[method-assign]
+        self._wrap(fit_loop, "_load_combined_loader_states", track_then_load_states)
+        self._wrap(fit_loop.epoch_loop, "reset", self._reset_epoch_loop)
+        self._wrap(fit_loop.epoch_loop.val_loop, "increment_progress_to_evaluation_end", self._skip_validation)
+
+    def _wrap(self, owner: Any, name: str, wrapper: Any) -> None:
+        """Replace ``owner.name`` by ``wrapper(original, ...)``, once per owner (a second fit reuses the loops)."""
+        if (id(owner), name) in self._patched:
+            return
+        self._patched.add((id(owner), name))
+        original = getattr(owner, name)
+        setattr(owner, name, lambda *args, **kwargs: wrapper(original, *args, **kwargs))
+
+    def _reset_epoch_loop(self, reset: Any) -> None:
+        """Lightning warns on every mid-epoch resume that the loader is not resumable; when this callback restored
+        the position, that is wrong, and one line of ours says what was restored instead."""
+        restored, self._restored = self._restored, None
+        if restored is None:
+            return reset()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
+            reset()
+        rank_zero_info(f"ResumeStateCallback: {restored}")
+
+    def _skip_validation(self, fast_forward: Any) -> None:
+        """Lightning, resuming a checkpoint saved right before a validation, skips that validation but still sets up
+        its loaders, whose iterators draw their base seed from the global RNG: between the epoch's restored RNG and
+        the draw of the epoch's order, which would then differ. Those draws are made from the RNG the save left
+        (as the uninterrupted run made them, right after the save), and the epoch's own stream goes on untouched."""
+        epoch_stream = capture_rng()
+        replay = self._now_rng is not None and self._validation_follows
+        if replay:
+            restore_rng(self._now_rng)
+        try:
+            fast_forward()
+        finally:
+            if replay:
+                self._now_rng = capture_rng()  # the next training step starts where that validation's setup left it
+            restore_rng(epoch_stream)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._count_the_epoch_after_a_last_batch_save(trainer)
+        self._finish_the_epoch_saved_at_its_end(trainer)
         if self._owns_position:
             # Restored after the early loader build of the #20550 path: never apply rank 0's copy on top.
             trainer.fit_loop._combined_loader_states_to_load = []
@@ -199,6 +261,20 @@ class ResumeStateCallback(Callback):
                 and getattr(epoch_loop, "restarted_on_train_batch_end", False)
                 and epoch_loop.batch_progress.is_last_batch):
             fit_loop.reset_restart_stage()
+
+    def _finish_the_epoch_saved_at_its_end(self, trainer: Trainer) -> None:
+        """Lightning 2.6 resuming a checkpoint saved at an epoch's end when ``max_steps`` is set: iteration-based
+        training keeps the loop "restarting" although that epoch finished, so it trains on in the finished epoch
+        (``batch_idx`` past its end, no ``on_train_epoch_start``, an epoch-end save of the wrong epoch) instead of
+        starting the next one. Without ``max_steps`` Lightning counts the epoch complete and starts the next: do
+        the same."""
+        fit_loop = trainer.fit_loop
+        if (fit_loop.restarted_on_epoch_end and fit_loop._iteration_based_training()
+                and fit_loop.epoch_loop.batch_progress.is_last_batch):
+            fit_loop.epoch_progress.increment_completed()
+            fit_loop.reset_restart_stage()
+            fit_loop.epoch_loop.reset_restart_stage()
+            _Loop.restarting.fset(fit_loop, False)  # type: ignore[attr-defined]  # children too; not the override
 
     def _track(self, combined: Any) -> None:
         loaders = list(getattr(combined, "flattened", []) or [])
@@ -229,7 +305,7 @@ class ResumeStateCallback(Callback):
                 " (it collects every worker's dataset state) or num_workers=0.", RuntimeWarning, stacklevel=2)
         if kind == MAP:
             # DataLoader refuses a new batch_sampler after construction: set it underneath.
-            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._lengths)
+            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._lengths, self._same_epoch)
             object.__setattr__(loader, "batch_sampler", tracked)
         elif kind != OTHER:
             hook_iterators(loader, self._epoch_starts, self._on_iterator, self._before_fetch, self._after_fetch)
@@ -302,6 +378,7 @@ class ResumeStateCallback(Callback):
                     self._replay_to_epoch_end(loader, pending.get("epoch"))
         elif kind == DATASET and state is not None:
             loader.dataset.load_state_dict(state)
+        self._validation_follows = bool(pending.get("validation_follows", False))
         return {"epoch": epoch, "exact": exact, "skip": consumed if exact and kind == MAP else 0,
                 "consumed": consumed if exact else 0, "samples": int(pending.get("samples", 0)) if exact else 0,
                 "epoch_rng": pending.get("epoch_rng"), "now_rng": pending["now_rng"],
@@ -343,6 +420,10 @@ class ResumeStateCallback(Callback):
             self._now_rng = resume["now_rng"]  # ...and the next step draws what it would have drawn
             self._consumed = self._base = resume["consumed"]
             self._samples = resume["samples"]
+            self._restored = (f"restored the data position: epoch {epoch}, after {self._consumed} of"
+                              f" {self._length if self._length is not None else '?'} batches ({self._samples}"
+                              " samples), and the RNG states of every rank, so this run continues exactly where the"
+                              " checkpoint was saved")
             log.info("resuming mid-epoch %d after %d consumed batch(es)", epoch, self._consumed)
             return resume["skip"]
         if resume is not None:
@@ -352,6 +433,16 @@ class ResumeStateCallback(Callback):
         self._epoch_rng = capture_rng()
         self._epoch_gens = self._get_generators()
         return 0
+
+    def _same_epoch(self) -> None:
+        """The epoch's index stream is asked for again before it started: by torch's multiprocessing iterator, after
+        drawing its workers' base seed, or by a second iterator Lightning creates for the same epoch on a resume. The
+        epoch's order is drawn from the RNG the epoch started with, however many iterators were made before it: a
+        persistent iterator reset for a new epoch (no base-seed draw) and a fresh one (a draw) draw the same order,
+        and so do an uninterrupted run and a resumed one."""
+        if self._epoch_rng is not None:
+            restore_rng(self._epoch_rng)
+            self._set_generators(self._epoch_gens)
 
     def _get_generators(self) -> list[torch.Tensor]:
         return [g.get_state() for g in generators(self._loader)]
@@ -425,10 +516,44 @@ class ResumeStateCallback(Callback):
                 "batch_size": self._batch_size, "num_workers": self._num_workers,
                 "sampler": sampler_facts(self._loader) if self._loader is not None else {},
                 "loader_state": self._loader_state(), "epoch_rng": self._epoch_rng, "now_rng": capture_rng(),
-                "epoch_generators": self._epoch_gens,
+                "epoch_generators": self._epoch_gens, "validation_follows": self._a_validation_follows(),
                 "now_generators": self._get_generators() if self._loader is not None else []}
+        if mine["validation_follows"]:
+            self._watch_validation = self._trainer.global_step if self._trainer is not None else 0
         ranks = _gather(mine)
         return {"format": FORMAT, "world_size": len(ranks), "ranks": ranks}
+
+    def _a_validation_follows(self) -> bool:
+        """Whether a validation runs between this save and the next training step (a save from a training hook at a
+        validation point): a resume skips that validation, and its RNG draws are replayed (see _skip_validation)."""
+        trainer = self._trainer
+        if trainer is None or not trainer.training or getattr(trainer, "sanity_checking", False):
+            return False
+        epoch_loop = trainer.fit_loop.epoch_loop
+        try:
+            follows = bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+        except Exception:  # noqa: BLE001 - a Lightning without this internal: nothing to replay
+            return False
+        return follows and not epoch_loop._skip_next_val
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._watch_validation is not None:
+            self._val_rng = capture_rng()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        step, self._watch_validation = self._watch_validation, None
+        before, self._val_rng = self._val_rng, None
+        if step is None or before is None or self._warned_validation:
+            return
+        after = capture_rng()
+        if any(not _same(before.get(k), after.get(k)) for k in ("torch", "numpy", "python")):
+            self._warned_validation = True
+            warnings.warn(
+                f"the validation that ran right after the checkpoint of step {step} drew random numbers from the"
+                " global RNG (torch, NumPy or Python); a run resumed from that checkpoint skips this validation (as"
+                " Lightning does), so from then on its random numbers, and its training, differ from this run's. To"
+                " resume exactly, give validation its own torch.Generator (and NumPy Generator), or draw nothing in"
+                " it.", RuntimeWarning, stacklevel=2)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         rank, world = _rank_and_world()
@@ -441,3 +566,12 @@ class ResumeStateCallback(Callback):
                 " gets the position Lightning saved from global rank 0)", RuntimeWarning, stacklevel=2)
             return
         self._pending = ranks[rank]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality of two captured RNG states (nested lists of numbers and tensors)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
