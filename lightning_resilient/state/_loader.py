@@ -165,10 +165,11 @@ def batch_len(batch: Any) -> int:
 class _Stream:
     """One epoch's index stream, started lazily so an iterator torch discards unread costs nothing."""
 
-    def __init__(self, inner: Any, skip: int, lengths: list[int]) -> None:
+    def __init__(self, inner: Any, skip: int, lengths: list[int], on_order: Callable[[], None] | None) -> None:
         self.inner = inner
         self.skip = skip
         self.lengths = lengths
+        self.on_order = on_order
         self.started = False
         self._it: Iterator[Any] | None = None
 
@@ -178,6 +179,8 @@ class _Stream:
     def __next__(self) -> Any:
         if self._it is None:
             self.started = True
+            if self.on_order is not None:
+                self.on_order()  # right before the sampler draws the epoch's order
             self._it = itertools.islice(iter(self.inner), self.skip, None)
         batch = next(self._it)
         self.lengths.append(len(batch))  # with workers the stream runs ahead: consumed in order, later
@@ -187,28 +190,29 @@ class _Stream:
 class TrackedBatchSampler:
     """Wraps a loader's batch sampler: each new index stream is the start of an epoch.
 
-    ``on_epoch_start()`` is called when a stream is created and returns how many batches to skip; the length of
-    every batch the stream yields is appended to ``lengths`` (so samples consumed can be counted).
+    ``on_epoch_start()`` is called when a stream is created and returns how many batches to skip; ``on_order()``
+    right before the stream's first index is drawn (when a sampler draws the epoch's order); the length of every
+    batch the stream yields is appended to ``lengths`` (so samples consumed can be counted).
     """
 
     def __init__(self, inner: Any, on_epoch_start: Callable[[], int], lengths: list[int],
-                 on_same_epoch: Callable[[], None] | None = None) -> None:
+                 on_order: Callable[[], None] | None = None) -> None:
+        while isinstance(inner, TrackedBatchSampler):  # a second fit with the same loader: track it once
+            inner = inner.inner
         self.inner = inner
         self.on_epoch_start = on_epoch_start
-        self.on_same_epoch = on_same_epoch
+        self.on_order = on_order
         self.lengths = lengths
         self._last: _Stream | None = None
 
     def __iter__(self) -> Iterator[Any]:
         if self._last is not None and not self._last.started:
             # torch's multiprocessing iterator asks for the index stream twice while it is created (once in
-            # the base class, then, after drawing its workers' base seed, in its first reset) and throws the first
-            # away: same epoch, same skip.
-            if self.on_same_epoch is not None:
-                self.on_same_epoch()
-            stream = _Stream(self.inner, self._last.skip, self.lengths)
+            # the base class, once in its first reset) and throws the first away, and a resume may create an
+            # iterator it never reads: same epoch, same skip.
+            stream = _Stream(self.inner, self._last.skip, self.lengths, self.on_order)
         else:
-            stream = _Stream(self.inner, self.on_epoch_start(), self.lengths)
+            stream = _Stream(self.inner, self.on_epoch_start(), self.lengths, self.on_order)
         self._last = stream
         return stream
 

@@ -24,7 +24,7 @@ from collections import deque
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.loop import _Loop
 from torch.utils.data import DataLoader
@@ -163,12 +163,17 @@ class ResumeStateCallback(Callback):
         self._owns_position = False  # our per-rank loader state replaces Lightning's rank-0 copy
         self._draining = False  # creating an iterator only to replay a saved end-of-epoch state
         self._drawn: set[int] | None = None  # while an epoch's iterator is built: sampler wrappers that drew
-        self._validation_follows = False  # at the last save: a validation runs before the next training step
-        self._watch_validation: int | None = None  # step of that save, while its validation runs
+        # The RNG (and the loader's generators) right before this epoch's order was drawn, and what to do at the next
+        # such draw on a resume: (rng, generators, global draws, loader-generator draws) to set, then advance by.
+        self._order_rng: dict[str, Any] | None = None
+        self._order_gens: list[torch.Tensor] | None = None
+        self._order_plan: tuple[Any, ...] | None = None
+        self._watch_validation: int | None = None  # step of the last save a validation follows, while it runs
+        self._replay_validation = False
         self._val_rng: dict[str, Any] | None = None
         self._warned_validation = False
         self._restored: str | None = None  # what the resume restored, for the one line that replaces Lightning's
-        self._patched: set[tuple[int, str]] = set()
+        self._resumed = False  # this fit restored a saved record
 
     @property
     def state_key(self) -> str:
@@ -183,6 +188,7 @@ class ResumeStateCallback(Callback):
         self._owns_position = False
         self._trainer = trainer
         self._warned_validation = False
+        self._resumed = False
         # First in line for every hook: another callback that saves from its on_train_batch_end (a user's saver,
         # OnExceptionCheckpoint, a preemption handler) then sees this batch counted, and a callback that draws
         # random numbers in on_train_batch_start draws them after the resumed RNG is back. A new list, since
@@ -206,12 +212,16 @@ class ResumeStateCallback(Callback):
         self._wrap(fit_loop.epoch_loop.val_loop, "increment_progress_to_evaluation_end", self._skip_validation)
 
     def _wrap(self, owner: Any, name: str, wrapper: Any) -> None:
-        """Replace ``owner.name`` by ``wrapper(original, ...)``, once per owner (a second fit reuses the loops)."""
-        if (id(owner), name) in self._patched:
-            return
-        self._patched.add((id(owner), name))
+        """Replace ``owner.name`` by ``wrapper(original, ...)``, once (a second fit reuses the loops)."""
         original = getattr(owner, name)
-        setattr(owner, name, lambda *args, **kwargs: wrapper(original, *args, **kwargs))
+        if getattr(original, "_resume_state_wrap", None) is self:
+            return
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(original, *args, **kwargs)
+
+        wrapped._resume_state_wrap = self  # type: ignore[attr-defined]
+        setattr(owner, name, wrapped)
 
     def _reset_epoch_loop(self, reset: Any) -> None:
         """Lightning warns on every mid-epoch resume that the loader is not resumable; when this callback restored
@@ -226,23 +236,26 @@ class ResumeStateCallback(Callback):
 
     def _skip_validation(self, fast_forward: Any) -> None:
         """Lightning, resuming a checkpoint saved right before a validation, skips that validation but still sets up
-        its loaders, whose iterators draw their base seed from the global RNG: between the epoch's restored RNG and
-        the draw of the epoch's order, which would then differ. Those draws are made from the RNG the save left
-        (as the uninterrupted run made them, right after the save), and the epoch's own stream goes on untouched."""
-        epoch_stream = capture_rng()
-        replay = self._now_rng is not None and self._validation_follows
-        if replay:
+        its loaders, whose new iterators draw their base seed from the global RNG: in the middle of the resumed
+        epoch's stream, where the uninterrupted run drew nothing. Those draws are kept out of it; what the
+        uninterrupted validation drew (counted at the save) is accounted for where it belongs (see _epoch_starts)."""
+        state = capture_rng()
+        replay, self._replay_validation = self._replay_validation and self._now_rng is not None, False
+        if replay:  # the count was not known at the save: make the draws from the save's RNG, as the run did
+            assert self._now_rng is not None
             restore_rng(self._now_rng)
         try:
             fast_forward()
         finally:
             if replay:
-                self._now_rng = capture_rng()  # the next training step starts where that validation's setup left it
-            restore_rng(epoch_stream)
+                self._now_rng = capture_rng()
+            restore_rng(state)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._count_the_epoch_after_a_last_batch_save(trainer)
         self._finish_the_epoch_saved_at_its_end(trainer)
+        if self._resumed:
+            _warn_if_ddp_rebuilds_buckets(trainer)
         if self._owns_position:
             # Restored after the early loader build of the #20550 path: never apply rank 0's copy on top.
             trainer.fit_loop._combined_loader_states_to_load = []
@@ -305,7 +318,7 @@ class ResumeStateCallback(Callback):
                 " (it collects every worker's dataset state) or num_workers=0.", RuntimeWarning, stacklevel=2)
         if kind == MAP:
             # DataLoader refuses a new batch_sampler after construction: set it underneath.
-            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._lengths, self._same_epoch)
+            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._lengths, self._on_order)
             object.__setattr__(loader, "batch_sampler", tracked)
         elif kind != OTHER:
             hook_iterators(loader, self._epoch_starts, self._on_iterator, self._before_fetch, self._after_fetch)
@@ -378,10 +391,15 @@ class ResumeStateCallback(Callback):
                     self._replay_to_epoch_end(loader, pending.get("epoch"))
         elif kind == DATASET and state is not None:
             loader.dataset.load_state_dict(state)
-        self._validation_follows = bool(pending.get("validation_follows", False))
+        self._resumed = True
         return {"epoch": epoch, "exact": exact, "skip": consumed if exact and kind == MAP else 0,
                 "consumed": consumed if exact else 0, "samples": int(pending.get("samples", 0)) if exact else 0,
                 "epoch_rng": pending.get("epoch_rng"), "now_rng": pending["now_rng"],
+                "order_rng": pending.get("order_rng") if problem is None else None,
+                "order_generators": pending.get("order_generators") if problem is None else None,
+                "validation_follows": bool(pending.get("validation_follows", False)),
+                "validation_draws": pending.get("validation_draws", 0),
+                "order_draws": pending.get("order_draws"), "order_generator_draws": pending.get("order_generator_draws", 0),
                 "epoch_generators": pending.get("epoch_generators") if problem is None else None,
                 "now_generators": pending.get("now_generators") if problem is None else None}
 
@@ -417,7 +435,15 @@ class ResumeStateCallback(Callback):
             self._set_generators(resume["epoch_generators"])
             self._epoch_rng = resume["epoch_rng"]
             self._epoch_gens = resume["epoch_generators"]
-            self._now_rng = resume["now_rng"]  # ...and the next step draws what it would have drawn
+            if resume["order_rng"] is not None:  # the order is drawn from where it was, whatever draws precede it
+                self._order_plan = (resume["order_rng"], resume["order_generators"], 0, 0)
+            # ...and the next step draws what it would have drawn, after the validation that followed the save: its
+            # loaders' draws counted at the save, or, when not known then, replayed as Lightning's restart makes them.
+            self._now_rng = resume["now_rng"]
+            if resume["validation_draws"] is not None:
+                self._now_rng = _advanced(resume["now_rng"], resume["validation_draws"])
+            else:
+                self._replay_validation = resume["validation_follows"]
             self._consumed = self._base = resume["consumed"]
             self._samples = resume["samples"]
             self._restored = (f"restored the data position: epoch {epoch}, after {self._consumed} of"
@@ -429,20 +455,37 @@ class ResumeStateCallback(Callback):
         if resume is not None:
             restore_rng(resume["now_rng"])  # at an epoch boundary (or position lost): the epoch starts from here
             self._set_generators(resume["now_generators"])
+            if resume["order_draws"] is not None:
+                # The uninterrupted run drew the new epoch's order after a known number of base-seed draws since the
+                # save (the validation that followed it, the epoch's iterators); a resume may create iterators it
+                # never reads, so the order (map-style) or else the first step is drawn from the save's RNG advanced
+                # by exactly those.
+                plan = (resume["now_rng"], resume["now_generators"], int(resume["order_draws"]),
+                        int(resume["order_generator_draws"]))
+                if self._kind == MAP:
+                    self._order_plan = plan
+                else:
+                    self._now_rng = _advanced(resume["now_rng"], plan[2])
         self._consumed = self._base = self._samples = 0
         self._epoch_rng = capture_rng()
         self._epoch_gens = self._get_generators()
         return 0
 
-    def _same_epoch(self) -> None:
-        """The epoch's index stream is asked for again before it started: by torch's multiprocessing iterator, after
-        drawing its workers' base seed, or by a second iterator Lightning creates for the same epoch on a resume. The
-        epoch's order is drawn from the RNG the epoch started with, however many iterators were made before it: a
-        persistent iterator reset for a new epoch (no base-seed draw) and a fresh one (a draw) draw the same order,
-        and so do an uninterrupted run and a resumed one."""
-        if self._epoch_rng is not None:
-            restore_rng(self._epoch_rng)
-            self._set_generators(self._epoch_gens)
+    def _on_order(self) -> None:
+        """Right before the epoch's order is drawn: on a resume, set the RNG it is drawn from; always, remember it.
+
+        A resume may draw the order more than once before training starts (Lightning reloading a loader, iterators
+        whose workers prefetch at once): each draw starts from the same state, so the one that is read is right."""
+        plan = self._order_plan
+        if plan is not None:
+            rng, gens, global_draws, generator_draws = plan
+            restore_rng(_advanced(rng, global_draws))
+            self._set_generators(gens)
+            loader_generator = getattr(self._loader, "generator", None)
+            for _ in range(generator_draws if loader_generator is not None else 0):
+                torch.empty((), dtype=torch.int64).random_(generator=loader_generator)
+        self._order_rng = capture_rng()
+        self._order_gens = self._get_generators()
 
     def _get_generators(self) -> list[torch.Tensor]:
         return [g.get_state() for g in generators(self._loader)]
@@ -476,6 +519,7 @@ class ResumeStateCallback(Callback):
         self._fetched += 1
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._order_plan = None  # training has started: the epoch's order is the one drawn
         if self._now_rng is not None:
             restore_rng(self._now_rng)
             self._now_rng = None
@@ -516,25 +560,62 @@ class ResumeStateCallback(Callback):
                 "batch_size": self._batch_size, "num_workers": self._num_workers,
                 "sampler": sampler_facts(self._loader) if self._loader is not None else {},
                 "loader_state": self._loader_state(), "epoch_rng": self._epoch_rng, "now_rng": capture_rng(),
-                "epoch_generators": self._epoch_gens, "validation_follows": self._a_validation_follows(),
+                "epoch_generators": self._epoch_gens, "order_rng": self._order_rng, "order_generators": self._order_gens,
                 "now_generators": self._get_generators() if self._loader is not None else []}
-        if mine["validation_follows"]:
+        follows = self._a_validation_follows()
+        mine["validation_follows"] = follows
+        mine["validation_draws"] = self._validation_draws() if follows else 0  # None: not known at this point
+        if done and mine["validation_draws"] is not None:  # what the run draws until the next epoch's order
+            fresh, own = self._next_iterator_draws()
+            mine["order_draws"] = mine["validation_draws"] + fresh
+            mine["order_generator_draws"] = own
+        if follows:
             self._watch_validation = self._trainer.global_step if self._trainer is not None else 0
         ranks = _gather(mine)
         return {"format": FORMAT, "world_size": len(ranks), "ranks": ranks}
 
     def _a_validation_follows(self) -> bool:
-        """Whether a validation runs between this save and the next training step (a save from a training hook at a
-        validation point): a resume skips that validation, and its RNG draws are replayed (see _skip_validation)."""
+        """Whether a validation runs between this save and the next training step: a save from a training batch's
+        end (before Lightning's validation check) at a validation point. A resume skips that validation."""
         trainer = self._trainer
         if trainer is None or not trainer.training or getattr(trainer, "sanity_checking", False):
             return False
         epoch_loop = trainer.fit_loop.epoch_loop
+        total = epoch_loop.batch_progress.total
+        if total.completed != total.processed - 1:  # not inside on_train_batch_end: the validation already ran
+            return False
         try:
             follows = bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
-        except Exception:  # noqa: BLE001 - a Lightning without this internal: nothing to replay
+        except Exception:  # noqa: BLE001 - a Lightning without this internal: nothing to account for
             return False
         return follows and not epoch_loop._skip_next_val
+
+    def _validation_draws(self) -> int | None:
+        """Base-seed draws from the global RNG that the next validation makes: one per validation loader that will
+        create an iterator (not a live persistent one) and has no generator of its own. None when the validation
+        loaders are not set up yet (they are at their first validation)."""
+        loaders = getattr(self._trainer, "val_dataloaders", None) if self._trainer is not None else None
+        if loaders is None:
+            return None
+        if isinstance(loaders, DataLoader):
+            loaders = [loaders]
+        elif isinstance(loaders, dict):
+            loaders = list(loaders.values())
+        return sum(1 for dl in loaders if isinstance(dl, DataLoader) and dl.generator is None and not _live(dl))
+
+    def _next_iterator_draws(self) -> tuple[int, int]:
+        """The base-seed draws the next epoch's training iterators make before its order is drawn: (from the global
+        RNG, from the loader's own generator). None when a persistent iterator is reset for it; when Lightning reloads
+        the loader for that epoch it creates an iterator when it reloads and another one to run it: two base seeds,
+        and with workers the first one's order too (its workers prefetch at once)."""
+        loader, trainer = self._loader, self._trainer
+        if not isinstance(loader, DataLoader) or trainer is None:
+            return 0, 0
+        every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
+        last = getattr(trainer.fit_loop, "_last_train_dl_reload_epoch", float("-inf"))
+        reloads = every > 0 and trainer.current_epoch + 1 - last >= every
+        count = (3 if loader.num_workers else 2) if reloads else 0 if _live(loader) else 1
+        return (0, count) if loader.generator is not None else (count, 0)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._watch_validation is not None:
@@ -550,10 +631,11 @@ class ResumeStateCallback(Callback):
             self._warned_validation = True
             warnings.warn(
                 f"the validation that ran right after the checkpoint of step {step} drew random numbers from the"
-                " global RNG (torch, NumPy or Python); a run resumed from that checkpoint skips this validation (as"
-                " Lightning does), so from then on its random numbers, and its training, differ from this run's. To"
-                " resume exactly, give validation its own torch.Generator (and NumPy Generator), or draw nothing in"
-                " it.", RuntimeWarning, stacklevel=2)
+                " global RNG (torch, NumPy or Python: in validation_step, or a validation loader that shuffles); a"
+                " run resumed from that checkpoint skips this validation (as Lightning does), so from then on its"
+                " random numbers, and its training, differ from this run's. To resume exactly, give validation its"
+                " own torch.Generator (DataLoader(generator=...), and a NumPy Generator) or draw nothing in it.",
+                RuntimeWarning, stacklevel=2)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         rank, world = _rank_and_world()
@@ -566,6 +648,39 @@ class ResumeStateCallback(Callback):
                 " gets the position Lightning saved from global rank 0)", RuntimeWarning, stacklevel=2)
             return
         self._pending = ranks[rank]
+
+
+def _live(loader: DataLoader) -> bool:
+    """Whether the loader holds a persistent iterator that its next ``iter()`` resets (no new base-seed draw)."""
+    return bool(loader.persistent_workers and loader.num_workers and getattr(loader, "_iterator", None) is not None)
+
+
+def _advanced(state: dict[str, Any], draws: int) -> dict[str, Any]:
+    """``state`` with torch's CPU generator advanced by ``draws`` base-seed draws, as DataLoader iterators make them."""
+    if not draws:
+        return state
+    saved = capture_rng()
+    restore_rng(state)
+    for _ in range(draws):
+        torch.empty((), dtype=torch.int64).random_()
+    out = capture_rng()
+    restore_rng(saved)
+    return out
+
+
+def _warn_if_ddp_rebuilds_buckets(trainer: Trainer) -> None:
+    """DDP rebuilds its gradient buckets after its first iteration (unless ``find_unused_parameters``): with more
+    than two processes the first step after a resume then sums gradients in another order than the uninterrupted
+    run did at that step, so the runs agree up to float rounding, not bit for bit (PyTorch, gloo and NCCL alike)."""
+    strategy = trainer.strategy
+    kwargs = getattr(strategy, "_ddp_kwargs", None)
+    if kwargs is None or trainer.world_size <= 2 or kwargs.get("find_unused_parameters"):
+        return
+    rank_zero_warn(
+        f"resumed under DDP with {trainer.world_size} processes: DDP rebuilds its gradient buckets after its first"
+        " iteration, so the first step after this resume reduces gradients in another order than the uninterrupted"
+        " run did, and the runs agree up to float rounding, not bit for bit. For bit-identical resumes use"
+        " DDPStrategy(find_unused_parameters=True), which keeps the buckets as built.", category=RuntimeWarning)
 
 
 def _same(a: Any, b: Any) -> bool:

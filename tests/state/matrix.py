@@ -119,6 +119,7 @@ class Config:
     user_saver: int | None = None  # a UserSaver every N steps, listed before ResumeStateCallback
     on_exception: bool = False  # OnExceptionCheckpoint; the run fails in a training step instead of stopping
     fail_at: int = 13
+    stateful: bool = False  # torchdata's StatefulDataLoader instead of a DataLoader
 
 
 @dataclass
@@ -136,7 +137,12 @@ def run(cfg: Config, root: Path, stop_after: int | None, resume: bool) -> Result
     steps: list[tuple[Any, ...]] = []
     fail_at = cfg.fail_at if cfg.on_exception and stop_after is not None else None
     model = Net(steps, cfg.val_noise, fail_at)
-    train = DataLoader(Samples(cfg.samples), batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.workers,
+    loader_cls: Any = DataLoader
+    if cfg.stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader_cls = StatefulDataLoader
+    train = loader_cls(Samples(cfg.samples), batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.workers,
                        persistent_workers=cfg.persistent)
     val = DataLoader(Samples(12), batch_size=4, num_workers=cfg.workers) if cfg.val else None
     io = StoppingIO(None if cfg.on_exception else stop_after)

@@ -33,6 +33,19 @@ MATRIX = [
            trainer={"val_check_interval": 0.5}, val=True, stops=(2,)),
     Config("monitor top-k at validation end, validation draws", ckpt={"monitor": "val_loss", "save_top_k": 2},
            trainer={"val_check_interval": 0.5}, val=True, val_noise=True, stops=(2,)),
+    # A step save on an epoch's last batch, then the epoch-end validation: the next epoch's order is drawn after
+    # that validation's and the new iterator's base seeds, however many iterators the resume makes.
+    Config("last-batch step save followed by the epoch-end validation", val=True, stops=(2,)),
+    Config("last-batch step save followed by the epoch-end validation, workers 2 persistent", val=True, stops=(2,),
+           workers=2, persistent=True),
+    Config("last-batch step save followed by the epoch-end validation, StatefulDataLoader", val=True, stops=(2,),
+           stateful=True),
+    Config("epoch-end saves at validation end, validation draws", ckpt={"every_n_epochs": 1}, val=True,
+           val_noise=True),
+    Config("reload_dataloaders_every_n_epochs=1, epoch-end saves", ckpt={"every_n_epochs": 1},
+           trainer={"reload_dataloaders_every_n_epochs": 1}),
+    Config("reload_dataloaders_every_n_epochs=1, epoch-end saves, workers 2", ckpt={"every_n_epochs": 1},
+           trainer={"reload_dataloaders_every_n_epochs": 1}, workers=2),
     Config("workers 2", workers=2, stops=(3,)),
     Config("workers 2 persistent, resumed in epoch 0", workers=2, persistent=True),
     Config("workers 2 persistent, resumed in a later epoch", workers=2, persistent=True, stops=(5,)),
@@ -54,9 +67,10 @@ def test_resumed_run_is_bit_identical(cfg, tmp_path):
     assert difference is None, difference
     for key, value in full.weights.items():
         assert torch.equal(value, resumed.weights[key]), f"{key} differs"
-    # Lightning's "not resumable" warning is replaced by one line of ours when the position was restored.
-    assert not [w for w in resumed.warnings if "ended before the epoch ended" in w or "ResumeStateCallback" in w], \
-        resumed.warnings
+    # Lightning's "not resumable" warning is replaced by one line of ours when the position was restored, and no
+    # warning of ours claims a difference that is not there.
+    ours = ("ended before the epoch ended", "ResumeStateCallback", "validation that ran right after")
+    assert not [w for w in full.warnings + resumed.warnings if any(o in w for o in ours)], resumed.warnings
 
 
 def test_a_validation_that_draws_after_a_save_is_warned_about_and_is_what_differs(tmp_path):
@@ -86,3 +100,21 @@ def test_lightnings_not_resumable_warning_is_replaced_by_what_was_restored(tmp_p
     lines = [r.getMessage() for r in caplog.records if "ResumeStateCallback: restored the data position" in r.getMessage()]
     assert lines == ["ResumeStateCallback: restored the data position: epoch 0, after 5 of 10 batches (20 samples),"
                      " and the RNG states of every rank, so this run continues exactly where the checkpoint was saved"]
+
+
+def test_one_callback_reused_by_several_trainers_wraps_each_trainers_loops(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from lightning_resilient import ResumeStateCallback
+
+    from ..models import TinyModel, tiny_loader
+
+    callback = ResumeStateCallback()
+    for i in range(3):
+        trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, callbacks=[callback])
+        trainer.fit(TinyModel(), tiny_loader())
+        loops = trainer.fit_loop
+        for owner, name in ((loops, "_load_combined_loader_states"), (loops.epoch_loop, "reset"),
+                            (loops.epoch_loop.val_loop, "increment_progress_to_evaluation_end")):
+            assert getattr(getattr(owner, name), "_resume_state_wrap", None) is callback, (i, name)
