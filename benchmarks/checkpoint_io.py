@@ -40,10 +40,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 MB = 10**6

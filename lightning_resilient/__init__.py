@@ -33,7 +33,27 @@ _WHERE = {
     "warmup_schedule": "lightning_resilient.schedule",
 }
 
-__all__ = sorted([*_WHERE, "__version__"])
+__all__ = [
+    "AccumulationAwareScheduler",
+    "AtomicCheckpointIO",
+    "AtomicFSDPStrategy",
+    "AtomicModelParallelStrategy",
+    "AutoPrecision",
+    "CheckpointCadence",
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "PerSampleSeeded",
+    "ResumeStateCallback",
+    "ShardedCheckpointError",
+    "StaleWriterError",
+    "TransferAudit",
+    "UnsupportedFormatError",
+    "__version__",
+    "find_latest_checkpoint",
+    "repair_pointer",
+    "select_precision",
+    "warmup_schedule",
+]
 
 if TYPE_CHECKING:
     from lightning_resilient.errors import (

@@ -13,16 +13,16 @@ committed checkpoint if one is damaged, and reshards when the number of processe
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any
 
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError
-from lightning_resilient.io.catalog import normalize, resolve
+from lightning_resilient.errors import ShardedCheckpointError
+from lightning_resilient.io.catalog import Together, load_together, normalize
 from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+from lightning_resilient.io.root import CheckpointRoot, Loaded
 from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded, own_errors, root_and_name, save_sharded
 
 __all__ = ["AtomicFSDPStrategy", "AtomicModelParallelStrategy"]
@@ -69,44 +69,44 @@ class _AtomicSharded:
         save_sharded(state, root, name, rest=rest)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))  # type: ignore[attr-defined]
         io = self.checkpoint_io
-        found = resolve(normalize(path), io.root)
-        if found is None:  # a stock Lightning checkpoint: the Lightning strategy loads it
-            return super().load_checkpoint(path, weights_only=weights_only)  # type: ignore[misc]
-        root, entry, fallbacks = found.root, found.entry, found.fallbacks
-        candidates = [entry, *(fallbacks if io.settings.fallback_on_corruption else [])]
-        for i, candidate in enumerate(candidates):
-            try:
+        rank = self.global_rank  # type: ignore[attr-defined]
+        # One decision per job: rank 0 resolves the path, every rank loads that commit's shards (DCP is collective),
+        # and a candidate damaged on any rank makes them all fall back to the same older one.
+        together = Together(rank=rank, broadcast=lambda obj: self.broadcast(obj, src=0),  # type: ignore[attr-defined]
+                            all_true=lambda flag: self.reduce_boolean_decision(flag, all=True),  # type: ignore[attr-defined]
+                            any_true=lambda flag: self.reduce_boolean_decision(flag, all=False))  # type: ignore[attr-defined]
+
+        def load_for(root: CheckpointRoot) -> Any:
+            def load(commit: str, **_: Any) -> Loaded:
                 # One manifest read and one metadata read per candidate, shared by every step below.
-                manifest = root.read_manifest(candidate.commit)
+                manifest = root.read_manifest(commit)
                 if manifest.sharded is None:
-                    raise ShardedCheckpointError(f"{root.store.url(candidate.commit)} is a full (not sharded)"
-                                                 f" checkpoint: {type(self).__name__} resumes sharded checkpoints only")
-                reader = AtomicStorageReader(root, candidate.commit, manifest=manifest, weights_only=weights_only)
+                    raise ShardedCheckpointError(f"{root.store.url(commit)} is a full (not sharded) checkpoint:"
+                                                 f" {type(self).__name__} resumes sharded checkpoints only")
+                reader = AtomicStorageReader(root, commit, manifest=manifest, weights_only=weights_only)
                 self._check_layout(reader)
                 self._load_shards(reader)
-                rest = root.load(candidate.commit, map_location=None, weights_only=weights_only, sharded_rest=True,
-                                 manifest=manifest).checkpoint
-            except CheckpointCorruptedError as corrupted:
-                if i + 1 == len(candidates):
-                    raise
-                message = (f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded:"
-                           f" {corrupted}; loading the previous committed one,"
-                           f" {root.store.url(candidates[i + 1].commit)}")
-                log.error(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-                continue
-            # A resuming fit claims the root with this checkpoint as its lineage's origin (on the coordinator, at once
-            # unless claim_on_load=False); validate/test/predict loads are read-only (see AtomicCheckpointIO).
-            fit = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[attr-defined]
-            if fit or io.claim_on_load:
-                root.resumed(candidate)
-                claim_now = io.claim_on_load if io.claim_on_load is not None else fit
-                if claim_now and self.global_rank == 0 and root.epoch is None:  # type: ignore[attr-defined]
-                    root.claim()
-            return rest
-        raise AssertionError("unreachable")
+                return root.load(commit, map_location=None, weights_only=weights_only, sharded_rest=True,
+                                 manifest=manifest)
+
+            return load
+
+        done = load_together(normalize(str(checkpoint_path)), io.root, together,
+                             fallback=io.settings.fallback_on_corruption, load_for=load_for)
+        if done is None:  # a stock Lightning checkpoint: the Lightning strategy loads it
+            return super().load_checkpoint(self.broadcast(str(checkpoint_path)),  # type: ignore[misc, attr-defined]
+                                           weights_only=weights_only)
+        found, loaded = done
+        # A resuming fit claims the root with this checkpoint as its lineage's origin (on the coordinator, at once
+        # unless claim_on_load=False); validate/test/predict loads are read-only (see AtomicCheckpointIO).
+        fit = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[attr-defined]
+        if fit or io.claim_on_load:
+            found.root.resumed(found.entry)
+            claim_now = io.claim_on_load if io.claim_on_load is not None else fit
+            if claim_now and rank == 0 and found.root.epoch is None:
+                found.root.claim()
+        return loaded.checkpoint
 
     def _check_layout(self, reader: AtomicStorageReader) -> None:
         # Checked before any shard is read: otherwise DCP fails deep in its planner with a missing-key error.

@@ -118,9 +118,11 @@ def resume_path(trainer: Any) -> str | None:
     latest = find_latest_checkpoint(root, io.storage_options)
     if latest is None:
         rank_zero_info(f"auto_resume: no committed checkpoint under {root}: starting fresh")
-    else:
-        rank_zero_info(f"auto_resume: resuming from {latest}")
-    return latest
+        return None
+    rank_zero_info(f"auto_resume: resuming from {latest}")
+    # The root itself, not the commit found: under DDP every process runs this lookup, and the one that decides is
+    # global rank 0 when the checkpoint is loaded (the newest then, should another job have committed meanwhile).
+    return root
 
 
 def main(args: list[str] | None = None) -> None:

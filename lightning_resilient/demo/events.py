@@ -74,7 +74,9 @@ class AnnouncingCheckpointIO(AtomicCheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        announce("load", path, checkpoint.get("global_step"))
+        loaded = self.last_load.commit if self.last_load is not None else None  # the commit a root resolved to
+        announce("load", f"{str(path).rstrip('/')}/{loaded}" if loaded and loaded not in str(path) else path,
+                 checkpoint.get("global_step"))
         return checkpoint
 
     @override

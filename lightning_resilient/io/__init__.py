@@ -16,7 +16,7 @@ _WHERE = {
     "repair_pointer": "lightning_resilient.io.catalog",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = ["AtomicCheckpointIO", "RetryPolicy", "find_latest_checkpoint", "repair_pointer"]
 
 if TYPE_CHECKING:
     from lightning_resilient.io.catalog import find_latest_checkpoint, repair_pointer

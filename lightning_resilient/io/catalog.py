@@ -25,8 +25,8 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, RootSettings, commit_epoch
 from lightning_resilient.io.store import Store, open_store
 
-__all__ = ["Resolved", "check_bucket", "find_latest_checkpoint", "load_resolved", "normalize", "reader",
-           "repair_pointer", "resolve", "was_retired"]
+__all__ = ["Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved", "load_together",
+           "normalize", "reader", "repair_pointer", "resolve", "was_retired"]
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,81 @@ def load_resolved(url: str, root_for: Callable[[str], CheckpointRoot], *, fallba
             log.info("%s was retired while it was read: resolving %s again", retired, url)
             continue
         return found, loaded
+    raise FileNotFoundError(f"every checkpoint resolved from {url} was retired while it was being read"
+                            f" ({_RESOLVE_ATTEMPTS} times): the job writing it saves faster than it can be read")
+
+
+@dataclass(frozen=True)
+class Together:
+    """The processes of one job deciding together (a Lightning strategy's collectives): who decides, and how."""
+
+    rank: int
+    broadcast: Callable[[Any], Any]  # rank 0's object, on every rank
+    all_true: Callable[[bool], bool]
+    any_true: Callable[[bool], bool]
+
+
+def load_together(url: str, root_for: Callable[[str], CheckpointRoot], together: Together, *, fallback: bool,
+                  load_for: Callable[[CheckpointRoot], Callable[..., Loaded]],
+                  **load_kwargs: Any) -> tuple[Resolved, Loaded] | None:
+    """:func:`load_resolved` for every process of a job at once: one decision per job.
+
+    Rank 0 resolves ``url`` (whatever each rank was given) and every rank loads exactly that commit. After each
+    candidate the ranks agree: all loaded it, or they all move on together to the same older commit (a rank
+    whose part is damaged makes every rank fall back), or, when one found it retired meanwhile, rank 0 resolves
+    again. Every rank must call this (Lightning's resume does, on every rank).
+    """
+    for _ in range(_RESOLVE_ATTEMPTS):
+        plan: dict[str, Any] | None = None
+        if together.rank == 0:
+            try:
+                found = resolve(url, root_for)
+            except Exception as exc:  # noqa: BLE001 - every rank raises what rank 0 found
+                plan = {"error": exc}
+            else:
+                plan = {"plain": True} if found is None else {
+                    "root": found.root.url, "candidates": [found.entry, *(found.fallbacks if fallback else [])],
+                    "fallbacks": found.fallbacks, "pinned": found.pinned}
+        plan = together.broadcast(plan)
+        assert plan is not None
+        if "error" in plan:
+            raise plan["error"]
+        if plan.get("plain"):
+            return None
+        root = root_for(plan["root"])
+        load = load_for(root)
+        first: str | None = None
+        for i, candidate in enumerate(plan["candidates"]):
+            error: CheckpointCorruptedError | None = None
+            try:
+                loaded = load(candidate.commit, **load_kwargs)
+            except CheckpointCorruptedError as exc:
+                error = exc
+            if together.all_true(error is None):
+                if first is not None and together.rank == 0:
+                    message = (f"loaded the previous committed checkpoint {root.store.url(candidate.commit)} (step"
+                               f" {candidate.step}) on every rank instead of {first}, which failed verification")
+                    log.error(message)
+                    warnings.warn(message, RuntimeWarning, stacklevel=4)
+                return Resolved(root, candidate, plan["fallbacks"], plan["pinned"]), loaded
+            if together.any_true(error is not None and was_retired(root, candidate)):
+                if plan["pinned"]:
+                    raise FileNotFoundError(f"{root.store.url(candidate.commit)} was deleted by retention while it was"
+                                            " being read; load the root's latest instead")
+                break  # resolve again: the root's latest has moved on
+            first = first or root.store.url(candidate.commit)
+            if error is not None:  # the ranks that failed say why; all of them move on together
+                message = (f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded (rank"
+                           f" {together.rank}: {error}); every rank falls back to the previous committed one")
+                log.error(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+            if i + 1 == len(plan["candidates"]):
+                raise CheckpointCorruptedError(f"no valid checkpoint to load under {root.url}: the last one tried,"
+                                               f" {root.store.url(candidate.commit)}, failed on at least one rank"
+                                               + (f" ({error})" if error is not None else ""),
+                                               object=error.object if error is not None else None)
+        else:
+            raise CheckpointCorruptedError(f"no committed checkpoint to load under {root.url}")
     raise FileNotFoundError(f"every checkpoint resolved from {url} was retired while it was being read"
                             f" ({_RESOLVE_ATTEMPTS} times): the job writing it saves faster than it can be read")
 

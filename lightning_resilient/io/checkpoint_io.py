@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -20,7 +19,14 @@ from typing_extensions import override
 
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
-from lightning_resilient.io.catalog import find_latest_checkpoint, load_resolved, normalize, repair_pointer
+from lightning_resilient.io.catalog import (
+    Together,
+    find_latest_checkpoint,
+    load_resolved,
+    load_together,
+    normalize,
+    repair_pointer,
+)
 from lightning_resilient.io.node_cache import NodeCache
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, _int
@@ -77,7 +83,9 @@ class AtomicCheckpointIO(CheckpointIO):
         node_cache: under ``torch.distributed`` with an object store (S3, GCS, ...), the first process of a node
             to load a checkpoint reads it from the store and keeps a verified copy on node-local disk, which the
             node's other processes load: a resume reads the store once per node, not once per rank.
-        node_cache_dir: where that copy goes (one checkpoint at a time); default: the system's temp folder.
+        node_cache_dir: the node-local folder under which that copy goes (in a private
+            ``lightning_resilient-<uid>`` folder, mode 0700, one sub-folder per job, one checkpoint at a time);
+            default: the system's temp folder (``$TMPDIR``, ``/tmp``).
         orphan_grace_seconds: folders of crashed saves (no manifest, written by a writer epoch that a newer job
             has since fenced off) are deleted once older than this, by the store's own timestamps, as are
             incomplete multipart uploads. A save of the current writer is never deleted, whatever its age.
@@ -154,7 +162,7 @@ class AtomicCheckpointIO(CheckpointIO):
         if node_cache_dir is not None and not isinstance(node_cache_dir, str):
             raise TypeError(f"node_cache_dir must be a local folder path or None, got {node_cache_dir!r}")
         self.node_cache = node_cache
-        self.node_cache_dir = node_cache_dir or os.path.join(tempfile.gettempdir(), "lightning_resilient-node-cache")
+        self.node_cache_dir = node_cache_dir
         #: Timings of the most recent saves (what the training loop was blocked for, waits, uploads).
         self.save_stats: deque[SaveStats] = deque(maxlen=1000)
         #: What the most recent load read and allocated.
@@ -212,7 +220,7 @@ class AtomicCheckpointIO(CheckpointIO):
                   and torch.distributed.get_world_size() > 1)
         if not shared:
             return root.load
-        cache = NodeCache(self.node_cache_dir)
+        cache = NodeCache(self.node_cache_dir, root.url)
 
         def local_root(path: str) -> CheckpointRoot:
             return CheckpointRoot(open_store(path, {}, self.retry), self.settings, self._executor)
@@ -231,16 +239,23 @@ class AtomicCheckpointIO(CheckpointIO):
         if self._async is not None:
             self._async.wait()  # a load never races the save in flight
             self._async.raise_error()
-        done = load_resolved(url, self.root, fallback=self.settings.fallback_on_corruption, load_for=self._loader,
-                             map_location=map_location, weights_only=weights_only,
-                             pin_memory=self.pin_memory and _targets_cuda(map_location))
+        trainer = _trainer_loading()
+        kwargs = {"map_location": map_location, "weights_only": weights_only,
+                  "pin_memory": self.pin_memory and _targets_cuda(map_location)}
+        together = _together(trainer)
+        if together is not None:  # every rank of the job loads the commit rank 0 resolved
+            done = load_together(url, self.root, together, fallback=self.settings.fallback_on_corruption,
+                                 load_for=self._loader, **kwargs)
+        else:
+            done = load_resolved(url, self.root, fallback=self.settings.fallback_on_corruption,
+                                 load_for=self._loader, **kwargs)
         if done is None:
             return _load_plain_file(url, self._options(None), map_location, weights_only)
         found, loaded = done
         self.last_load = loaded.stats
         root = found.root
         resumed = next((e for e in [found.entry, *found.fallbacks] if e.commit == loaded.entry_commit), found.entry)
-        fit = _resuming_a_fit()
+        fit = trainer is not None and _fn(trainer) == "fit"
         if fit or self.claim_on_load:
             # What this job's training continues: the origin of its lineage when it claims the root (now, for a
             # resuming fit on the writing rank, so the job it replaces is stopped before it can retire this
@@ -307,20 +322,37 @@ def _fspath(path: Any) -> str:
     raise TypeError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
 
 
-def _resuming_a_fit() -> bool:
-    """Whether Lightning is loading this checkpoint to resume ``Trainer.fit`` (not to validate, test or predict, and
-    not outside a Trainer). The CheckpointIO is handed no such fact, so it is read from the Trainer whose checkpoint
-    connector is up the call stack."""
+def _trainer_loading() -> Any:
+    """The Trainer whose checkpoint connector is loading (up the call stack), or None outside a Trainer.
+
+    The CheckpointIO is handed neither why it loads (to resume a fit, or to validate, test or predict) nor whether
+    every rank of the job is loading too; both are facts of that Trainer."""
     frame = sys._getframe(1)
     for _ in range(40):
         if frame is None:
             break
         owner = frame.f_locals.get("self")
         if type(owner).__name__ == "_CheckpointConnector":  # lightning.pytorch's (or pytorch_lightning's)
-            fn = getattr(getattr(getattr(owner, "trainer", None), "state", None), "fn", None)
-            return getattr(fn, "value", fn) == "fit"
+            return getattr(owner, "trainer", None)
         frame = frame.f_back
-    return False
+    return None
+
+
+def _fn(trainer: Any) -> Any:
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return getattr(fn, "value", fn)
+
+
+def _together(trainer: Any) -> Together | None:
+    """How the ranks of ``trainer``'s job decide together, when there are several (Lightning's resume loads on every
+    rank); None for a single process, or a load outside a Trainer (which may run on one rank alone)."""
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or getattr(trainer, "world_size", 1) <= 1 or not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return Together(rank=strategy.global_rank, broadcast=lambda obj: strategy.broadcast(obj, src=0),
+                    all_true=lambda flag: strategy.reduce_boolean_decision(flag, all=True),
+                    any_true=lambda flag: strategy.reduce_boolean_decision(flag, all=False))
 
 
 def _global_rank() -> int:

@@ -7,6 +7,7 @@ MPS where present). NumPy's state holds an ndarray, which ``weights_only`` refus
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import numpy as np
@@ -39,10 +40,18 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        cuda_states = state["cuda"]
-        if len(cuda_states) != torch.cuda.device_count():
-            raise ValueError(f"the checkpoint holds {len(cuda_states)} CUDA generator states but this process sees"
-                             f" {torch.cuda.device_count()} devices")
-        torch.cuda.set_rng_state_all(cuda_states)
+        cuda_states = list(state["cuda"])
+        count = torch.cuda.device_count()
+        for device, device_state in enumerate(cuda_states[:count]):
+            torch.cuda.set_rng_state(device_state, device)
+        if len(cuda_states) != count:
+            # A restart on a node of another shape: the devices both runs have get their state back; the rest
+            # cannot (their random numbers, e.g. dropout on those devices, differ from the uninterrupted run).
+            warnings.warn(
+                f"the checkpoint holds the RNG states of {len(cuda_states)} CUDA device(s) but this process sees"
+                f" {count}: restored devices 0-{min(count, len(cuda_states)) - 1}"
+                + (f", devices {len(cuda_states)}-{count - 1} keep fresh states" if count > len(cuda_states) else
+                   f", the saved states of devices {count}-{len(cuda_states) - 1} are not used")
+                + "; random numbers drawn on the others differ from the uninterrupted run", RuntimeWarning, stacklevel=2)
     if "mps" in state and torch.backends.mps.is_available():
         torch.mps.set_rng_state(state["mps"])

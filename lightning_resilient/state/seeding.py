@@ -6,7 +6,7 @@ sample. Wrapping the dataset makes each ``__getitem__`` run with the global RNGs
 torch CPU) seeded from ``(seed, epoch, index)``, and puts the caller's RNG states back afterwards.
 
 Limits: only randomness drawn from those global RNGs inside ``__getitem__`` is covered (a generator the dataset
-creates itself is its own business, and GPU RNGs are not touched); the epoch reaches worker processes when they
+creates itself is its own business, and GPU RNGs are neither seeded nor touched); the epoch reaches worker processes when they
 start, so with ``persistent_workers=True`` workers keep the epoch of their first start (the index still varies
 the seed, but repeated epochs repeat the augmentation).
 """
@@ -59,7 +59,9 @@ class PerSampleSeeded(Dataset):
         saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
         random.seed(s)
         np.random.seed(s % 2**32)
-        torch.manual_seed(s)
+        # The CPU generator only: torch.manual_seed would also reseed every CUDA generator, and nothing here puts
+        # those back (a main-process loader would change the training step's GPU randomness).
+        torch.default_generator.manual_seed(s)
         try:
             return self.dataset[index]
         finally:

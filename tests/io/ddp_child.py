@@ -16,24 +16,42 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint  # noqa: E402
+from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, find_latest_checkpoint  # noqa: E402
 from tests.models import TinyModel, tiny_loader  # noqa: E402
 
 
 class CountingIO(AtomicCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        print(f"SAVE rank={torch.distributed.get_rank()} pid={os.getpid()} step={checkpoint['global_step']}",
-              flush=True)
+        print(f"SAVE rank={torch.distributed.get_rank()} pid={os.getpid()} step={checkpoint['global_step']}\n",
+              end="", flush=True)
         super().save_checkpoint(checkpoint, path, storage_options)
+
+    def _loader(self, root: Any) -> Any:
+        # FAIL_RANK=<r>: that rank's first load fails verification, as a damaged read on one node would.
+        load = super()._loader(root)
+        if os.environ.get("FAIL_RANK") != str(torch.distributed.get_rank()):
+            return load
+        failed: list[str] = []
+
+        def failing_once(commit: str, **kwargs: Any) -> Any:
+            if not failed:
+                failed.append(commit)
+                raise CheckpointCorruptedError(f"a damaged read of {commit} on this rank only (simulated)")
+            return load(commit, **kwargs)
+
+        return failing_once
 
 
 class Report(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
-        print(f"START rank={trainer.global_rank} pid={os.getpid()} step={trainer.global_step}", flush=True)
+        io = trainer.strategy.checkpoint_io
+        commit = io.last_load.commit if getattr(io, "last_load", None) is not None else None
+        print(f"START rank={trainer.global_rank} pid={os.getpid()} step={trainer.global_step} commit={commit}\n",
+              end="", flush=True)
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         w = pl_module.net[0].weight.detach().sum().item()
-        print(f"END rank={trainer.global_rank} step={trainer.global_step} weight_sum={w!r}", flush=True)
+        print(f"END rank={trainer.global_rank} step={trainer.global_step} weight_sum={w!r}\n", end="", flush=True)
 
 
 def main(root: str, max_steps: int, io_options: dict[str, Any]) -> None:

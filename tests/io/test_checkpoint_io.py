@@ -70,6 +70,19 @@ def test_public_names():
         find_latest_checkpoint,
     )
     assert issubclass(lightning_resilient.StaleWriterError, lightning_resilient.CheckpointError)
+    assert set(lightning_resilient.__all__) == set(lightning_resilient._WHERE) | {"__version__"}
+    assert sorted(dir(lightning_resilient)) == dir(lightning_resilient) and "AtomicCheckpointIO" in dir(lightning_resilient)
+
+
+def test_the_storage_protocol_imports_without_lightning():
+    """The package's public names import on first use: a tool that needs only the protocol (the randomized test's
+    writers, an operator's script) does not pay for importing Lightning."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lightning_resilient.io.root, lightning_resilient.io.catalog;"
+            " assert 'lightning' not in sys.modules, sorted(m for m in sys.modules if m.startswith('lightning'))")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_every_constructor_argument_is_typed_for_the_cli():

@@ -44,7 +44,7 @@ def test_ddp_commits_once_on_rank_zero_and_resumes_every_rank(local_backend):
     assert sorted(e.step for e in pointer.checkpoints.values()) == [2, 4]
 
     out = run(root, 8)
-    starts = dict(re.findall(r"START rank=(\d) pid=\d+ step=(\d+)", out))
+    starts = dict(re.findall(r"START rank=(\d) pid=\d+ step=(\d+) commit=\S+", out))
     assert starts == {"0": "4", "1": "4"}, out  # both ranks resumed from the committed step 4
     ends = re.findall(r"END rank=(\d) step=(\d+) weight_sum=(\S+)", out)
     assert {s for _, s, _ in ends} == {"8"} and len({w for _, _, w in ends}) == 1  # ranks in sync
@@ -74,7 +74,7 @@ def test_a_ddp_resume_reads_the_store_once_per_node(s3_backend, tmp_path):
 
         proxy.requests.clear()
         out = run(s3_backend.root, 6, options, env)
-        assert dict(re.findall(r"START rank=(\d) pid=\d+ step=(\d+)", out)) == {"0": "4", "1": "4"}
+        assert dict(re.findall(r"START rank=(\d) pid=\d+ step=(\d+) commit=\S+", out)) == {"0": "4", "1": "4"}
         assert data_reads() == chunks  # once for the node, not once per rank
 
         # The mechanism matters: without the node cache every rank reads everything.
@@ -83,3 +83,16 @@ def test_a_ddp_resume_reads_the_store_once_per_node(s3_backend, tmp_path):
         run(s3_backend.root, 8, {**options, "node_cache": False}, env)
         manifest = json.loads(s3_backend.fs().cat_file(s3_backend.path(f"{resumed}/{MANIFEST_NAME}")))["body"]
         assert data_reads() == 2 * sum(len(o["chunks"]) for o in manifest["objects"])
+
+
+@pytest.mark.slow
+def test_a_damaged_read_on_one_rank_makes_every_rank_fall_back_to_the_same_commit(local_backend):
+    """Rank 1's read of the newest checkpoint fails verification (simulated: a damaged read on its node only); the
+    ranks decide together and both resume the previous commit, instead of each resuming its own."""
+    root = local_backend.root
+    run(root, 4)  # commits steps 2 and 4
+    out = run(root, 6, env={"FAIL_RANK": "1"})
+    starts = re.findall(r"START rank=(\d) pid=\d+ step=(\d+) commit=(\S+)", out)
+    assert sorted(r for r, _, _ in starts) == ["0", "1"] and {(s, c) for _, s, c in starts} == {
+        ("2", next(c for _, _, c in starts))}, out
+    assert next(c for _, _, c in starts).startswith("epoch=0-step=2.ckpt/")

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, find_latest_checkpoint

@@ -69,3 +69,37 @@ def test_a_changed_batch_size_warns_and_restarts_the_epoch(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"training loader changed .* \(8 batches of 8 then, 4 of 16 now\)"):
         model = fit(16, 5, resume=True)
     assert len(model.losses) == 2
+
+
+class FakeCuda:
+    """The CUDA facts restore_rng reads, injected: a node with ``count`` devices, recording what is set."""
+
+    def __init__(self, monkeypatch, count: int) -> None:
+        self.set: dict[int, torch.Tensor] = {}
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: self.set.__setitem__(device, state))
+
+
+@pytest.mark.parametrize(("saved", "now"), [(4, 2), (2, 4)])
+def test_a_restart_on_another_number_of_cuda_devices_restores_those_that_match_and_warns(monkeypatch, saved, now):
+    state = capture_rng()
+    state["cuda"] = [torch.full((8,), d, dtype=torch.uint8) for d in range(saved)]
+    cuda = FakeCuda(monkeypatch, now)
+    with pytest.warns(RuntimeWarning, match=f"RNG states of {saved} CUDA device\\(s\\) but this process sees {now}:"
+                                            f" restored devices 0-{min(saved, now) - 1}"):
+        restore_rng(state)
+    assert sorted(cuda.set) == list(range(min(saved, now)))
+    assert all(torch.equal(cuda.set[d], state["cuda"][d]) for d in cuda.set)
+
+
+def test_the_same_number_of_cuda_devices_restores_all_without_a_word(monkeypatch):
+    import warnings
+
+    state = capture_rng()
+    state["cuda"] = [torch.full((8,), d, dtype=torch.uint8) for d in range(2)]
+    cuda = FakeCuda(monkeypatch, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restore_rng(state)
+    assert sorted(cuda.set) == [0, 1]

@@ -58,3 +58,15 @@ def test_bad_arguments():
         PerSampleSeeded(object())
     with pytest.raises(TypeError, match="seed must be an int"):
         PerSampleSeeded(Augmenting(), seed="x")
+
+
+def test_per_sample_seeding_never_touches_the_cuda_generators(monkeypatch):
+    """torch.manual_seed would reseed every CUDA generator (and nothing would put them back): the wrapper seeds the
+    CPU generator only. The CUDA calls are recorded here, on a machine without CUDA."""
+    calls: list[str] = []
+    for name in ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: calls.append(name))
+    data = PerSampleSeeded(Augmenting(), seed=5)
+    first = data[3]
+    assert calls == []
+    assert torch.equal(first, data[3])  # still seeded per sample
