@@ -4,6 +4,7 @@
     python benchmarks/scaling.py --world-sizes 1 2 4 8 --model transformer --width 2048 --layers 16
     python benchmarks/scaling.py --root s3://my-bucket/bench --async-save --every-n-steps 50
     python benchmarks/scaling.py --device cpu                       # reduced form: gloo, world sizes 1 and 2, tiny MLP
+    python benchmarks/scaling.py --nodes 2 [--procs-per-node 2]     # 2 nodes simulated here: store reads per resume
 
 Each world size N is a fresh multi-process job: this script starts ``scaling.py --worker`` as a subprocess, whose
 ``Trainer(accelerator="gpu", devices=N, strategy="ddp")`` spawns the other ranks with Lightning's own launcher
@@ -35,6 +36,11 @@ What is measured, on global rank 0 (medians; steps before ``--warmup`` are not t
 - load: every rank loads the last checkpoint at once with ``io.load_checkpoint(path)`` (what a resume does, onto the
   CPU); the slowest rank's time, median over ``--load-runs``;
 - checkpoint overhead = save / (save + every_n_steps x step time), the share of wall time lost to checkpoints.
+
+``--nodes N`` is another measurement (``benchmarks/scaling_nodes.py``, whose ``--help`` lists its options): an
+N-node x P-process DDP job simulated on this machine (one launcher process, node cache folder and counting store
+proxy per node, in front of moto's S3 server), trained, then resumed from its latest checkpoint with and without
+the node cache; it reports per node the store reads and bytes during the resume and the resume time.
 
 Writes a markdown table, the JSON that ``lightning_resilient.planning.load_scaling`` reads (schema
 ``lightning_resilient.scaling/1``) and a PNG plot next to the ``--out`` prefix.
@@ -553,6 +559,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scaling"),
                         help="output path prefix (.md, .json and .png are written)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per world size")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="simulate this many nodes on this machine and measure a resume's store reads per node"
+                             " (benchmarks/scaling_nodes.py; see its --help for --procs-per-node, --runs, ...)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -634,7 +643,21 @@ def _external(args: argparse.Namespace) -> str:
     return text
 
 
+def _simulates_nodes(argv: list[str]) -> bool:
+    return any(a == "--nodes" or a.startswith("--nodes=") for a in argv)
+
+
 def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else argv
+    if _simulates_nodes(argv):  # its own options and outputs: the simulation parses the whole command line
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scaling_nodes.py")
+        spec = importlib.util.spec_from_file_location("_bench_scaling_nodes", path)
+        assert spec is not None and spec.loader is not None
+        nodes = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(nodes)
+        return nodes.main(argv)
     args = parse(argv)
     if args.worker:
         spec = json.loads(args.worker)

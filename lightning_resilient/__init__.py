@@ -27,7 +27,10 @@ _WHERE = {
     "StaleWriterError": "lightning_resilient.errors",
     "TransferAudit": "lightning_resilient.planning",
     "UnsupportedFormatError": "lightning_resilient.errors",
+    "export_checkpoint": "lightning_resilient.io.loading",
     "find_latest_checkpoint": "lightning_resilient.io.catalog",
+    "load_checkpoint": "lightning_resilient.io.loading",
+    "load_from_checkpoint": "lightning_resilient.io.loading",
     "repair_pointer": "lightning_resilient.io.catalog",
     "select_precision": "lightning_resilient.precision",
     "warmup_schedule": "lightning_resilient.schedule",
@@ -49,7 +52,10 @@ __all__ = [
     "TransferAudit",
     "UnsupportedFormatError",
     "__version__",
+    "export_checkpoint",
     "find_latest_checkpoint",
+    "load_checkpoint",
+    "load_from_checkpoint",
     "repair_pointer",
     "select_precision",
     "warmup_schedule",
@@ -65,6 +71,7 @@ if TYPE_CHECKING:
     )
     from lightning_resilient.io.catalog import find_latest_checkpoint, repair_pointer
     from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+    from lightning_resilient.io.loading import export_checkpoint, load_checkpoint, load_from_checkpoint
     from lightning_resilient.planning import CheckpointCadence, TransferAudit
     from lightning_resilient.precision import AutoPrecision, select_precision
     from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule

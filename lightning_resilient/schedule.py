@@ -9,6 +9,7 @@ trainer's real optimizer-step count.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -245,16 +246,20 @@ def warmup_schedule(
                                       scaler=scaler, total_steps=total_steps)
 
 
-def _lambda(kind: str, total: int, warmup: int, floor: float) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        # step = optimizer steps taken; the LR for the next update. factor(total) is the schedule's end.
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "linear":
-            return floor + (1.0 - floor) * (1.0 - progress)  # exactly floor at the end
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+def _factor(kind: str, total: int, warmup: int, floor: float, step: int) -> float:
+    # step = optimizer steps taken; the LR for the next update. factor(total) is the schedule's end.
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)  # exactly floor at the end
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return factor
+
+def _lambda(kind: str, total: int, warmup: int, floor: float) -> Callable[[int], float]:
+    # A partial of a module-level function, not a closure: the scheduler pickles (ddp_spawn, torch.save(trainer)),
+    # and LambdaLR's state_dict still stores nothing of it (an empty __dict__), so a resume with a longer
+    # total_steps takes the new schedule, as before.
+    return functools.partial(_factor, kind, total, warmup, floor)

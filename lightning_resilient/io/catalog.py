@@ -25,8 +25,8 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, RootSettings, commit_epoch
 from lightning_resilient.io.store import Store, open_store
 
-__all__ = ["Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved", "load_together",
-           "normalize", "reader", "repair_pointer", "resolve", "was_retired"]
+__all__ = ["NOT_FOUND", "Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved", "load_together",
+           "normalize", "reader", "repair_pointer", "resolve", "stock_checkpoints", "was_retired"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,31 @@ def normalize(url: str) -> str:
     if protocol in (None, "file", "local"):
         return os.path.abspath(os.path.expanduser(rest))
     return _paths.strip_trailing(url)
+
+
+# Lightning's own words for a missing ckpt_path (scripts and people search for them); ours follow.
+NOT_FOUND = "Checkpoint file not found: "
+
+
+def _follow_local_link(url: str) -> str:
+    """Where a local symlink points (``ModelCheckpoint(save_last="link")`` links ``last.ckpt`` to the checkpoint it
+    saved last, a name folder of the same root); any other URL as it is."""
+    if _paths.split_protocol(url)[0] not in (None, "file", "local"):
+        return url
+    for _ in range(8):  # a chain of links, never a loop
+        if not os.path.islink(url):
+            return url
+        url = os.path.normpath(os.path.join(os.path.dirname(url), os.readlink(url)))
+    return url
+
+
+def stock_checkpoints(store: Store) -> list[tuple[str, float]]:
+    """Plain ``.ckpt`` files directly in the root (stock Lightning's, written before this plugin was added), with
+    their modification times by the store's clock, newest first."""
+    files = store.list_detail("")
+    found = [(name, info.modified or 0.0) for name, info in files.items()
+             if name.endswith(".ckpt") and not name.startswith(".")]
+    return sorted(found, key=lambda item: item[1], reverse=True)
 
 
 def check_bucket(store: Store) -> None:
@@ -94,6 +119,7 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
     A root or a commit folder (what :func:`find_latest_checkpoint` returns) costs one pointer read: the load then
     reads the manifest and the data, and nothing else.
     """
+    url = _follow_local_link(url)
     name = _paths.basename(url)
     if commit_epoch(name) is not None:
         # <root>/<name>/<commit>: what resuming passes. The root's pointer knows the commit and its lineage.
@@ -116,7 +142,7 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
         if pointer.writer_epoch:
             latest = pointer.candidates()
             raise FileNotFoundError(
-                f"checkpoint {url} no longer exists: {root.url} holds no commit {commit!r} (retention deletes the"
+                f"{NOT_FOUND}{url}. It no longer exists: {root.url} holds no commit {commit!r} (retention deletes the"
                 " checkpoints keep_last or a top-k rotation drop, a save later; a save that never committed leaves"
                 " no manifest)." + (f" The root's latest is {root.store.url(latest[0].commit)}." if latest else ""))
 
@@ -140,8 +166,8 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
     if parent.store.is_file(name):
         return None  # a plain file
     if pointer is not None:
-        raise FileNotFoundError(f"no committed checkpoint named {name!r} under {parent.url}: committed names are"
-                                f" {sorted(pointer.checkpoints)}")
+        raise FileNotFoundError(f"{NOT_FOUND}{url}. No committed checkpoint is named {name!r} under {parent.url}:"
+                                f" committed names are {sorted(pointer.checkpoints)}")
     scanned = as_root.scan().pointer() if as_root.store.list_dir("") else None
     if scanned is not None and scanned.candidates():
         candidates = scanned.candidates()
@@ -149,9 +175,9 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
                       f" by scanning, {candidates[0].commit}. lightning_resilient.repair_pointer({url!r}) restores"
                       " the pointer.", RuntimeWarning, stacklevel=3)
         return Resolved(as_root, candidates[0], candidates[1:], pinned=False)
-    raise FileNotFoundError(f"no checkpoint at {url}: it is not a checkpoint root (no {POINTER_NAME}), not a"
-                            " committed name in its parent's pointer, not a checkpoint folder (no"
-                            f" {MANIFEST_NAME}), and not a file")
+    raise FileNotFoundError(f"{NOT_FOUND}{url}. It is not a checkpoint root (no {POINTER_NAME}), not a committed"
+                            f" name in its parent's pointer, not a checkpoint folder (no {MANIFEST_NAME}), and not a"
+                            " file")
 
 
 class _Retired(Exception):
@@ -360,6 +386,18 @@ def _find_latest(checkpoint_root: CheckpointRoot) -> str | None | object:
             f" {', '.join(sorted(unreadable))}; first: {unreadable[first]}). Training would restart from step 0"
             f" over a root that holds a run: check the store (`lightning-resilient ls {store.root_url}`) before"
             " deleting it or choosing another dirpath.", object=store.url(first))
+    if pointer is None or not pointer.candidates():
+        stock = stock_checkpoints(store)
+        if stock:
+            # A run that used stock Lightning checkpointing before this plugin was added: resume it where stock
+            # Lightning would (its newest file), rather than silently from step 0.
+            from lightning.fabric.utilities.rank_zero import rank_zero_info  # the protocol imports no Lightning
+
+            url = store.url(stock[0][0])
+            rank_zero_info(f"lightning_resilient: no committed checkpoint under {store.root_url}; resuming from the"
+                           f" newest stock Lightning checkpoint {url} ({len(stock)} stock file(s), not verified:"
+                           " stock checkpoints carry no checksums)")
+            return url
     return None
 
 

@@ -17,10 +17,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
+from lightning_resilient._namespaces import register_checkpoint_io
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.catalog import (
     Together,
+    check_bucket,
     find_latest_checkpoint,
     load_resolved,
     load_together,
@@ -123,6 +125,7 @@ class AtomicCheckpointIO(CheckpointIO):
         retry_max_delay: float = 10.0,
     ) -> None:
         super().__init__()
+        register_checkpoint_io(type(self))  # pytorch_lightning.Trainer accepts it too
         self.storage_options = _check_storage_options(storage_options, "storage_options")
         if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
@@ -170,6 +173,22 @@ class AtomicCheckpointIO(CheckpointIO):
         self._roots: dict[tuple[str, str], CheckpointRoot] = {}
         self._lock = threading.Lock()
 
+    # -- pickling ----------------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # ``ddp_spawn`` pickles the Trainer's plugins into every process, ``torch.save(trainer)`` and ``deepcopy`` of
+        # objects that hold the Trainer copy them: a copy keeps the settings and starts with no open roots, no
+        # claimed writer epoch and no save in flight (those belong to the original; a copy that saves claims anew).
+        state = self.__dict__.copy()
+        for runtime in ("_roots", "_lock", "_async"):
+            state.pop(runtime, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._roots = {}
+        self._lock = threading.Lock()
+        self._async = AsyncSaver(pin_memory=self.pin_memory) if self.async_save else None
+
     # -- plumbing ----------------------------------------------------------------------------------------------
     def _executor(self) -> Executor:
         # One pool per save or load: its threads end with the operation, so nothing lingers between saves
@@ -201,6 +220,12 @@ class AtomicCheckpointIO(CheckpointIO):
         name = _paths.basename(url)
         if not name:
             raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")
+        if name.startswith("."):
+            # A hidden file is Lightning's own transfer, not a checkpoint: ddp_spawn hands the trained weights to the
+            # main process as <default_root_dir>/.temp.ckpt, loads and removes it. It stays one plain file, as stock,
+            # instead of making the working folder a checkpoint root.
+            _save_plain_file(checkpoint, url, self._options(storage_options))
+            return
         _check_not_nested(url, checkpoint)
         root = self.root(_paths.dirname(url), storage_options)
         started = time.perf_counter()
@@ -265,18 +290,27 @@ class AtomicCheckpointIO(CheckpointIO):
             if claim_now and _global_rank() == 0 and root.epoch is None:
                 root.claim()
         root.remember_loaded(loaded)
+        if fit:
+            _mark_resumed_step_saved(trainer, loaded.checkpoint)
         return loaded.checkpoint
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
         url = normalize(_fspath(path))
         root, name = self.root(_paths.dirname(url)), _paths.basename(url)
+
+        def remove() -> None:
+            # A stock file or link (a run from before this plugin, a save_last="link" link) goes as stock
+            # Lightning would delete it; the protocol is not involved (no claim, no pointer write).
+            if not root.forget_stock(name):
+                root.remove(name)
+
         if self._async is not None:
             # Lightning removes the checkpoint a new save replaces right after starting that save: only once
             # the new one is committed may the old one go.
-            self._async.after_pending(lambda: root.remove(name), f"removal of {url}")
+            self._async.after_pending(remove, f"removal of {url}")
         else:
-            root.remove(name)
+            remove()
 
     @override
     def teardown(self) -> None:
@@ -291,6 +325,13 @@ class AtomicCheckpointIO(CheckpointIO):
             self._async.raise_error()
 
     # -- extras ------------------------------------------------------------------------------------------------
+    def check_root(self, root: str) -> None:
+        """Raise now, naming what to fix, when ``root`` cannot hold checkpoints: its bucket does not exist, or the
+        credentials cannot see it. ``ResumeStateCallback`` calls it for every ModelCheckpoint dirpath when ``fit``
+        starts, so a wrong bucket stops the run before its first step rather than at its first save."""
+        check_bucket(self.root(root).store)
+        self.root(root).store.list_dir("")  # credentials that can name the bucket but not list it fail here
+
     def find_latest_checkpoint(self, root: str) -> str | None:
         """Like :func:`find_latest_checkpoint`, with this plugin's storage options."""
         return find_latest_checkpoint(root, self.storage_options)
@@ -380,6 +421,29 @@ def _load_plain_file(url: str, options: dict[str, Any], map_location: Any, weigh
         if weights_only is not None:
             kwargs["weights_only"] = weights_only
         return torch.load(f, **kwargs)
+
+
+def _save_plain_file(checkpoint: dict[str, Any], url: str, options: dict[str, Any]) -> None:
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url, **options)
+    fs.makedirs(_paths.dirname(path) or ".", exist_ok=True)
+    with fs.open(path, "wb") as f:
+        torch.save(checkpoint, f)
+
+
+def _mark_resumed_step_saved(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """The step a fit resumes from is saved already: no ModelCheckpoint saves it again.
+
+    ModelCheckpoint skips a save only when its ``_last_global_step_saved`` equals the global step, and that counter is
+    not part of its state, so after a resume it is 0. Under gradient accumulation the first batches after the resume
+    end at the resumed step (no optimizer step yet), and ``every_n_train_steps`` would save that step once more."""
+    step = checkpoint.get("global_step")
+    if not isinstance(step, int) or step <= 0:
+        return
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        if hasattr(callback, "_last_global_step_saved"):
+            callback._last_global_step_saved = step
 
 
 def _check_not_nested(url: str, checkpoint: dict[str, Any]) -> None:

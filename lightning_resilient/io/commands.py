@@ -1,4 +1,4 @@
-"""``lightning-resilient ls | verify | gc``: look at, check and clean a checkpoint root without writing Python.
+"""``lightning-resilient ls | verify | gc | export``: look at, check and clean a checkpoint root without writing Python.
 
 Exit status: 0 when all is well, 1 when a checkpoint fails verification (or the pointer is damaged), 2 for bad
 input (a URL no filesystem knows, a missing bucket, missing credentials, a checkpoint that does not exist).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -15,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
-from lightning_resilient.io.catalog import check_bucket, normalize, was_retired
+from lightning_resilient.io.catalog import check_bucket, normalize, stock_checkpoints, was_retired
 from lightning_resilient.io.manifest import MANIFEST_NAME
-from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
+from lightning_resilient.io.pointer import LEGACY_NAMES, POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import RESUMED, CheckpointRoot, RootSettings, commit_epoch
 from lightning_resilient.io.store import open_store
@@ -28,7 +29,7 @@ _CONCURRENCY = 8
 
 
 def add_commands(subparsers: Any) -> None:
-    """Register ``ls``, ``verify`` and ``gc`` on the ``lightning-resilient`` parser."""
+    """Register ``ls``, ``verify``, ``gc`` and ``export`` on the ``lightning-resilient`` parser."""
     ls = subparsers.add_parser("ls", help="the pointer and every committed checkpoint of a root",
                                description="Show the pointer (latest, writer epoch) and each committed checkpoint"
                                            " with its step, size, age and whether it verifies.")
@@ -69,6 +70,16 @@ def add_commands(subparsers: Any) -> None:
     gc.set_defaults(func=_guarded(_gc))
 
 
+    export = subparsers.add_parser("export", help="write a committed checkpoint as one stock .ckpt file",
+                                   description="Verify a committed checkpoint and write it as one stock Lightning .ckpt"
+                                               " file (torch.load-able, loadable by stock Lightning without this"
+                                               " package), for tools that need a file. Read-only on the root.")
+    export.add_argument("checkpoint", help="a commit folder, a name (<root>/last.ckpt) or a root (its latest)")
+    export.add_argument("out", help="the .ckpt file to write (a path or an fsspec URL)")
+    _storage_option(export)
+    export.set_defaults(func=_guarded(_export))
+
+
 def _storage_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-options", default=None, metavar="JSON",
                         help='fsspec options as JSON, e.g. \'{"client_kwargs": {"endpoint_url": "http://..."}}\''
@@ -97,14 +108,7 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def _open(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
-    options: dict[str, Any] = {}
-    if args.storage_options:
-        try:
-            options = json.loads(args.storage_options)
-        except json.JSONDecodeError as exc:
-            raise _Usage(f"--storage-options is not valid JSON ({exc})") from None
-        if not isinstance(options, dict):
-            raise _Usage(f"--storage-options must be a JSON object, got {args.storage_options!r}")
+    options = _options(args)
     try:
         store = open_store(normalize(args.root), options, RetryPolicy())
     except (ValueError, ImportError) as exc:
@@ -114,6 +118,26 @@ def _open(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
     settings = RootSettings(keep_last=None, shard_size=1, orphan_grace_seconds=grace, fallback_on_corruption=False)
     return CheckpointRoot(store, settings, lambda: ThreadPoolExecutor(_CONCURRENCY,
                                                                       thread_name_prefix="lightning_resilient-cli"))
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.storage_options:
+        return {}
+    try:
+        options = json.loads(args.storage_options)
+    except json.JSONDecodeError as exc:
+        raise _Usage(f"--storage-options is not valid JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise _Usage(f"--storage-options must be a JSON object, got {args.storage_options!r}")
+    return options
+
+
+def _export(args: argparse.Namespace) -> int:
+    from lightning_resilient.io.loading import export_checkpoint
+
+    written = export_checkpoint(args.checkpoint, args.out, storage_options=_options(args))
+    print(f"wrote {written} ({_size(os.path.getsize(written)) if os.path.exists(written) else 'remote'})")
+    return 0
 
 
 def _pointer(root: CheckpointRoot) -> Pointer | None:
@@ -153,9 +177,14 @@ def _ls(args: argparse.Namespace) -> int:
     pointer = _pointer(root)
     print(f"root:    {root.url}")
     scanned = pointer is None
+    stock = stock_checkpoints(root.store)
     if pointer is None:
         scan = root.scan()
         if not scan.manifests and not scan.unreadable:
+            if stock:
+                print("no committed checkpoint (no pointer); stock Lightning checkpoints only:")
+                _print_stock(root, stock)
+                return 0
             print("no checkpoints (no pointer, no committed checkpoint)")
             return 0
         pointer = scan.pointer()
@@ -184,7 +213,7 @@ def _ls(args: argparse.Namespace) -> int:
     live = pointer.live_folders()
     retired, others, uncommitted = [], [], []
     for name in root.store.list_dir(""):
-        if name == POINTER_NAME or name.startswith("."):
+        if name in LEGACY_NAMES or name.startswith("."):
             continue
         for child in root.store.list_dir(name):
             folder = f"{name}/{child}"
@@ -205,11 +234,24 @@ def _ls(args: argparse.Namespace) -> int:
     if uncommitted:
         print(f"\n{len(uncommitted)} folder(s) without a manifest (crashed or in-progress saves): never loadable; see"
               f" `lightning-resilient gc {args.root} --dry-run`")
+    if stock:
+        print(f"\n{len(stock)} stock Lightning checkpoint file(s) (written without this plugin; resumed from only when no"
+              " committed checkpoint exists):")
+        _print_stock(root, stock)
     bad = [e for e, status in rows if status.startswith("NO")]
     if bad:
         print(f"\n{len(bad)} checkpoint(s) FAIL verification", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_stock(root: CheckpointRoot, stock: list[tuple[str, float]]) -> None:
+    sizes = root.store.list_detail("")
+    print()
+    print("| name | size | age | verifies |")
+    print("|---|---:|---:|---|")
+    for name, modified in stock:
+        print(f"| {name} | {_size(sizes[name].size)} | {_age(modified)} | stock (unverified) |")
 
 
 def _verify(args: argparse.Namespace) -> int:

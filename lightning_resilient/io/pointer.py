@@ -20,9 +20,14 @@ from lightning_resilient.io._sealed import seal, unseal
 from lightning_resilient.io.lineage import Lineage, Origin, order
 from lightning_resilient.io.manifest import Manifest
 
-__all__ = ["POINTER_NAME", "Entry", "Pointer"]
+__all__ = ["LEGACY_NAMES", "LEGACY_POINTER_NAME", "POINTER_NAME", "Entry", "Pointer"]
 
-POINTER_NAME = "latest.json"
+# The pointer lives in the root's dot-folder, beside the origin records: a listing of the checkpoint folder shows
+# checkpoint names only, to people and to Lightning (its version counter and "directory is not empty" checks).
+POINTER_NAME = ".lightning_resilient/latest.json"
+# Where releases up to 0.1 kept it (and its lock file, on local disk): still read, replaced by the first update.
+LEGACY_POINTER_NAME = "latest.json"
+LEGACY_NAMES = frozenset({LEGACY_POINTER_NAME, f"{LEGACY_POINTER_NAME}.lock"})
 FORMAT = 1
 KIND = "lightning_resilient.pointer"
 

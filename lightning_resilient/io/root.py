@@ -59,7 +59,7 @@ from lightning_resilient.io.manifest import (
     hasher,
     object_digest,
 )
-from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
+from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.store import Store
 
 __all__ = ["CheckpointRoot", "LoadStats", "Prepared", "RootSettings", "Scan"]
@@ -70,6 +70,8 @@ _COMMIT_RE = re.compile(r"^c(\d{13})-e(\d+)-[0-9a-f]{8}$")
 SKELETON_NAME = "skeleton.pt"
 _CAS_ATTEMPTS = 50
 RESUMED = "resumed from"
+# Stock checkpoint files a save of the same name replaces wait here until that save has committed.
+REPLACED_DIR = ".lightning_resilient/replaced"
 # Consecutive checksummed chunks are read with one request of at least this many bytes: the number of requests
 # depends on the bytes read, never on a manifest's chunk size (a chunk size of 1 must not mean a request per byte).
 READ_SPAN = 4 * 2**20
@@ -233,6 +235,10 @@ class CheckpointRoot:
         # different steps never share bytes, so one corrupted object can never take several of them down.
         self._known: dict[tuple[str, int], str] = {}
         self._known_step: int | None = None
+        # Files directly in the root (stock Lightning checkpoints), listed at this process's first save, and those
+        # a save moved aside until it commits.
+        self._stock: set[str] | None = None
+        self._aside: dict[str, str] = {}
 
     @property
     def url(self) -> str:
@@ -240,11 +246,28 @@ class CheckpointRoot:
 
     # -- pointer -----------------------------------------------------------------------------------------------
     def read_pointer(self) -> tuple[Pointer | None, str | None]:
+        """The pointer and its version (None when there is none, or only a legacy one: the next update creates it)."""
+        pointer, version, _ = self._read_pointer()
+        return pointer, version
+
+    def _read_pointer(self) -> tuple[Pointer | None, str | None, bool]:
         got = self.store.read_versioned(POINTER_NAME)
-        if got is None:
-            return None, None
-        data, version = got
-        return Pointer.from_bytes(data, where=self.store.url(POINTER_NAME)), version
+        if got is not None:
+            data, version = got
+            return Pointer.from_bytes(data, where=self.store.url(POINTER_NAME)), version, False
+        legacy = self.store.read_versioned(LEGACY_POINTER_NAME)  # a root written by release 0.1
+        if legacy is None:
+            return None, None, False
+        return Pointer.from_bytes(legacy[0], where=self.store.url(LEGACY_POINTER_NAME)), None, True
+
+    def _drop_legacy_pointer(self) -> None:
+        # The pointer now lives in the dot-folder and is read first: the old one is a stale copy. A reader that
+        # found no new pointer a moment ago and then no old one either reads the root by scanning (never deletes).
+        for name in sorted(LEGACY_NAMES):
+            try:
+                self.store.remove(name)
+            except OSError as exc:  # cosmetic: it is never read again once the new pointer exists
+                log.warning("could not remove the legacy %s: %s", self.store.url(name), exc)
 
     def _update(self, mutate: Callable[[Pointer], Pointer | None], *, fenced: bool,
                 retire_now: bool = False) -> tuple[Pointer, Pointer]:
@@ -255,7 +278,7 @@ class CheckpointRoot:
         pointer is rebuilt from the manifests first, so an update never forgets what is committed.
         """
         for attempt in range(_CAS_ATTEMPTS):
-            current, version = self.read_pointer()
+            current, version, legacy = self._read_pointer()
             if current is None:
                 scan = self.scan()
                 base = scan.pointer()
@@ -280,6 +303,8 @@ class CheckpointRoot:
                 del new.retired[folder]
             new.txn = uuid.uuid4().hex
             if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
+                if legacy:
+                    self._drop_legacy_pointer()
                 self._deleted -= set(base.retired) - set(new.retired)
                 for folder in sorted(set(new.retired) - set(base.retired)):
                     # A retired folder stops being a checkpoint at once (its manifest goes now; a reader already
@@ -315,9 +340,12 @@ class CheckpointRoot:
         if resumed_from is not None and not self.store.exists(f"{resumed_from.commit}/{MANIFEST_NAME}"):
             raise self._origin_gone(resumed_from)
 
+        fresh_over: list[Entry] = []
+
         def bump(p: Pointer) -> Pointer:
             if resumed_from is not None and resumed_from.commit in p.retired:
                 raise self._origin_gone(resumed_from)
+            fresh_over[:] = p.candidates()[:1] if resumed_from is None else []
             p.writer_epoch += 1
             p.writer = self.writer
             p.origins[p.writer_epoch] = origin
@@ -340,6 +368,15 @@ class CheckpointRoot:
 
         self.resumed_from = resumed_from.commit if resumed_from else None
         self.pending_resume = None
+        if fresh_over:
+            # Legitimate (a new experiment in the same folder), but more often a resume that found nothing:
+            # ckpt_path="last" on S3/GCS (Lightning lists last*.ckpt without the protocol and finds none) or a
+            # forgotten ckpt_path. Nothing is lost: the old run stays, an abandoned branch, until gc --abandoned.
+            warnings.warn(
+                f"this job started from scratch (no checkpoint loaded) in {self.url}, which holds a run up to step"
+                f" {fresh_over[0].step}; that run is kept as an abandoned branch. To resume it instead, pass"
+                f" ckpt_path=find_latest_checkpoint({self.url!r}) (ckpt_path=\"last\" finds nothing on S3/GCS: Lightning"
+                " lists last.ckpt without its protocol).", RuntimeWarning, stacklevel=2)
         log.info("claimed %s as writer epoch %d (%s), %s", self.url, self.epoch, self.writer,
                  f"resuming {resumed_from.commit}" if resumed_from else "starting fresh")
         try:
@@ -423,6 +460,7 @@ class CheckpointRoot:
         """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
         if self.epoch is None:
             self.claim()
+        self._make_room(name)
         return f"{name}/c{int(created * 1000):013d}-e{self.epoch}-{uuid.uuid4().hex[:8]}"
 
     def _put(self, rel: str, pieces: list[memoryview], known: dict[tuple[str, int], str]) -> ObjectEntry:
@@ -461,6 +499,39 @@ class CheckpointRoot:
             if not self._maybe_referenced(commit):
                 self._discard(commit)
             raise
+
+    def _make_room(self, name: str) -> None:
+        """Clear ``name`` of what stock Lightning left there: a ``save_last="link"`` symlink (it holds no data) goes;
+        a stock checkpoint file (a run from before this plugin was added, whose ``last.ckpt`` is saved again now)
+        is moved into the dot-folder and deleted once the save that replaces it has committed, as stock Lightning
+        would overwrite it. Stock files are found by one listing of the root per process."""
+        if self.store.is_link(name):
+            self.store.remove(name)
+            return
+        if self._stock is None:
+            self._stock = {n for n in self.store.list_detail("") if not n.startswith(".") and n not in LEGACY_NAMES}
+        if name in self._stock:
+            self._stock.discard(name)
+            aside = f"{REPLACED_DIR}/{name}"
+            self.store.move(name, aside)
+            self._aside[name] = aside
+            log.info("moved the stock checkpoint %s aside: a committed save of the same name replaces it",
+                     self.store.url(name))
+
+    def _replaced(self, name: str) -> None:
+        aside = self._aside.pop(name, None)
+        if aside is not None:
+            self.store.remove(aside)
+
+    def forget_stock(self, name: str) -> bool:
+        """Delete ``name`` when it is a stock Lightning file or link (``remove_checkpoint`` of a path this plugin did not
+        write, as stock Lightning deletes it); False when it is not one."""
+        if self.store.is_link(name) or self.store.is_file(name):
+            self.store.remove(name)
+            if self._stock is not None:
+                self._stock.discard(name)
+            return True
+        return False
 
     def _maybe_referenced(self, commit: str) -> bool:
         try:
@@ -514,6 +585,7 @@ class CheckpointRoot:
         log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(commit), entry.step,
                  len(objects), entry.size)
         self._delete_retired(new)
+        self._replaced(name)
         return entry
 
     def _check_stored(self, objects: list[ObjectEntry], commit: str) -> None:
@@ -638,6 +710,9 @@ class CheckpointRoot:
             del p.checkpoints[name]
             return p
 
+        pointer, _ = self.read_pointer()
+        if pointer is not None and name not in pointer.checkpoints:
+            return  # not a name of ours (nothing to remove, and no reason to claim the root or write its pointer)
         if self.epoch is None:
             self.claim()
         self._update(drop, fenced=True)
@@ -875,7 +950,7 @@ class CheckpointRoot:
             scan.origins[epoch] = origin
             scan.max_epoch = max(scan.max_epoch, epoch)
         for name in self.store.list_dir(""):
-            if name == POINTER_NAME or name.startswith("."):
+            if name in LEGACY_NAMES or name.startswith("."):
                 continue
             for child in self.store.list_dir(name):
                 epoch = commit_epoch(child)
@@ -925,12 +1000,12 @@ class CheckpointRoot:
             if pointer is None:
                 return doomed
         head, live, due, lineage = pointer.writer_epoch, pointer.live_folders(), pointer.retired_due(), pointer.lineage()
-        reference = self.store.modified(POINTER_NAME) or time.time()
+        reference = self.store.modified(POINTER_NAME) or self.store.modified(LEGACY_POINTER_NAME) or time.time()
         grace = self.settings.orphan_grace_seconds
         partial: list[str] = []
         committed: list[str] = []
         for name in self.store.list_dir(""):
-            if name == POINTER_NAME or name.startswith("."):
+            if name in LEGACY_NAMES or name.startswith("."):
                 continue
             for child in self.store.list_dir(name):
                 epoch, folder = commit_epoch(child), f"{name}/{child}"
@@ -991,11 +1066,21 @@ class CheckpointRoot:
 
 
 def _beyond(p: Pointer, keep: int) -> list[Entry]:
-    """Catalog entries of the current lineage past the ``keep`` newest, except the latest and what a job resumed
-    from (what its restart would need). Abandoned branches are neither counted nor dropped here."""
+    """Catalog entries of the current lineage past the ``keep`` newest checkpoints, except the latest and what a job
+    resumed from (what its restart would need). Abandoned branches are neither counted nor dropped here.
+
+    A checkpoint is a training state (writer epoch, step), not a name: ``last.ckpt`` saved at the step of a top-k
+    save is the same state under a second name, so it does not take one of the ``keep`` places."""
     ordered = p.lineage().members(p.checkpoints.values())
-    return [e for e in ordered[keep:] if not (p.latest is not None and e.commit == p.latest.commit)
-            and not _is_resumed(p, e)]
+    kept: set[tuple[int, int]] = set()
+    beyond = []
+    for e in ordered:
+        state = (e.writer_epoch, e.step)
+        if state in kept or len(kept) < keep:
+            kept.add(state)
+        else:
+            beyond.append(e)
+    return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit) and not _is_resumed(p, e)]
 
 
 def _abandoned(p: Pointer) -> list[Entry]:

@@ -154,6 +154,21 @@ class Store:
     def exists(self, rel: str) -> bool:
         return self._call("stat", rel, lambda: self._exists(self.path(rel)))
 
+    def move(self, rel: str, to: str) -> None:
+        """Move one object (a rename on disk, a copy then a delete on object stores)."""
+
+        def mv() -> None:
+            source, target = self.path(rel), self.path(to)
+            self.fs.invalidate_cache(source)
+            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.mv(source, target)
+
+        self._call("move", rel, mv)
+
+    def is_link(self, rel: str) -> bool:
+        """Whether ``rel`` is a symbolic link (local disk: ``ModelCheckpoint(save_last="link")``); never elsewhere."""
+        return False
+
     def _exists(self, path: str) -> bool:
         self.fs.invalidate_cache(path)
         return bool(self.fs.exists(path))
@@ -288,6 +303,9 @@ class LocalStore(Store):
 
     def check_fencing(self) -> str | None:
         return None  # the swap is this package's own flock + os.replace
+
+    def is_link(self, rel: str) -> bool:
+        return os.path.islink(self.path(rel))
 
     def remove_stale_temp_files(self, rel: str) -> list[str]:
         # A conditional write holds the lock from its temp file's creation to its rename, so a temp file found

@@ -30,6 +30,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_resilient._namespaces import require_lightning_pytorch
 from lightning_resilient.planning._checks import check_positive_int
 
 __all__ = ["TransferAudit", "TransferAuditWarning"]
@@ -265,6 +266,7 @@ class TransferAudit(Callback):
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        require_lightning_pytorch(trainer, "TransferAudit")
         self._stop()
         device = trainer.strategy.root_device
         if device.type != "cuda":

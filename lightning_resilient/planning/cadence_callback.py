@@ -21,6 +21,7 @@ from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_resilient._namespaces import require_lightning_pytorch
 from lightning_resilient.planning._checks import check_non_negative, check_positive, check_positive_int
 from lightning_resilient.planning._units import format_duration, format_percent
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
@@ -178,6 +179,7 @@ class CheckpointCadence(Callback):
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        require_lightning_pytorch(trainer, "CheckpointCadence")
         self._restore()
         self._trainer = trainer
         self._had_instance_attr = "save_checkpoint" in vars(trainer)

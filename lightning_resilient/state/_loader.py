@@ -145,7 +145,21 @@ def draw_once_per_epoch(loader: Any, drawing: Callable[[], set[int] | None]) -> 
             if drawn is not None:
                 drawn.add(id(target))
 
+        reset_once._hooked = True  # type: ignore[attr-defined]
         wrapper.reset = reset_once  # type: ignore[method-assign]
+
+
+def untrack(loader: Any) -> None:
+    """Undo what :class:`TrackedBatchSampler`, :func:`hook_iterators` and :func:`draw_once_per_epoch` did to
+    ``loader``: the user's loader goes back to its own batch sampler and its class's methods."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(sampler, TrackedBatchSampler):
+        object.__setattr__(loader, "batch_sampler", sampler.inner)  # as set: DataLoader refuses it after __init__
+    if getattr(loader.__dict__.get("_get_iterator"), "_hooked", False):
+        del loader.__dict__["_get_iterator"]
+    for wrapper in _walk(loader)[1]:
+        if getattr(wrapper.__dict__.get("reset"), "_hooked", False):
+            del wrapper.__dict__["reset"]
 
 
 def batch_len(batch: Any) -> int:
@@ -247,6 +261,7 @@ def hook_iterators(loader: DataLoader, on_epoch_start: Callable[[], None], on_it
         on_iterator(it)
         return it
 
+    hooked_get_iterator._hooked = True  # type: ignore[attr-defined]
     loader._get_iterator = hooked_get_iterator  # type: ignore[method-assign]
 
 

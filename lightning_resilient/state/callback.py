@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import warnings
 import weakref
 from collections import deque
@@ -29,6 +30,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.loop import _Loop
 from torch.utils.data import DataLoader
 
+from lightning_resilient._namespaces import require_lightning_pytorch
 from lightning_resilient.state._loader import (
     DATASET,
     ITERABLE,
@@ -44,6 +46,7 @@ from lightning_resilient.state._loader import (
     hook_iterators,
     sampler_facts,
     set_data_epoch,
+    untrack,
     sized,
 )
 from lightning_resilient.state.rng import capture_rng, restore_rng
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 FORMAT = 2  # 1: no epoch / samples / kind / loader state (still loaded)
 # Lightning's warning on every mid-epoch resume of a loader it cannot resume itself; replaced by our own line when
 # this callback did resume the position.
+_ABSENT = object()  # an attribute a wrap did not replace (the class's own method)
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 _DESCRIBE = {
@@ -142,6 +146,7 @@ class ResumeStateCallback(Callback):
         super().__init__()
         self._trainer: Trainer | None = None
         self._loader: Any = None  # the training loader being tracked
+        self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (owner, name, what it replaced, the wrap)
         self._kind: str | None = None
         self._length: int | None = None
         self._batch_size: int | None = None
@@ -181,6 +186,7 @@ class ResumeStateCallback(Callback):
 
     # -- wiring ------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        require_lightning_pytorch(trainer, "ResumeStateCallback")
         if stage != "fit":
             return
         self._loader = None  # a new fit builds a new loader
@@ -189,6 +195,7 @@ class ResumeStateCallback(Callback):
         self._trainer = trainer
         self._warned_validation = False
         self._resumed = False
+        _check_roots(trainer)
         # First in line for every hook: another callback that saves from its on_train_batch_end (a user's saver,
         # OnExceptionCheckpoint, a preemption handler) then sees this batch counted, and a callback that draws
         # random numbers in on_train_batch_start draws them after the resumed RNG is back. A new list, since
@@ -221,7 +228,34 @@ class ResumeStateCallback(Callback):
             return wrapper(original, *args, **kwargs)
 
         wrapped._resume_state_wrap = self  # type: ignore[attr-defined]
+        # What to put back after the fit: the instance attribute it replaced, or nothing (the class's method).
+        self._wrapped.append((owner, name, owner.__dict__.get(name, _ABSENT), wrapped))
         setattr(owner, name, wrapped)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """After the fit (or its failure): give back the user's DataLoader and the Trainer's loops as they were.
+
+        Both stay picklable (``torch.save(trainer)``, ``deepcopy``, a loader reused by another Trainer), and nothing
+        of this fit's tracking runs behind a later ``validate`` or a fit without this callback."""
+        if stage != "fit":
+            return
+        if self._loader is not None:
+            untrack(self._loader)
+        for owner, name, before, wrapped in reversed(self._wrapped):
+            if owner.__dict__.get(name) is wrapped:
+                if before is _ABSENT:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, before)
+        self._wrapped = []
+        self._trainer = self._loader = self._live = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickled for ddp_spawn, deep-copied with a Trainer) carries the settings and the saved position, not
+        # the objects of a fit in progress: the Trainer, its loader, the live iterator, the loop wraps.
+        state = self.__dict__.copy()
+        state.update(_trainer=None, _loader=None, _live=None, _wrapped=[])
+        return state
 
     def _reset_epoch_loop(self, reset: Any) -> None:
         """Lightning warns on every mid-epoch resume that the loader is not resumable; when this callback restored
@@ -648,6 +682,19 @@ class ResumeStateCallback(Callback):
                 " gets the position Lightning saved from global rank 0)", RuntimeWarning, stacklevel=2)
             return
         self._pending = ranks[rank]
+
+
+def _check_roots(trainer: Trainer) -> None:
+    """Stop a fit before its first step when a ModelCheckpoint's dirpath cannot hold checkpoints (a missing bucket,
+    credentials that cannot see it), instead of at the first save, a training interval later."""
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    check = getattr(io, "check_root", None)
+    if check is None:  # every rank checks: one that raised alone would leave the others waiting for it
+        return
+    for callback in trainer.checkpoint_callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if isinstance(dirpath, (str, os.PathLike)) and str(dirpath):
+            check(str(dirpath))
 
 
 def _live(loader: DataLoader) -> bool:

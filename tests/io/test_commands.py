@@ -79,16 +79,17 @@ def test_verify_accepts_a_commit_folder_and_draws_progress(filled, capsys):
 def test_gc_dry_run_lists_then_gc_deletes(filled, capsys):
     assert run(filled, "gc", filled.root, "--dry-run", "--grace", "0", "--keep-last", "2") == 0
     out = capsys.readouterr().out
-    assert "would delete checkpoint epoch=0-step=1.ckpt" in out and "would delete checkpoint epoch=0-step=2.ckpt" in out
+    # two training states: steps 3 (under two names, last.ckpt too) and 2
+    assert "would delete checkpoint epoch=0-step=1.ckpt" in out and "epoch=0-step=2.ckpt" not in out
     assert "c1700000000000-e1-0badf00d" in out
     assert sorted(read_pointer(filled).checkpoints) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt",
                                                         "epoch=0-step=3.ckpt", "last.ckpt"]  # nothing changed
     assert run(filled, "gc", filled.root, "--grace", "0", "--keep-last", "2") == 0
     assert "deleted checkpoint epoch=0-step=1.ckpt" in capsys.readouterr().out
     pointer = read_pointer(filled)
-    assert sorted(pointer.checkpoints) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert sorted(pointer.checkpoints) == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"]
     remaining = {p.split("/")[-3] for p in filled.fs().find(filled.path()) if p.endswith(MANIFEST_NAME)}
-    assert remaining == {"epoch=0-step=3.ckpt", "last.ckpt"}
+    assert remaining == {"epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"}
     assert not any("0badf00d" in p for p in filled.fs().find(filled.path()))
     assert make_io(filled, claim_on_load=False).load_checkpoint(filled.root)["global_step"] == 3
     assert run(filled, "gc", filled.root, "--grace", "0") == 0

@@ -103,18 +103,27 @@ def test_lightnings_not_resumable_warning_is_replaced_by_what_was_restored(tmp_p
 
 
 def test_one_callback_reused_by_several_trainers_wraps_each_trainers_loops(tmp_path):
-    from lightning.pytorch import Trainer
+    from lightning.pytorch import Callback, Trainer
 
     from lightning_resilient import ResumeStateCallback
 
     from ..models import TinyModel, tiny_loader
 
+    def wraps(trainer):
+        loops = trainer.fit_loop
+        return [getattr(getattr(owner, name), "_resume_state_wrap", None)
+                for owner, name in ((loops, "_load_combined_loader_states"), (loops.epoch_loop, "reset"),
+                                    (loops.epoch_loop.val_loop, "increment_progress_to_evaluation_end"))]
+
+    class Probe(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.seen = wraps(trainer)
+
     callback = ResumeStateCallback()
     for i in range(3):
+        probe = Probe()
         trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, callbacks=[callback])
+                          enable_model_summary=False, enable_checkpointing=False, callbacks=[callback, probe])
         trainer.fit(TinyModel(), tiny_loader())
-        loops = trainer.fit_loop
-        for owner, name in ((loops, "_load_combined_loader_states"), (loops.epoch_loop, "reset"),
-                            (loops.epoch_loop.val_loop, "increment_progress_to_evaluation_end")):
-            assert getattr(getattr(owner, name), "_resume_state_wrap", None) is callback, (i, name)
+        assert probe.seen == [callback] * 3, i  # during the fit, every loop hook of this trainer is wrapped
+        assert wraps(trainer) == [None] * 3, i  # and after it, the loops are Lightning's own again

@@ -1,0 +1,35 @@
+"""The two names Lightning is installed under: ``lightning.pytorch`` (ours) and the standalone ``pytorch_lightning``.
+
+``pip install lightning`` installs both, with the same code but distinct classes, so a ``pytorch_lightning.Trainer``
+refuses a ``lightning.pytorch`` plugin or callback by type. The checkpoint plugin needs nothing of the Trainer's
+classes, so it is registered with the other namespace's ``CheckpointIO`` (an ABC) and works under both. The
+callbacks and the precision plugin reach into Lightning's loops and precision classes: under ``pytorch_lightning``
+they say which import to use.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["register_checkpoint_io", "require_lightning_pytorch"]
+
+_USE = ("import the Trainer and callbacks from `lightning.pytorch` (`from lightning.pytorch import Trainer`), not from"
+        " `pytorch_lightning`: the two namespaces hold distinct classes (`pip install lightning` installs both), and"
+        " lightning_resilient is built on `lightning.pytorch`")
+
+
+def register_checkpoint_io(cls: type) -> None:
+    """Make ``pytorch_lightning.Trainer(plugins=[cls()])`` accept ``cls`` when that namespace is in use: its
+    ``CheckpointIO`` is ``lightning_fabric``'s, an ABC. Called when a plugin is created, by which time a script that
+    builds a ``pytorch_lightning.Trainer`` has imported it (nothing is imported here)."""
+    fabric = sys.modules.get("lightning_fabric.plugins.io.checkpoint_io")
+    base = getattr(fabric, "CheckpointIO", None)
+    if base is not None and not issubclass(cls, base):
+        base.register(cls)
+
+
+def require_lightning_pytorch(trainer: Any, who: str) -> None:
+    """Raise a TypeError naming the import to use when ``trainer`` is a ``pytorch_lightning`` Trainer."""
+    if type(trainer).__module__.split(".", 1)[0] == "pytorch_lightning":
+        raise TypeError(f"{who} was given a pytorch_lightning.Trainer: {_USE}")
