@@ -22,6 +22,7 @@ _WHERE = {
     "CheckpointCorruptedError": "lightning_resilient.errors",
     "CheckpointError": "lightning_resilient.errors",
     "PerSampleSeeded": "lightning_resilient.state",
+    "PreemptionCheckpoint": "lightning_resilient.preemption",
     "ResumeStateCallback": "lightning_resilient.state",
     "ShardedCheckpointError": "lightning_resilient.errors",
     "StaleWriterError": "lightning_resilient.errors",
@@ -46,6 +47,7 @@ __all__ = [
     "CheckpointCorruptedError",
     "CheckpointError",
     "PerSampleSeeded",
+    "PreemptionCheckpoint",
     "ResumeStateCallback",
     "ShardedCheckpointError",
     "StaleWriterError",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from lightning_resilient.io.loading import export_checkpoint, load_checkpoint, load_from_checkpoint
     from lightning_resilient.planning import CheckpointCadence, TransferAudit
     from lightning_resilient.precision import AutoPrecision, select_precision
+    from lightning_resilient.preemption import PreemptionCheckpoint
     from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
     from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
     from lightning_resilient.strategies import AtomicFSDPStrategy, AtomicModelParallelStrategy

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_resilient import (
     AtomicCheckpointIO,
     CheckpointCadence,
+    PreemptionCheckpoint,
     ResumeStateCallback,
     TransferAudit,
     export_checkpoint,
@@ -351,7 +352,7 @@ def test_pytorch_lightning_trainer_takes_the_plugin_and_names_the_import_for_cal
 
     trainer.fit(PLModel(), loader())
     assert load_checkpoint(find_latest_checkpoint(root))["global_step"] == 4
-    for callback in (ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit()):
+    for callback in (ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()):
         trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[callback])
         with pytest.raises(TypeError, match="from `lightning.pytorch`"):
@@ -361,7 +362,7 @@ def test_pytorch_lightning_trainer_takes_the_plugin_and_names_the_import_for_cal
 # -- pickling, deepcopy, ddp_spawn ---------------------------------------------------------------------------------------
 def test_plugin_and_callbacks_pickle_and_deepcopy_before_and_after_fit_and_the_loader_is_given_back(tmp_path):
     io = AtomicCheckpointIO(async_save=True, keep_last=2)
-    callbacks = [ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit()]
+    callbacks = [ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()]
     data = loader(shuffle=True)
     batch_sampler = data.batch_sampler
     for obj in (io, *callbacks):

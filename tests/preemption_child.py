@@ -1,0 +1,62 @@
+"""A training process for the preemption tests: python preemption_child.py ROOT OUT STORE (local, s3 or ddp).
+
+Trains with dropout, a shuffled loader and gradient accumulation (2), ResumeStateCallback, PreemptionCheckpoint
+and step saves (async on S3, so a SIGTERM can land during an upload), resuming from ROOT's newest checkpoint; prints
+``BATCH <n>`` as each batch starts; at the end writes the weights to OUT.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from lightning_resilient import (  # noqa: E402
+    AtomicCheckpointIO,
+    PreemptionCheckpoint,
+    ResumeStateCallback,
+    find_latest_checkpoint,
+)
+from tests.test_preemption import DropoutModel, loader  # noqa: E402
+
+
+class Announce(Callback):
+    def __init__(self) -> None:
+        self.n = 0
+
+    def on_train_start(self, trainer: Trainer, *args: object) -> None:
+        print(f"PID {trainer.global_rank} {os.getpid()}", flush=True)
+
+    def on_train_batch_start(self, trainer: Trainer, *args: object) -> None:
+        if trainer.global_rank == 0:
+            print(f"BATCH {self.n}", flush=True)
+        self.n += 1
+        time.sleep(0.05)  # the parent's signal lands within this batch
+
+
+def main() -> None:
+    root, out, store = sys.argv[1:4]
+    options = {"client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}} if store == "s3" else None
+    deadline = float(os.environ["PREEMPTION_DEADLINE"]) if "PREEMPTION_DEADLINE" in os.environ else None
+    seed_everything(0)
+    model = DropoutModel()
+    ddp = store == "ddp"  # 2 processes on CPU (gloo); the parent signals rank 1 only
+    trainer = Trainer(max_steps=20, accumulate_grad_batches=2, accelerator="cpu", logger=False,
+                      devices=2 if ddp else 1, strategy="ddp" if ddp else "auto",
+                      enable_progress_bar=False, enable_model_summary=False,
+                      plugins=[AtomicCheckpointIO(storage_options=options, async_save=store == "s3")],
+                      callbacks=[ResumeStateCallback(), Announce(), PreemptionCheckpoint(deadline_seconds=deadline),
+                                 ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)])
+    trainer.fit(model, loader(), ckpt_path=find_latest_checkpoint(root, options))
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""PreemptionCheckpoint: a notice (a signal, a metadata endpoint, a file) becomes an emergency checkpoint at the next
+optimizer step, committed atomically, then a clean exit; the run resumed from it ends bit-identical.
+
+Signals are real (``os.kill`` of this process, or of a training subprocess); metadata endpoints are loopback servers.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_resilient import AtomicCheckpointIO, PreemptionCheckpoint, ResumeStateCallback, find_latest_checkpoint
+from lightning_resilient.io.pointer import POINTER_NAME, Pointer
+from lightning_resilient.preemption import PreemptedExit
+from lightning_resilient.testing import StoreProxy
+
+from .models import TinyModel
+
+CHILD = Path(__file__).with_name("preemption_child.py")
+
+
+class DropoutModel(TinyModel):
+    """Randomness in every step (dropout) and a shuffled loader: a resume is exact only if every RNG is restored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.insert(1, torch.nn.Dropout(0.3))
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=True)
+
+
+class SignalAt(Callback):
+    """Sends ``signum`` to this process when batch ``batch`` (counted across the run) starts."""
+
+    def __init__(self, batch: int, signum: int = signal.SIGTERM, times: int = 1) -> None:
+        self.batch, self.signum, self.times, self.seen = batch, signum, times, 0
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self.seen += 1
+        if self.seen == self.batch + 1:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+
+def run(root: str, *, max_steps: int = 20, accumulate: int = 1, ckpt_path: Any = None, extra: list[Any] | None = None,
+        preemption: PreemptionCheckpoint | None = None, io: AtomicCheckpointIO | None = None) -> tuple[Trainer, Any]:
+    seed_everything(0)
+    model = DropoutModel()
+    callbacks = [ResumeStateCallback(), *(extra or []), ModelCheckpoint(dirpath=root, every_n_train_steps=4,
+                                                                        save_top_k=-1)]
+    if preemption is not None:
+        callbacks.insert(1, preemption)
+    trainer = Trainer(max_steps=max_steps, accumulate_grad_batches=accumulate, accelerator="cpu", logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, plugins=[io or AtomicCheckpointIO()],
+                      callbacks=callbacks)
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def pointer(root: str) -> Pointer:
+    return Pointer.from_bytes(Path(root, POINTER_NAME).read_bytes(), where=root)
+
+
+@pytest.mark.parametrize(("accumulate", "batch"), [(1, 6), (2, 6), (2, 9)])  # 9: mid-accumulation
+def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bit_identical(tmp_path, accumulate,
+                                                                                            batch):
+    _, reference = run(str(tmp_path / "reference"), accumulate=accumulate)
+    root = str(tmp_path / "ckpt")
+    preemption = PreemptionCheckpoint()
+    with pytest.raises(PreemptedExit) as exited:
+        run(root, accumulate=accumulate, preemption=preemption, extra=[SignalAt(batch)])
+    assert exited.value.code == 143
+    step = (batch + accumulate) // accumulate  # the optimizer step the signalled batch completes, or the next
+    assert preemption.saved == {**preemption.saved, "step": step, "committed": True}
+    assert pointer(root).latest.name == "preemption.ckpt" and pointer(root).latest.step == step
+    assert signal.getsignal(signal.SIGTERM) is not preemption._on_signal  # handlers given back
+    _, resumed = run(root, accumulate=accumulate, ckpt_path=find_latest_checkpoint(root))
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_second_sigterm_during_the_emergency_save_changes_nothing(tmp_path):
+    root = str(tmp_path / "ckpt")
+
+    class SignalDuringSave(Callback):
+        def on_save_checkpoint(self, trainer: Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # arrives while the emergency checkpoint is being written
+
+    preemption = PreemptionCheckpoint()
+    with pytest.raises(PreemptedExit) as exited:
+        run(root, preemption=preemption, extra=[SignalAt(2), SignalDuringSave()])
+    assert exited.value.code == 143 and preemption.saved["committed"]
+    assert pointer(root).latest.step == 3
+
+
+def test_an_async_save_in_flight_is_committed_before_the_emergency_one(tmp_path):
+    root = str(tmp_path / "ckpt")
+    io = AtomicCheckpointIO(async_save=True)
+    at_exit: list[str] = []
+
+    class Latest(Callback):  # Lightning calls on_exception before its teardown (which would wait for any save)
+        def on_exception(self, *args: Any) -> None:
+            at_exit.append(pointer(root).latest.name)
+
+    with pytest.raises(PreemptedExit):  # step 4's async save just began
+        run(root, io=io, preemption=PreemptionCheckpoint(), extra=[SignalAt(4), Latest()])
+    assert at_exit == ["preemption.ckpt"]  # committed when the callback let the process go, not only snapshotted
+    assert [(s.name, s.step, s.committed) for s in io.save_stats] == [("epoch=0-step=4.ckpt", 4, True),
+                                                                        ("preemption.ckpt", 5, True)]
+    assert pointer(root).latest.name == "preemption.ckpt"
+
+
+class Metadata(http.server.ThreadingHTTPServer):
+    """A loopback stand-in for the AWS (IMDSv2) and GCE metadata servers; ``preempted`` flips the answer."""
+
+    def __init__(self) -> None:
+        self.preempted = False
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, status: int, body: str) -> None:
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PUT(self) -> None:  # noqa: N802
+                outer.requests.append(("PUT", self.path, dict(self.headers)))
+                self._answer(200 if self.path == "/latest/api/token" else 404, "token-123")
+
+            def do_GET(self) -> None:  # noqa: N802
+                outer.requests.append(("GET", self.path, dict(self.headers)))
+                if self.path == "/latest/meta-data/spot/instance-action":
+                    if outer.preempted and self.headers.get("X-aws-ec2-metadata-token") == "token-123":
+                        self._answer(200, json.dumps({"action": "terminate", "time": "2026-12-03T12:00:00Z"}))
+                    else:
+                        self._answer(404, "")
+                elif self.path == "/computeMetadata/v1/instance/preempted":
+                    ok = self.headers.get("Metadata-Flavor") == "Google"
+                    self._answer(200 if ok else 403, "TRUE" if outer.preempted else "FALSE")
+                else:
+                    self._answer(404, "")
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Flip(Callback):
+    """Flips the metadata server to 'preempted' at batch ``batch`` and waits until the poller has seen it."""
+
+    def __init__(self, server: Metadata, preemption: PreemptionCheckpoint, batch: int) -> None:
+        self.server, self.preemption, self.batch, self.seen = server, preemption, batch, 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.seen += 1
+        if self.seen == self.batch + 1:
+            self.server.preempted = True
+            for _ in range(200):
+                if self.preemption.notice is not None:
+                    return
+                threading.Event().wait(0.01)
+
+
+@pytest.mark.parametrize("kind", ["aws", "gce"])
+def test_a_metadata_endpoint_notice_from_a_loopback_server(tmp_path, kind):
+    server = Metadata()
+    try:
+        url = server.url + ("/latest/meta-data/spot/instance-action" if kind == "aws"
+                            else "/computeMetadata/v1/instance/preempted")
+        preemption = PreemptionCheckpoint(signals=[], poll_seconds=0.02, **{"aws_spot" if kind == "aws" else "gce": url})
+        with pytest.raises(PreemptedExit) as exited:
+            run(str(tmp_path / "ckpt"), preemption=preemption, extra=[Flip(server, preemption, 5)])
+    finally:
+        server.shutdown()
+    assert exited.value.code == 143
+    assert preemption.notice.kind == kind and preemption.notice.deadline == (100.0 if kind == "aws" else 25.0)
+    assert preemption.saved["step"] == 6 and preemption.saved["committed"]
+    if kind == "aws":
+        assert ("PUT", "/latest/api/token", ) == server.requests[0][:2]  # IMDSv2: a session token first
+    assert all(h.get("Host", "").startswith("127.0.0.1") for _, _, h in server.requests)
+
+
+def test_a_notice_file(tmp_path):
+    notice = tmp_path / "preempt-now"
+
+    class Touch(Callback):
+        def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == 2 and not notice.exists():
+                notice.write_text("")
+                for _ in range(200):
+                    if preemption.notice is not None:
+                        break
+                    threading.Event().wait(0.01)
+
+    preemption = PreemptionCheckpoint(signals=[], notice_file=str(notice), poll_seconds=0.02, exit_code=0)
+    with pytest.raises(PreemptedExit) as exited:
+        run(str(tmp_path / "ckpt"), preemption=preemption, extra=[Touch()])
+    assert exited.value.code == 0 and preemption.notice.kind == "file" and preemption.saved["step"] == 3
+
+
+def test_a_deadline_too_short_keeps_the_previous_checkpoint_and_exits_124(s3_backend, monkeypatch):
+    # Saves through a proxy that adds latency to every request: a save takes far longer than the deadline left.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_backend.endpoint)
+    with StoreProxy(s3_backend.endpoint, latency=0.05) as proxy:
+        options = {"client_kwargs": {"endpoint_url": proxy.url}}
+        preemption = PreemptionCheckpoint(deadline_seconds=0.05)
+        with pytest.raises(PreemptedExit) as exited:
+            run(s3_backend.root, preemption=preemption, io=AtomicCheckpointIO(storage_options=options),
+                extra=[SignalAt(6)])
+    assert exited.value.code == 124 and preemption.saved["committed"] is False
+    latest = find_latest_checkpoint(s3_backend.root, s3_backend.storage_options)
+    assert "/epoch=0-step=4.ckpt/" in latest  # the previous committed checkpoint stays the latest
+
+
+def test_bad_arguments_are_refused_at_construction():
+    with pytest.raises(ValueError, match="signals: 'SIGNOPE'"):
+        PreemptionCheckpoint(signals=["SIGNOPE"])
+    with pytest.raises(ValueError, match="exit_code must be an exit status"):
+        PreemptionCheckpoint(exit_code=300)
+    with pytest.raises(ValueError, match="aws_spot must be True, False or an http"):
+        PreemptionCheckpoint(aws_spot="169.254.169.254")
+    with pytest.raises(ValueError, match="deadline_seconds must be"):
+        PreemptionCheckpoint(deadline_seconds=0)
+    assert PreemptionCheckpoint(signals=["USR1", "SIGTERM", 10]).signals == [signal.SIGUSR1, signal.SIGTERM, 10]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_training_process_sigtermed_at_a_random_step_resumes_bit_identical(tmp_path, store, s3_backend):
+    """A real process, a real SIGTERM at a random batch (mid-accumulation included; on S3 during an async upload)."""
+    import random
+
+    root = str(tmp_path / "ckpt") if store == "local" else s3_backend.root
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if store == "s3":
+        env["AWS_ENDPOINT_URL"] = s3_backend.endpoint
+    batch = random.Random().randint(3, 30)
+    proc = subprocess.Popen([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), store], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("BATCH ") and int(line.split()[1]) == batch:
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == 143, (batch, proc.stderr.read()[-3000:] if proc.stderr else "")
+    done = subprocess.run([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), store], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = subprocess.run([sys.executable, str(CHILD), str(tmp_path / "ref"), str(tmp_path / "ref.pt"), "local"],
+                               env=env, capture_output=True, text=True, timeout=180)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got, want = torch.load(tmp_path / "out.pt"), torch.load(tmp_path / "ref.pt")
+    for name in want:
+        assert torch.equal(got[name], want[name]), (batch, name)
+
+
+@pytest.mark.slow
+def test_ddp_a_notice_to_rank_1_only_makes_both_ranks_save_one_step_and_exit(tmp_path):
+    """Two DDP processes; SIGTERM reaches rank 1 alone: the ranks agree on one step, save it together, both exit."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), "ddp"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    pids: dict[int, int] = {}
+    try:
+        for line in proc.stdout:
+            if line.startswith("PID "):
+                rank, pid = map(int, line.split()[1:])
+                pids[rank] = pid
+            elif line.startswith("BATCH ") and int(line.split()[1]) == 7:
+                os.kill(pids[1], signal.SIGTERM)
+                break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, proc.stderr.read()[-3000:] if proc.stderr else ""
+    latest = pointer(root).latest
+    assert latest.name == "preemption.ckpt" and latest.step in (4, 5)  # the step batch 7 or 8 completes
+    assert _gone(pids[1], timeout=30)  # rank 1 exited too (no process left waiting in a collective)
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    return True  # exited; its parent (the gone rank 0) never reaped it
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_a_save_still_running_at_the_deadline_ends_the_process_with_124_and_commits_nothing(tmp_path, s3_backend):
+    """No earlier save to estimate from: the save starts, the store is slow, the deadline comes first."""
+    with StoreProxy(s3_backend.endpoint, latency=0.4) as proxy:
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "AWS_ENDPOINT_URL": proxy.url, "PREEMPTION_DEADLINE": "1.5"}
+        proc = subprocess.Popen([sys.executable, str(CHILD), s3_backend.root, str(tmp_path / "out.pt"), "s3"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("BATCH 1"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        proc.wait(timeout=120)
+        err = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == 124, err[-3000:]
+    assert "did not commit within 2 s" in err and "previous committed checkpoint stays the latest" in err
+    assert find_latest_checkpoint(s3_backend.root, s3_backend.storage_options) is None  # nothing half-made loads
