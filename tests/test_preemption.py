@@ -252,34 +252,34 @@ def test_bad_arguments_are_refused_at_construction():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("store", ["local", "s3"])
-def test_a_training_process_sigtermed_at_a_random_step_resumes_bit_identical(tmp_path, store, s3_backend):
-    """A real process, a real SIGTERM at a random batch (mid-accumulation included; on S3 during an async upload)."""
+def test_a_training_process_sigtermed_at_a_random_step_resumes_bit_identical(tmp_path, s3_backend):
+    """A real process, a real SIGTERM at a random batch (mid-accumulation included), on local disk and on S3 (there
+    during an async upload), then the same command again; against one uninterrupted run."""
     import random
 
-    root = str(tmp_path / "ckpt") if store == "local" else s3_backend.root
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if store == "s3":
-        env["AWS_ENDPOINT_URL"] = s3_backend.endpoint
-    batch = random.Random().randint(3, 30)
-    proc = subprocess.Popen([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), store], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("BATCH ") and int(line.split()[1]) == batch:
-            proc.send_signal(signal.SIGTERM)
-            break
-    proc.wait(timeout=120)
-    assert proc.returncode == 143, (batch, proc.stderr.read()[-3000:] if proc.stderr else "")
-    done = subprocess.run([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), store], env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "AWS_ENDPOINT_URL": s3_backend.endpoint}
     reference = subprocess.run([sys.executable, str(CHILD), str(tmp_path / "ref"), str(tmp_path / "ref.pt"), "local"],
                                env=env, capture_output=True, text=True, timeout=180)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    got, want = torch.load(tmp_path / "out.pt"), torch.load(tmp_path / "ref.pt")
-    for name in want:
-        assert torch.equal(got[name], want[name]), (batch, name)
+    want = torch.load(tmp_path / "ref.pt")
+    for store, root in (("local", str(tmp_path / "ckpt")), ("s3", s3_backend.root)):
+        batch = random.Random().randint(3, 30)
+        out = tmp_path / f"{store}.pt"
+        proc = subprocess.Popen([sys.executable, str(CHILD), root, str(out), store], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("BATCH ") and int(line.split()[1]) == batch:
+                proc.send_signal(signal.SIGTERM)
+                break
+        proc.wait(timeout=120)
+        assert proc.returncode == 143, (store, batch, proc.stderr.read()[-3000:] if proc.stderr else "")
+        done = subprocess.run([sys.executable, str(CHILD), root, str(out), store], env=env, capture_output=True,
+                              text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        got = torch.load(out)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (store, batch, name)
 
 
 @pytest.mark.slow
