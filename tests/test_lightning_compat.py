@@ -177,6 +177,27 @@ def test_every_load_route_reads_the_committed_checkpoint_and_none_fences_the_job
         torch.load(best)
 
 
+def test_load_routes_on_s3_and_gcs(s3_backend, gcs_backend, tmp_path, monkeypatch):
+    for backend in (s3_backend, gcs_backend):
+        if backend.kind == "s3":
+            monkeypatch.setenv("AWS_ENDPOINT_URL", backend.endpoint)
+        io = AtomicCheckpointIO(storage_options=backend.storage_options)
+        plugins_root = backend.root
+        seed_everything(0)
+        trainer = Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, plugins=[io], enable_checkpointing=False)
+        trainer.fit(ValModel(), loader())
+        trainer.save_checkpoint(f"{plugins_root}/last.ckpt")
+        io.teardown()
+        options = backend.storage_options
+        expected = weights(load_checkpoint(f"{plugins_root}/last.ckpt", storage_options=options))
+        model = load_from_checkpoint(ValModel, plugins_root, storage_options=options)
+        assert_equal_state(model.state_dict(), expected)
+        out = export_checkpoint(f"{plugins_root}/last.ckpt", str(tmp_path / f"{backend.kind}.ckpt"),
+                                storage_options=options)
+        assert_equal_state(ValModel.load_from_checkpoint(out).state_dict(), expected)
+
+
 def test_export_command_writes_a_stock_file(tmp_path, capsys):
     from lightning_resilient.cli import main
 
