@@ -184,6 +184,9 @@ class PreemptionCheckpoint(Callback):
             self._poller = threading.Thread(target=self._poll, name="lightning_resilient-preemption", daemon=True)
             self._poller.start()
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls teardown hooks only after a fit that succeeded
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop.set()
         if self._poller is not None:

@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_resilient.errors import ShardedCheckpointError
 from lightning_resilient.io.catalog import Together, load_together, normalize
-from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _mark_resumed_step_saved
 from lightning_resilient.io.root import CheckpointRoot, Loaded
 from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded, own_errors, root_and_name, save_sharded
 
@@ -106,6 +106,8 @@ class _AtomicSharded:
             claim_now = io.claim_on_load if io.claim_on_load is not None else fit
             if claim_now and rank == 0 and found.root.epoch is None:
                 found.root.claim()
+        if fit:
+            _mark_resumed_step_saved(self.lightning_module.trainer, loaded.checkpoint)  # type: ignore[attr-defined]
         return loaded.checkpoint
 
     def _check_layout(self, reader: AtomicStorageReader) -> None:

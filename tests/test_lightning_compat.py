@@ -445,3 +445,128 @@ def test_ddp_spawn_fits_and_resumes_with_the_plugin(tmp_path):
     # Lightning's hand-over file stayed a plain file, removed after use: the working folder is no checkpoint root
     assert not (tmp_path / "work" / ".lightning_resilient").exists()
     assert not (tmp_path / "work" / ".temp.ckpt").exists()
+
+
+# -- what the review of the above found ------------------------------------------------------------------------------
+def _stock(path: Path, step: int) -> None:
+    torch.save({"global_step": step, "epoch": 0, "state_dict": {"w": torch.full((4,), float(step))}}, path)
+
+
+@pytest.mark.parametrize("how", ["fails", "killed"])
+def test_a_stock_last_ckpt_replaced_by_a_save_that_never_commits_stays_resumable(tmp_path, monkeypatch, how):
+    import time
+
+    from lightning_resilient.io.root import REPLACED_DIR, CheckpointRoot
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    _stock(root / "epoch=0-step=4.ckpt", 4)
+    time.sleep(0.05)
+    _stock(root / "last.ckpt", 8)
+    io = AtomicCheckpointIO()
+    if how == "fails":  # an upload failure after the stock file was moved out of the way: it goes back
+        monkeypatch.setattr(CheckpointRoot, "_check_stored", lambda *a: (_ for _ in ()).throw(OSError("5xx")))
+        with pytest.raises(OSError):
+            io.save_checkpoint({"global_step": 12, "state_dict": {"w": torch.zeros(4)}}, str(root / "last.ckpt"))
+        assert (root / "last.ckpt").is_file()
+    else:  # a kill at that instant leaves it in the dot-folder: still found, still resumed
+        (root / REPLACED_DIR).mkdir(parents=True)
+        os.replace(root / "last.ckpt", root / REPLACED_DIR / "last.ckpt")
+    latest = find_latest_checkpoint(str(root))
+    assert load_checkpoint(latest)["global_step"] == 8
+    monkeypatch.undo()
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 12, "state_dict": {"w": torch.zeros(4)}}, str(root / "last.ckpt"))
+    assert load_checkpoint(find_latest_checkpoint(str(root)))["global_step"] == 12
+    assert not (root / REPLACED_DIR / "last.ckpt").exists()  # deleted once its replacement committed
+
+
+def test_a_symlinked_dirpath_is_one_root_and_one_writer(tmp_path):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "ckpt")
+    root = str(tmp_path / "ckpt")
+    fit(root, ours=True, max_steps=8, every_n_train_steps=4, save_top_k=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(root, ours=True, max_steps=12, every_n_train_steps=4, save_top_k=-1, ckpt_path=find_latest_checkpoint(root))
+    assert not [w for w in caught if "started from scratch" in str(w.message)]
+    p = Pointer.from_bytes((tmp_path / "real" / POINTER_NAME).read_bytes(), where=root)
+    assert [e.step for e in p.candidates()] == [12, 8, 4] and not p.abandoned()
+
+
+def test_a_stale_legacy_pointer_never_comes_back(tmp_path):
+    root = Path(tmp_path / "ckpt")
+    fit(str(root), ours=True, max_steps=4, every_n_train_steps=4)
+    legacy = (root / POINTER_NAME).read_bytes()  # what a 0.1 root held, and what a migration killed midway leaves
+    fit(str(root), ours=True, max_steps=8, every_n_train_steps=4, ckpt_path=find_latest_checkpoint(str(root)))
+    (root / LEGACY_POINTER_NAME).write_bytes(legacy)
+    (root / POINTER_NAME).unlink()  # the live pointer lost: the root is read by scanning, not from the stale copy
+    with pytest.warns(RuntimeWarning, match="missing"):
+        assert load_checkpoint(find_latest_checkpoint(str(root)))["global_step"] == 8
+    io = AtomicCheckpointIO()
+    assert io.root(str(root)).claim() > 2  # a writer epoch above every one used, not the stale copy's next
+    assert not (root / LEGACY_POINTER_NAME).exists()  # and the claim removed the leftover
+
+
+def test_stock_files_are_not_resumed_over_a_root_that_has_committed_checkpoints(tmp_path):
+    root = tmp_path / "ckpt"
+    fit(str(root), ours=True, max_steps=8, every_n_train_steps=4, save_top_k=-1)
+    _stock(root / "epoch=0-step=2.ckpt", 2)  # a stock file from before, never rotated away
+    io = AtomicCheckpointIO()
+    with pytest.warns(RuntimeWarning, match="started from scratch"):
+        io.root(str(root)).claim()  # a fresh job that died before its first commit: the old run is abandoned
+    assert find_latest_checkpoint(str(root)) is None  # as before: not the stale stock file
+
+
+def test_one_plugin_object_reused_for_a_rollback_claims_anew(tmp_path):
+    root = str(tmp_path / "ckpt")
+    io = AtomicCheckpointIO()
+    fit(root, ours=True, io=io, max_steps=12, every_n_train_steps=4, save_top_k=-1)
+    fit(root, ours=True, io=io, max_steps=6, every_n_train_steps=6, save_top_k=-1,
+        ckpt_path=f"{root}/epoch=0-step=4.ckpt")  # a notebook rolls back to step 4 with the same plugin
+    assert load_checkpoint(find_latest_checkpoint(root))["global_step"] == 6
+
+
+def test_removing_a_stock_object_beside_our_checkpoint_of_the_same_name_on_s3(s3_backend):
+    io = AtomicCheckpointIO(storage_options=s3_backend.storage_options)
+    io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.ones(4)}}, s3_backend.url("best.ckpt"))
+    io.save_checkpoint({"global_step": 8, "state_dict": {"w": torch.ones(4)}}, s3_backend.url("other.ckpt"))
+    s3_backend.fs().pipe_file(s3_backend.path("best.ckpt"), b"stock bytes")  # a key beside our prefix
+    io.remove_checkpoint(s3_backend.url("best.ckpt"))
+    io.teardown()
+    fs = s3_backend.fs()
+    assert not fs.isfile(s3_backend.path("best.ckpt"))  # the stock object went, alone
+    pointer = Pointer.from_bytes(fs.cat_file(s3_backend.path(POINTER_NAME)), where="test")
+    assert sorted(pointer.checkpoints) == ["other.ckpt"]  # ours was retired by the protocol, not deleted under it
+    assert load_checkpoint(s3_backend.root, storage_options=s3_backend.storage_options)["global_step"] == 8
+
+
+def test_keep_last_counts_every_save_without_a_step(tmp_path):
+    io = AtomicCheckpointIO(keep_last=2)
+    for i in range(5):  # Fabric's fabric.save or a plain save_checkpoint: no global_step
+        io.save_checkpoint({"state_dict": {"w": torch.full((2,), float(i))}}, str(tmp_path / "ckpt" / f"s{i}.ckpt"))
+    assert committed(str(tmp_path / "ckpt")) == ["s3.ckpt", "s4.ckpt"]
+
+
+class FailsAtBatch3(TinyModel):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 3:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failed_fit_gives_the_loader_back_too(tmp_path):
+    data = loader(shuffle=True)
+    sampler = data.batch_sampler
+    trainer = Trainer(max_steps=8, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, callbacks=[ResumeStateCallback()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(FailsAtBatch3(), data)
+    assert data.batch_sampler is sampler
+    pickle.dumps(data)
+    pickle.dumps(trainer)
+
+
+def test_a_checkpoint_name_starting_with_a_dot_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="starts with '.'"):
+        AtomicCheckpointIO().save_checkpoint({"global_step": 1}, str(tmp_path / ".hidden.ckpt"))

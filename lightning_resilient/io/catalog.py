@@ -22,7 +22,7 @@ from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import CheckpointRoot, Loaded, RootSettings, commit_epoch
+from lightning_resilient.io.root import REPLACED_DIR, CheckpointRoot, Loaded, RootSettings, commit_epoch
 from lightning_resilient.io.store import Store, open_store
 
 __all__ = ["NOT_FOUND", "Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved", "load_together",
@@ -59,11 +59,13 @@ def _follow_local_link(url: str) -> str:
 
 
 def stock_checkpoints(store: Store) -> list[tuple[str, float]]:
-    """Plain ``.ckpt`` files directly in the root (stock Lightning's, written before this plugin was added), with
-    their modification times by the store's clock, newest first."""
-    files = store.list_detail("")
-    found = [(name, info.modified or 0.0) for name, info in files.items()
+    """Plain ``.ckpt`` files directly in the root (stock Lightning's, written before this plugin was added), and those
+    a save of the same name moved aside and never replaced (it died), with their modification times by the store's
+    clock, newest first. Names are relative to the root."""
+    found = [(name, info.modified or 0.0) for name, info in store.list_detail("").items()
              if name.endswith(".ckpt") and not name.startswith(".")]
+    found += [(f"{REPLACED_DIR}/{name}", info.modified or 0.0)
+              for name, info in store.list_detail(REPLACED_DIR).items()]
     return sorted(found, key=lambda item: item[1], reverse=True)
 
 
@@ -165,6 +167,11 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
             return Resolved(parent, entry, older(pointer, entry), pinned=False)
     if parent.store.is_file(name):
         return None  # a plain file
+    if pointer is None and parent.store.list_dir(name):  # a name in a root whose pointer is missing (or moving)
+        scanned_parent = parent.scan().pointer()
+        entry = scanned_parent.checkpoints.get(name)
+        if entry is not None:
+            return Resolved(parent, entry, older(scanned_parent, entry), pinned=False)
     if pointer is not None:
         raise FileNotFoundError(f"{NOT_FOUND}{url}. No committed checkpoint is named {name!r} under {parent.url}:"
                                 f" committed names are {sorted(pointer.checkpoints)}")
@@ -386,7 +393,9 @@ def _find_latest(checkpoint_root: CheckpointRoot) -> str | None | object:
             f" {', '.join(sorted(unreadable))}; first: {unreadable[first]}). Training would restart from step 0"
             f" over a root that holds a run: check the store (`lightning-resilient ls {store.root_url}`) before"
             " deleting it or choosing another dirpath.", object=store.url(first))
-    if pointer is None or not pointer.candidates():
+    if pointer is None or not pointer.checkpoints:
+        # Only a root that never committed a checkpoint of ours: one whose run was abandoned (a fresh start over it)
+        # is not resumed from an older stock file either.
         stock = stock_checkpoints(store)
         if stock:
             # A run that used stock Lightning checkpointing before this plugin was added: resume it where stock

@@ -203,6 +203,10 @@ class AtomicCheckpointIO(CheckpointIO):
         """The protocol object of the checkpoint root ``url`` (one per root, shared by saves and loads)."""
         options = self._options(storage_options)
         url = normalize(url)
+        if _paths.split_protocol(url)[0] in (None, "file", "local"):
+            # One root per physical folder: ModelCheckpoint saves into the realpath of its dirpath, and a resume
+            # through a symlinked dirpath must be the same writer (one claim, one lineage), not a second one.
+            url = os.path.realpath(url)
         key = (url, repr(sorted(options.items())))
         with self._lock:
             root = self._roots.get(key)
@@ -220,12 +224,16 @@ class AtomicCheckpointIO(CheckpointIO):
         name = _paths.basename(url)
         if not name:
             raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")
-        if name.startswith("."):
-            # A hidden file is Lightning's own transfer, not a checkpoint: ddp_spawn hands the trained weights to the
-            # main process as <default_root_dir>/.temp.ckpt, loads and removes it. It stays one plain file, as stock,
-            # instead of making the working folder a checkpoint root.
+        if _is_handover(name):
+            # Lightning's own transfer, not a checkpoint: ddp_spawn hands the trained weights to the main process as
+            # <default_root_dir>/.temp.ckpt, the tuner saves .lr_find_*/.scale_batch_size_* and restores them. Each
+            # stays one plain file, as stock, instead of making the working folder a checkpoint root.
             _save_plain_file(checkpoint, url, self._options(storage_options))
             return
+        if name.startswith("."):
+            raise ValueError(f"checkpoint name {name!r} starts with '.': such names are hidden from the root's listing"
+                             " (find_latest_checkpoint and retention would never see it). Use a ModelCheckpoint"
+                             " filename that does not start with '.'.")
         _check_not_nested(url, checkpoint)
         root = self.root(_paths.dirname(url), storage_options)
         started = time.perf_counter()
@@ -251,6 +259,14 @@ class AtomicCheckpointIO(CheckpointIO):
             return CheckpointRoot(open_store(path, {}, self.retry), self.settings, self._executor)
 
         return lambda commit, **kwargs: cache.load(root, commit, local_root, **kwargs)
+
+    def _reopen(self, root: CheckpointRoot) -> CheckpointRoot:
+        fresh = CheckpointRoot(root.store, self.settings, self._executor)
+        with self._lock:
+            for key, value in self._roots.items():
+                if value is root:
+                    self._roots[key] = fresh
+        return fresh
 
     def save_stats_for(self, name: str, checkpoint: dict[str, Any]) -> SaveStats:
         stats = SaveStats(name=name, step=_int(checkpoint.get("global_step")))
@@ -281,6 +297,10 @@ class AtomicCheckpointIO(CheckpointIO):
         root = found.root
         resumed = next((e for e in [found.entry, *found.fallbacks] if e.commit == loaded.entry_commit), found.entry)
         fit = trainer is not None and _fn(trainer) == "fit"
+        if fit and root.epoch is not None:
+            # This plugin already wrote this root in an earlier fit (a notebook, an in-process retry); a fit that
+            # resumes is a new job: it claims anew, with what it loaded as its origin (a rollback stays a rollback).
+            root = self._reopen(root)
         if fit or self.claim_on_load:
             # What this job's training continues: the origin of its lineage when it claims the root (now, for a
             # resuming fit on the writing rank, so the job it replaces is stopped before it can retire this
@@ -300,10 +320,11 @@ class AtomicCheckpointIO(CheckpointIO):
         root, name = self.root(_paths.dirname(url)), _paths.basename(url)
 
         def remove() -> None:
-            # A stock file or link (a run from before this plugin, a save_last="link" link) goes as stock
-            # Lightning would delete it; the protocol is not involved (no claim, no pointer write).
-            if not root.forget_stock(name):
-                root.remove(name)
+            # A stock file or link (a run from before this plugin, a save_last="link" link) goes as stock Lightning
+            # would delete it: that object alone. Our checkpoint of that name (on an object store the two can
+            # coexist) is retired by the protocol; a name the pointer does not know costs no claim and no write.
+            root.forget_stock(name)
+            root.remove(name)
 
         if self._async is not None:
             # Lightning removes the checkpoint a new save replaces right after starting that save: only once
@@ -421,6 +442,11 @@ def _load_plain_file(url: str, options: dict[str, Any], map_location: Any, weigh
         if weights_only is not None:
             kwargs["weights_only"] = weights_only
         return torch.load(f, **kwargs)
+
+
+def _is_handover(name: str) -> bool:
+    """Lightning's hidden hand-over files (ddp_spawn's weights, the tuner's saved state), not checkpoints."""
+    return name == ".temp.ckpt" or name.startswith((".lr_find_", ".scale_batch_size_"))
 
 
 def _save_plain_file(checkpoint: dict[str, Any], url: str, options: dict[str, Any]) -> None:

@@ -98,6 +98,13 @@ def export_checkpoint(checkpoint_path: str | os.PathLike[str], out: str | os.Pat
                 os.unlink(tmp)
             raise
         return os.path.abspath(path)
-    with fs.open(path, "wb") as f:  # an object store's single PUT is all or nothing
-        torch.save(checkpoint, f)
+    # fsspec commits a remote file on close, also when the write failed: write a temporary key, then move it.
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        with fs.open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+        fs.mv(tmp, path)
+    finally:
+        if fs.exists(tmp):
+            fs.rm_file(tmp)
     return target

@@ -60,7 +60,7 @@ from lightning_resilient.io.manifest import (
     object_digest,
 )
 from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
-from lightning_resilient.io.store import Store
+from lightning_resilient.io.store import LocalStore, Store
 
 __all__ = ["CheckpointRoot", "LoadStats", "Prepared", "RootSettings", "Scan"]
 
@@ -239,6 +239,7 @@ class CheckpointRoot:
         # a save moved aside until it commits.
         self._stock: set[str] | None = None
         self._aside: dict[str, str] = {}
+        self._leftover: dict[str, str] = {}  # name -> stock file a save that never committed moved aside
 
     @property
     def url(self) -> str:
@@ -258,7 +259,17 @@ class CheckpointRoot:
         legacy = self.store.read_versioned(LEGACY_POINTER_NAME)  # a root written by release 0.1
         if legacy is None:
             return None, None, False
-        return Pointer.from_bytes(legacy[0], where=self.store.url(LEGACY_POINTER_NAME)), None, True
+        pointer = Pointer.from_bytes(legacy[0], where=self.store.url(LEGACY_POINTER_NAME))
+        if self._newest_recorded_epoch() > pointer.writer_epoch:
+            # A leftover of a migration whose new pointer was lost since: older than what has been claimed, so
+            # the root is read by scanning (never a licence to delete) instead of resuming an old state.
+            return None, None, False
+        return pointer, None, True
+
+    def _newest_recorded_epoch(self) -> int:
+        epochs = [int(m.group(1)) for m in (re.fullmatch(r"e(\d+)\.json", r) for r in self.store.list_dir(ORIGINS_DIR))
+                  if m]
+        return max(epochs, default=0)
 
     def _drop_legacy_pointer(self) -> None:
         # The pointer now lives in the dot-folder and is read first: the old one is a stale copy. A reader that
@@ -359,6 +370,8 @@ class CheckpointRoot:
             return p
 
         new, _ = self._update(bump, fenced=False)
+        if self.store.exists(LEGACY_POINTER_NAME):  # a migration that died before deleting it
+            self._drop_legacy_pointer()
         self.epoch = new.writer_epoch
         self.origin = origin
         self._resumed_entry = resumed_from
@@ -498,36 +511,69 @@ class CheckpointRoot:
             # pointer may have moved to it after all (a lost response), it is left alone.
             if not self._maybe_referenced(commit):
                 self._discard(commit)
+                self._put_back(prepared.name)
             raise
 
     def _make_room(self, name: str) -> None:
-        """Clear ``name`` of what stock Lightning left there: a ``save_last="link"`` symlink (it holds no data) goes;
-        a stock checkpoint file (a run from before this plugin was added, whose ``last.ckpt`` is saved again now)
-        is moved into the dot-folder and deleted once the save that replaces it has committed, as stock Lightning
-        would overwrite it. Stock files are found by one listing of the root per process."""
+        """Clear ``name`` of what stock Lightning left there, as stock Lightning would overwrite it.
+
+        A ``save_last="link"`` symlink holds no data: it goes. A stock checkpoint file of that name (a run from before
+        this plugin was added, whose ``last.ckpt`` is saved again now) stays a resumable checkpoint until the save that
+        replaces it has committed: on local disk, where a file and a folder cannot share a name, it waits in the
+        dot-folder (where ``find_latest_checkpoint`` still finds it, and from where a failed save puts it back); on an
+        object store the key and our prefix coexist, and the key is deleted after the commit. Stock files are found by
+        one listing of the root per process."""
         if self.store.is_link(name):
-            self.store.remove(name)
+            self.store.remove_object(name)  # the link, never what it points to
             return
         if self._stock is None:
-            self._stock = {n for n in self.store.list_detail("") if not n.startswith(".") and n not in LEGACY_NAMES}
-        if name in self._stock:
-            self._stock.discard(name)
+            self._stock = self._list_stock()
+        if name in self._leftover:  # moved aside by a save that never committed: this one replaces it
+            self._aside[name] = self._leftover.pop(name)
+        if name not in self._stock:
+            return
+        self._stock.discard(name)
+        if isinstance(self.store, LocalStore):
             aside = f"{REPLACED_DIR}/{name}"
             self.store.move(name, aside)
-            self._aside[name] = aside
-            log.info("moved the stock checkpoint %s aside: a committed save of the same name replaces it",
+            log.info("moved the stock checkpoint %s aside until a committed save of the same name replaces it",
                      self.store.url(name))
+            self._aside[name] = aside
+        else:
+            self._aside[name] = name
+
+    def _list_stock(self) -> set[str]:
+        names = {n for n in self.store.list_detail("") if not n.startswith(".") and n not in LEGACY_NAMES}
+        pointer, _ = self.read_pointer()
+        committed = set(pointer.checkpoints) if pointer is not None else set()
+        for name in self.store.list_detail(REPLACED_DIR):
+            if name in committed:  # its replacement committed; the process died before deleting it
+                self.store.remove_object(f"{REPLACED_DIR}/{name}")
+            else:
+                self._leftover[name] = f"{REPLACED_DIR}/{name}"
+        return names
 
     def _replaced(self, name: str) -> None:
         aside = self._aside.pop(name, None)
         if aside is not None:
-            self.store.remove(aside)
+            self.store.remove_object(aside)
+
+    def _put_back(self, name: str) -> None:
+        """The save of ``name`` failed: a stock file moved aside for it goes back where it was."""
+        aside = self._aside.pop(name, None)
+        if aside is None or aside == name:
+            return
+        try:
+            self._tidy_names({name})  # the failed save's now empty name folder, where the file goes back
+            self.store.move(aside, name)
+        except OSError as exc:  # still in the dot-folder, where find_latest_checkpoint finds it
+            log.warning("could not put the stock checkpoint %s back: %s", self.store.url(aside), exc)
 
     def forget_stock(self, name: str) -> bool:
         """Delete ``name`` when it is a stock Lightning file or link (``remove_checkpoint`` of a path this plugin did not
-        write, as stock Lightning deletes it); False when it is not one."""
+        write, as stock Lightning deletes it): that one object only, never a checkpoint of ours of the same name."""
         if self.store.is_link(name) or self.store.is_file(name):
-            self.store.remove(name)
+            self.store.remove_object(name)
             if self._stock is not None:
                 self._stock.discard(name)
             return True
@@ -1072,10 +1118,11 @@ def _beyond(p: Pointer, keep: int) -> list[Entry]:
     A checkpoint is a training state (writer epoch, step), not a name: ``last.ckpt`` saved at the step of a top-k
     save is the same state under a second name, so it does not take one of the ``keep`` places."""
     ordered = p.lineage().members(p.checkpoints.values())
-    kept: set[tuple[int, int]] = set()
+    kept: set[tuple[int, int] | str] = set()
     beyond = []
     for e in ordered:
-        state = (e.writer_epoch, e.step)
+        # Saves that record no step (Fabric's, a plain save_checkpoint) are each a state of their own.
+        state: tuple[int, int] | str = (e.writer_epoch, e.step) if e.step > 0 else e.commit
         if state in kept or len(kept) < keep:
             kept.add(state)
         else:

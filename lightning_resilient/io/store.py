@@ -154,6 +154,19 @@ class Store:
     def exists(self, rel: str) -> bool:
         return self._call("stat", rel, lambda: self._exists(self.path(rel)))
 
+    def remove_object(self, rel: str) -> None:
+        """Delete one object (never a folder or a prefix of the same name); a missing one is fine."""
+
+        def rm() -> None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._call("delete", rel, rm)
+
     def move(self, rel: str, to: str) -> None:
         """Move one object (a rename on disk, a copy then a delete on object stores)."""
 

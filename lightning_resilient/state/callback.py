@@ -217,6 +217,7 @@ class ResumeStateCallback(Callback):
         self._wrap(fit_loop, "_load_combined_loader_states", track_then_load_states)
         self._wrap(fit_loop.epoch_loop, "reset", self._reset_epoch_loop)
         self._wrap(fit_loop.epoch_loop.val_loop, "increment_progress_to_evaluation_end", self._skip_validation)
+        self._wrap(trainer, "_teardown", self._teardown_then_release)
 
     def _wrap(self, owner: Any, name: str, wrapper: Any) -> None:
         """Replace ``owner.name`` by ``wrapper(original, ...)``, once (a second fit reuses the loops)."""
@@ -233,12 +234,22 @@ class ResumeStateCallback(Callback):
         setattr(owner, name, wrapped)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._release()
+
+    def _teardown_then_release(self, teardown: Any) -> Any:
+        # Lightning calls the callbacks' teardown hooks only when the fit succeeded; its own _teardown runs after a
+        # failure too, once every on_exception hook (OnExceptionCheckpoint's save among them) has run.
+        try:
+            return teardown()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         """After the fit (or its failure): give back the user's DataLoader and the Trainer's loops as they were.
 
         Both stay picklable (``torch.save(trainer)``, ``deepcopy``, a loader reused by another Trainer), and nothing
         of this fit's tracking runs behind a later ``validate`` or a fit without this callback."""
-        if stage != "fit":
-            return
         if self._loader is not None:
             untrack(self._loader)
         for owner, name, before, wrapped in reversed(self._wrapped):
