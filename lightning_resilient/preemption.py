@@ -253,7 +253,7 @@ class PreemptionCheckpoint(Callback):
         seconds = time.monotonic() - started
         self.saved = {"step": trainer.global_step, "path": path, "seconds": seconds, "committed": True}
         rank_zero_info(f"PreemptionCheckpoint: emergency checkpoint {path} (step {trainer.global_step}) committed"
-                       f" {seconds:.1f} s after the save began, {time.monotonic() - notice.at:.1f} s after the notice"
+                       f" {seconds:.2f} s after the save began, {time.monotonic() - notice.at:.2f} s after the notice"
                        f" ({notice.what}); exiting with status {self.exit_code}")
         self._exit(trainer, self.exit_code)
 

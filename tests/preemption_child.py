@@ -26,16 +26,22 @@ from lightning_resilient import (  # noqa: E402
 from tests.test_preemption import DropoutModel, loader  # noqa: E402
 
 
+def _say(line: str) -> None:
+    # One write() per line: under DDP both ranks share this pipe, and print() may split a line in two writes.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 class Announce(Callback):
     def __init__(self) -> None:
         self.n = 0
 
     def on_train_start(self, trainer: Trainer, *args: object) -> None:
-        print(f"PID {trainer.global_rank} {os.getpid()}", flush=True)
+        _say(f"PID {trainer.global_rank} {os.getpid()}")
 
     def on_train_batch_start(self, trainer: Trainer, *args: object) -> None:
         if trainer.global_rank == 0:
-            print(f"BATCH {self.n}", flush=True)
+            _say(f"BATCH {self.n}")
         self.n += 1
         time.sleep(0.05)  # the parent's signal lands within this batch
 

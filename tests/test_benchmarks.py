@@ -107,3 +107,13 @@ def test_scaling_nodes_simulation_smoke(tmp_path):
     assert "| node cache | node | store reads | MB read | x checkpoint | load s | resume s |" in text
     assert "| on | 0 |" in text and "| off | 1 |" in text and doc["machine"] in text
     assert (tmp_path / "nodes.md").read_text().startswith("# Multi-node resume")
+
+
+@pytest.mark.slow
+def test_preemption_benchmark_smoke(tmp_path):
+    text = load("preemption").main(["--sizes", "5", "--stores", "local", "--runs", "1", "--out", str(tmp_path / "p")])
+    doc = json.loads((tmp_path / "p.json").read_text())
+    (row,) = doc["rows"]
+    assert row["size_mb"] == 5 and row["store"] == "local"
+    assert 0 < row["save_s"] <= row["to_commit_s"] < row["to_exit_s"]  # measured from the signal: save, then exit
+    assert "| 5 MB | local |" in text

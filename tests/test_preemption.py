@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,8 +80,8 @@ def pointer(root: str) -> Pointer:
 
 
 @pytest.mark.parametrize(("accumulate", "batch"), [(1, 6), (2, 6), (2, 9)])  # 9: mid-accumulation
-def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bit_identical(tmp_path, accumulate,
-                                                                                            batch):
+def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bit_identical(tmp_path, capsys,
+                                                                                            accumulate, batch):
     _, reference = run(str(tmp_path / "reference"), accumulate=accumulate)
     root = str(tmp_path / "ckpt")
     preemption = PreemptionCheckpoint()
@@ -90,6 +91,11 @@ def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bi
     step = (batch + accumulate) // accumulate  # the optimizer step the signalled batch completes, or the next
     assert preemption.saved == {**preemption.saved, "step": step, "committed": True}
     assert pointer(root).latest.name == "preemption.ckpt" and pointer(root).latest.step == step
+    if (accumulate, batch) == (1, 6):
+        from lightning_resilient.cli import main
+
+        assert main(["ls", root]) == 0
+        assert "| preemption.ckpt (latest) (emergency save: preemption) |" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_signal  # handlers given back
     _, resumed = run(root, accumulate=accumulate, ckpt_path=find_latest_checkpoint(root))
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
@@ -298,10 +304,9 @@ def test_ddp_a_notice_to_rank_1_only_makes_both_ranks_save_one_step_and_exit(tmp
     pids: dict[int, int] = {}
     try:
         for line in proc.stdout:
-            if line.startswith("PID "):
-                rank, pid = map(int, line.split()[1:])
-                pids[rank] = pid
-            elif line.startswith("BATCH ") and int(line.split()[1]) == 7:
+            for rank, pid in re.findall(r"PID (\d+) (\d+)", line):
+                pids[int(rank)] = int(pid)
+            if re.search(r"\bBATCH 7\b", line) and 1 in pids:
                 os.kill(pids[1], signal.SIGTERM)
                 break
         proc.wait(timeout=120)

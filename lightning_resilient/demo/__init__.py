@@ -22,13 +22,17 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help="kill the job while it uploads this step's checkpoint (a multiple of --every)")
     parser.add_argument("--every", type=int, default=10, help="checkpoint every this many optimizer steps")
     parser.add_argument("--out-dir", default="demo_output", help="where configs, records, report and plot go")
+    parser.add_argument("--preempt", action="store_true",
+                        help="instead of a SIGKILL mid-upload, a preemption notice (SIGTERM) after the checkpoint of"
+                             " --kill-step: PreemptionCheckpoint saves the step in progress, the restart recomputes none")
 
 
 def _run(args: argparse.Namespace) -> int:
     from lightning_resilient.demo.driver import run_demo
 
     try:
-        return run_demo(max_steps=args.max_steps, kill_step=args.kill_step, every=args.every, out_dir=args.out_dir)
+        return run_demo(max_steps=args.max_steps, kill_step=args.kill_step, every=args.every, out_dir=args.out_dir,
+                        preempt=args.preempt)
     except ValueError as exc:
         print(f"lightning-resilient demo: {exc}")
         return 2

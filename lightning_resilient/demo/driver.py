@@ -198,8 +198,11 @@ def _config(out_dir: str, name: str, root: str, max_steps: int, every: int) -> t
     return path, record
 
 
-def run_demo(max_steps: int = 60, kill_step: int = 30, every: int = 10, out_dir: str = "demo_output") -> int:
-    """Run the demo; returns 0 when everything it shows held (the exit status of ``make demo``)."""
+def run_demo(max_steps: int = 60, kill_step: int = 30, every: int = 10, out_dir: str = "demo_output",
+             preempt: bool = False) -> int:
+    """Run the demo; returns 0 when everything it shows held (the exit status of ``make demo``). ``preempt``: the
+    first attempt gets a preemption notice (SIGTERM) once the checkpoint of ``kill_step`` committed, instead of a
+    SIGKILL in the middle of its upload."""
     if kill_step % every or not every <= kill_step < max_steps:
         raise ValueError(f"kill_step must be a multiple of every ({every}) between {every} and max_steps - 1"
                          f" ({max_steps - 1}), got {kill_step}")
@@ -222,13 +225,14 @@ def run_demo(max_steps: int = 60, kill_step: int = 30, every: int = 10, out_dir:
         print(f"The job: {config} (AtomicCheckpointIO with async saves, ResumeStateCallback, AutoPrecision, a warmup +"
               " cosine LR schedule counted in optimizer steps)\n")
         print(f"$ {shown}")
-        return _show(cmd, shown, root, record, reference_config, reference_record, out_dir, max_steps, kill_step)
+        return _show(cmd, shown, root, record, reference_config, reference_record, out_dir, max_steps, kill_step,
+                     preempt)
     finally:
         server.stop()
 
 
 def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: str, reference_record: str,
-          out_dir: str, max_steps: int, kill_step: int) -> int:
+          out_dir: str, max_steps: int, kill_step: int, preempt: bool = False) -> int:
     import torch
 
     from lightning_resilient import find_latest_checkpoint
@@ -236,6 +240,9 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
 
     env = dict(os.environ)
     first = Job(cmd, env)
+    if preempt:
+        return _show_preemption(first, cmd, env, shown, root, record, reference_config, reference_record, out_dir,
+                                max_steps, kill_step)
     target = f"step={kill_step}.ckpt/"
     first.wait_for(lambda e: e.kind == "save-begin" and e.fields[0] == str(kill_step), f"the save of step {kill_step}")
     # Aim inside the upload: after a few of that checkpoint's objects are stored, before its manifest.
@@ -313,5 +320,70 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
         f.write("\n".join(report) + "\n")
     ok = (same and same_losses and resumed_url == latest and final_step == max_steps and not committed
           and resumed_step < kill_step)
+    print("\nDEMO OK" if ok else "\nDEMO FAILED")
+    return 0 if ok else 1
+
+
+def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str, root: str, record: str,
+                     reference_config: str, reference_record: str, out_dir: str, max_steps: int,
+                     kill_step: int) -> int:
+    """``demo --preempt``: a SIGTERM after the checkpoint of ``kill_step`` committed (what a cloud's notice is);
+    PreemptionCheckpoint saves the step in progress, the job exits 143, and the restart recomputes nothing."""
+    import torch
+
+    from lightning_resilient import find_latest_checkpoint
+
+    first.wait_for(lambda e: e.kind == "commit" and e.fields[0] == str(kill_step), f"the commit of step {kill_step}")
+    noticed = time.monotonic()
+    first.proc.send_signal(signal.SIGTERM)
+    status = first.proc.wait(timeout=120)
+    first.reader.join()
+    emergency = [e for e in first.of("commit") if e.fields[1].endswith("preemption.ckpt")]
+    saved_step = int(emergency[0].fields[0]) if emergency else None
+    took = (emergency[0].at - noticed) if emergency else None
+    print(f"\n\n*** SIGTERM (a preemption notice) after the checkpoint of step {kill_step} committed: exit status"
+          f" {status}; " + (f"emergency checkpoint of step {saved_step} committed {took:.2f} s after the notice ***\n"
+                            if emergency else "no emergency checkpoint ***\n"))
+    latest = find_latest_checkpoint(root)
+    print(f"Newest committed checkpoint: {latest}\n")
+
+    print(f"$ {shown}     # the same command again")
+    second = Job(cmd, env)
+    second.finish()
+    loads = second.of("load")
+    resumed_url, resumed_step = (loads[0].fields[0], int(loads[0].fields[1])) if loads else (None, 0)
+    print(f"\n\n$ lightning-resilient train fit -c {reference_config}     # the same training, never interrupted")
+    third = Job([*cmd[:-1], reference_config], env)
+    third.finish()
+
+    run, reference = Losses.read(record), Losses.read(reference_record)
+    resumed_w = torch.load(os.path.join(record, "weights.pt"))
+    plain_w = torch.load(os.path.join(reference_record, "weights.pt"))
+    same = resumed_w.keys() == plain_w.keys() and all(torch.equal(resumed_w[k], plain_w[k]) for k in plain_w)
+    resumed_losses = run.attempts[-1] if run.attempts else []
+    same_losses = bool(resumed_losses) and reference.attempts[0][-len(resumed_losses):] == resumed_losses
+    final_step = resumed_losses[-1][0] if resumed_losses else 0
+    # The last step the first attempt trained: its losses are recorded after every callback's batch end, so the step
+    # the emergency save ended may not be among them.
+    trained = max([saved_step or 0, *(s for s, _, _ in (run.attempts[0] if run.attempts else []))])
+    png = os.path.join(out_dir, "loss_curves.png")
+    _plot(png, reference, run, trained, resumed_step)
+    report = [
+        "Post-mortem (preemption)",
+        f"  the notice:               SIGTERM after step {kill_step}'s checkpoint; the job had trained to step {trained}",
+        "  emergency checkpoint:     " + (f"step {saved_step}, committed {took:.2f} s after the notice; exit status"
+                                           f" {status}" if emergency else f"none (exit status {status})"),
+        f"  restart resumed from:     {resumed_url} (step {resumed_step}), found by the same command",
+        f"  steps recomputed:         {max(0, trained - resumed_step)}",
+        f"  resumed run finished at:  step {final_step} of {max_steps}",
+        f"  preempted + resumed vs uninterrupted: {'bit-identical' if same else 'DIFFERENT'} final weights;"
+        f" per-step losses after the resume {'identical' if same_losses else 'DIFFER'}",
+        f"  loss curves:              {png}",
+    ]
+    print("\n\n" + "\n".join(report))
+    with open(os.path.join(out_dir, "report.txt"), "w") as f:
+        f.write("\n".join(report) + "\n")
+    ok = (same and same_losses and status == 143 and saved_step is not None and resumed_step == saved_step
+          and resumed_url == latest and final_step == max_steps and trained <= saved_step)
     print("\nDEMO OK" if ok else "\nDEMO FAILED")
     return 0 if ok else 1

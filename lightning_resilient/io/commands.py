@@ -26,6 +26,8 @@ from lightning_resilient.io.store import open_store
 __all__ = ["add_commands"]
 
 _CONCURRENCY = 8
+# PreemptionCheckpoint's default filename is preemption.ckpt: ls marks saves so named as emergency saves.
+PREEMPTION_PREFIX = "preemption"
 
 
 def add_commands(subparsers: Any) -> None:
@@ -204,7 +206,8 @@ def _ls(args: argparse.Namespace) -> int:
     for e, status in rows:
         marks = (" (latest)" if e.commit == latest_commit and not scanned else "") + (
             " (resumed from)" if pointer.protected.get(e.commit, "").startswith(RESUMED) else "") + (
-            " (abandoned branch)" if e in abandoned else "")
+            " (abandoned branch)" if e in abandoned else "") + (
+            " (emergency save: preemption)" if e.name.startswith(PREEMPTION_PREFIX) else "")
         print(f"| {e.name}{marks} | {e.step} | {e.epoch} | {e.writer_epoch} | {_size(e.size)} | {_age(e.created)} |"
               f" {e.commit} | {status} |")
     if abandoned:

@@ -284,7 +284,14 @@ class CheckpointCadence(Callback):
                             interval_seconds=interval, interval_steps=interval_steps, waste=waste,
                             current_interval_seconds=current, current_waste=current_waste)
         self.measurements.append(m)
-        rank_zero_info(f"CheckpointCadence: {self._describe(m, every_n)}")
+        note = ""
+        if any(type(cb).__name__ == "PreemptionCheckpoint" for cb in getattr(trainer, "callbacks", [])):
+            # The interval guards against failures without warning; a preemption with a notice costs the
+            # emergency save instead of half an interval of recomputation.
+            note = (f"; with PreemptionCheckpoint a preemption with notice loses about one save"
+                    f" ({format_duration(c)}), not half an interval: the MTBF here should count failures without"
+                    " notice only")
+        rank_zero_info(f"CheckpointCadence: {self._describe(m, every_n)}{note}")
         if self.adapt:
             self._adapt(trainer, m)
 

@@ -186,3 +186,16 @@ def test_adapt_without_a_step_based_checkpoint_warns_once_at_setup():
         trainer.save_checkpoint("a.ckpt")  # measured, nothing to adapt, no second warning
     assert len(cadence.measurements) == 1 and not cadence.decisions
     cadence.teardown(trainer, None, "fit")  # type: ignore[arg-type]
+
+
+def test_with_preemption_checkpoint_the_line_says_a_noticed_preemption_costs_one_save(tmp_path, caplog):
+    from lightning_resilient import AtomicCheckpointIO, PreemptionCheckpoint
+
+    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                      callbacks=[CheckpointCadence(mtbf_seconds=MTBF_SECONDS), PreemptionCheckpoint(),
+                                 ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2)])
+    with caplog.at_level("INFO"):
+        trainer.fit(TinyModel(), tiny_loader())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CheckpointCadence: save at step")]
+    assert len(lines) == 1 and "with PreemptionCheckpoint a preemption with notice loses about one save" in lines[0]
