@@ -46,6 +46,10 @@ class ValModel(TinyModel):
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
         self.log("val_score", -torch.nn.functional.mse_loss(self.net(x), y))
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
 
 def loader(shuffle: bool = False) -> DataLoader:
     g = torch.Generator().manual_seed(0)
@@ -162,9 +166,9 @@ def test_every_load_route_reads_the_committed_checkpoint_and_none_fences_the_job
     for run in ("validate", "test"):
         evaluator = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                             plugins=[AtomicCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=root)])
-        model = ValModel()
-        model.test_step = model.validation_step  # type: ignore[method-assign]
-        getattr(evaluator, run)(model, loader(), ckpt_path=best)
+        getattr(evaluator, run)(ValModel(), loader(), ckpt_path=best)
+    tested = trainer.test(ValModel(), loader(), ckpt_path="best")  # Lightning resolves "best" to best_model_path
+    assert tested and trainer.ckpt_path == best
     assert (Path(root) / POINTER_NAME).read_bytes() == pointer
 
     # one stock file for tools that need a file: torch.load-able, loadable by stock Lightning
