@@ -288,20 +288,7 @@ def _moto() -> Iterator[str]:
 
 
 def _wait_http(url: str, timeout: float = 30) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            return
-        except urllib.error.HTTPError:  # it answers
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    _sibling("checkpoint_io")._wait_http(url, timeout)
 
 
 def _node_env(base: Mapping[str, str], node: int, port: int, endpoint: str, tmp: str) -> dict[str, str]:

@@ -233,8 +233,6 @@ def run_demo(max_steps: int = 60, kill_step: int = 30, every: int = 10, out_dir:
 
 def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: str, reference_record: str,
           out_dir: str, max_steps: int, kill_step: int, preempt: bool = False) -> int:
-    import torch
-
     from lightning_resilient import find_latest_checkpoint
     from lightning_resilient.io.manifest import MANIFEST_NAME
 
@@ -283,17 +281,8 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
     upload_second = float(teardown[-1].fields[2]) if teardown else 0.0
     wall_second = time.monotonic() - second.started
 
-    print(f"\n\n$ lightning-resilient train fit -c {reference_config}     # the same training, never interrupted")
-    third = Job([*cmd[:-1], reference_config], env)
-    third.finish()
-
-    run, reference = Losses.read(record), Losses.read(reference_record)
-    resumed_w = torch.load(os.path.join(record, "weights.pt"))
-    plain_w = torch.load(os.path.join(reference_record, "weights.pt"))
-    same = resumed_w.keys() == plain_w.keys() and all(torch.equal(resumed_w[k], plain_w[k]) for k in plain_w)
-    resumed_losses = run.attempts[-1] if run.attempts else []
-    same_losses = bool(resumed_losses) and reference.attempts[0][-len(resumed_losses):] == resumed_losses
-    final_step = resumed_losses[-1][0] if resumed_losses else 0  # recorded after the optimizer step
+    run, reference, same, same_losses, final_step, tensors = _uninterrupted(cmd, env, reference_config, record,
+                                                                            reference_record)
     after = _folders(root)
     png = os.path.join(out_dir, "loss_curves.png")
     _plot(png, reference, run, killed_at, resumed_step)
@@ -312,7 +301,7 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
         f" attempts ({saves_second} saves in attempt 2: {blocked_second:.2f} s blocked, {upload_second:.2f} s of"
         f" uploads in the background, out of {wall_second:.1f} s of wall time)",
         f"  killed + resumed vs uninterrupted: {'bit-identical' if same else 'DIFFERENT'} final weights (torch.equal on"
-        f" all {len(plain_w)} tensors); per-step losses after the resume {'identical' if same_losses else 'DIFFER'}",
+        f" all {tensors} tensors); per-step losses after the resume {'identical' if same_losses else 'DIFFER'}",
         f"  loss curves:              {png}",
     ]
     print("\n\n" + "\n".join(report))
@@ -329,8 +318,6 @@ def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str
                      kill_step: int) -> int:
     """``demo --preempt``: a SIGTERM after the checkpoint of ``kill_step`` committed (what a cloud's notice is);
     PreemptionCheckpoint saves the step in progress, the job exits 143, and the restart recomputes nothing."""
-    import torch
-
     from lightning_resilient import find_latest_checkpoint
 
     first.wait_for(lambda e: e.kind == "commit" and e.fields[0] == str(kill_step), f"the commit of step {kill_step}")
@@ -352,17 +339,8 @@ def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str
     second.finish()
     loads = second.of("load")
     resumed_url, resumed_step = (loads[0].fields[0], int(loads[0].fields[1])) if loads else (None, 0)
-    print(f"\n\n$ lightning-resilient train fit -c {reference_config}     # the same training, never interrupted")
-    third = Job([*cmd[:-1], reference_config], env)
-    third.finish()
-
-    run, reference = Losses.read(record), Losses.read(reference_record)
-    resumed_w = torch.load(os.path.join(record, "weights.pt"))
-    plain_w = torch.load(os.path.join(reference_record, "weights.pt"))
-    same = resumed_w.keys() == plain_w.keys() and all(torch.equal(resumed_w[k], plain_w[k]) for k in plain_w)
-    resumed_losses = run.attempts[-1] if run.attempts else []
-    same_losses = bool(resumed_losses) and reference.attempts[0][-len(resumed_losses):] == resumed_losses
-    final_step = resumed_losses[-1][0] if resumed_losses else 0
+    run, reference, same, same_losses, final_step, _ = _uninterrupted(cmd, env, reference_config, record,
+                                                                      reference_record)
     # The last step the first attempt trained: its losses are recorded after every callback's batch end, so the step
     # the emergency save ended may not be among them.
     trained = max([saved_step or 0, *(s for s, _, _ in (run.attempts[0] if run.attempts else []))])
@@ -387,3 +365,21 @@ def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str
           and resumed_url == latest and final_step == max_steps and trained <= saved_step)
     print("\nDEMO OK" if ok else "\nDEMO FAILED")
     return 0 if ok else 1
+
+
+def _uninterrupted(cmd: list[str], env: dict[str, str], reference_config: str, record: str,
+                   reference_record: str) -> tuple[Losses, Losses, bool, bool, int, int]:
+    """Run the same training uninterrupted and compare: (run, reference, same final weights, same per-step losses
+    after the resume, the resumed run's final step, the number of tensors compared)."""
+    import torch
+
+    print(f"\n\n$ lightning-resilient train fit -c {reference_config}     # the same training, never interrupted")
+    Job([*cmd[:-1], reference_config], env).finish()
+    run, reference = Losses.read(record), Losses.read(reference_record)
+    resumed_w = torch.load(os.path.join(record, "weights.pt"))
+    plain_w = torch.load(os.path.join(reference_record, "weights.pt"))
+    same = resumed_w.keys() == plain_w.keys() and all(torch.equal(resumed_w[k], plain_w[k]) for k in plain_w)
+    resumed_losses = run.attempts[-1] if run.attempts else []
+    same_losses = bool(resumed_losses) and reference.attempts[0][-len(resumed_losses):] == resumed_losses
+    final_step = resumed_losses[-1][0] if resumed_losses else 0  # recorded after the optimizer step
+    return run, reference, same, same_losses, final_step, len(plain_w)

@@ -10,7 +10,7 @@ came from, and what ``keep_last`` retired; after every operation it checks again
     newest one whose manifest is intact; a load, with its fallback, loads the newest one intact altogether);
 (c) nothing partial ever loads (every checkpoint loaded equals, bit for bit, what its job saved at that step).
 
-130 operations in the suite with a fixed seed; ``pytest --soak`` runs 2000 with a new seed (``--protocol-seed N``
+100 operations in the suite with a fixed seed; ``pytest --soak`` runs 2000 with a new seed (``--protocol-seed N``
 replays one). Every failure message starts with the seed.
 """
 
@@ -394,7 +394,7 @@ def test_randomized_protocol_run(s3_backend, request, tmp_path):
     soak = request.config.getoption("--soak")
     seed = request.config.getoption("--protocol-seed")
     seed = seed if seed is not None else (random.SystemRandom().randrange(2**31) if soak else SUITE_SEED)
-    run = Run(s3_backend, seed, 2000 if soak else 130, tmp_path)
+    run = Run(s3_backend, seed, 2000 if soak else 100, tmp_path)
     print(f"protocol run seed {seed}")
     run.run()
     assert run.counts.get("kill_in_save", 0) >= 10 and run.counts.get("rollback", 0) >= 3, run.counts
