@@ -82,21 +82,25 @@ _COMMITTED = re.compile(r"committed ([0-9.]+) s after the save began, ([0-9.]+) 
 
 
 def one_run(size: int, root: str, endpoint: str | None, env: dict[str, str]) -> dict[str, float]:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(size), root, endpoint or "-"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None and proc.stderr is not None
-    steps: list[float] = []
-    for line in proc.stdout:
-        if line.startswith("STEP "):
-            steps.append(float(line.split()[2]))
-            if len(steps) == 4:
-                break
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    proc.stdout.close()
-    err = proc.stderr.read()
-    status = proc.wait(timeout=900)
-    exited = time.monotonic() - sent
+    # stderr goes to a file so that a chatty child can never block on a full pipe before the notice; stdout is
+    # drained to the end after it (closing it early would break the child's next print with EPIPE mid-save).
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(size), root, endpoint or "-"], env=env,
+                                stdout=subprocess.PIPE, stderr=errors, text=True, start_new_session=True)
+        assert proc.stdout is not None
+        steps: list[float] = []
+        for line in proc.stdout:
+            if line.startswith("STEP "):
+                steps.append(float(line.split()[2]))
+                if len(steps) == 4:
+                    break
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=900)
+        exited = time.monotonic() - sent
+        status = proc.returncode
+        errors.seek(0)
+        err = errors.read()
     found = _COMMITTED.search(err)
     if status != 143 or found is None:
         raise RuntimeError(f"the run did not end with a committed emergency save (status {status}): {err[-2000:]}")
