@@ -34,6 +34,7 @@ from lightning_resilient import (
     load_from_checkpoint,
 )
 from lightning_resilient.io.pointer import LEGACY_POINTER_NAME, POINTER_NAME, Pointer
+from lightning_resilient.io.fit_check import FitStartCheck
 
 from .models import TinyModel
 
@@ -344,17 +345,35 @@ def test_a_resume_under_gradient_accumulation_does_not_save_its_step_again(tmp_p
     assert [s.step for s in io.save_stats] == [6, 8]  # not 4 again
 
 
-def test_a_missing_bucket_stops_fit_before_the_first_step(s3_backend, monkeypatch):
+@pytest.mark.parametrize("setup", ["plugin only", "with ResumeStateCallback", "default dirpath"])
+def test_a_missing_bucket_stops_fit_before_the_first_step(s3_backend, monkeypatch, setup):
+    # The plugin gets no call from Lightning before its first save: the check is the callback our entry point adds
+    # to every Trainer (io/fit_check.py). Without it, this fit would train 25 steps before its first save failed.
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_backend.endpoint)
     root = s3_backend.root.replace(s3_backend.root.split("/")[2], "no-such-bucket-here")
     model = TinyModel()
+    saver = ModelCheckpoint(dirpath=None if setup == "default dirpath" else root, every_n_train_steps=25)
     trainer = Trainer(max_steps=50, accelerator="cpu", logger=False, enable_progress_bar=False,
-                      enable_model_summary=False,
+                      enable_model_summary=False, default_root_dir=root,
                       plugins=[AtomicCheckpointIO(storage_options=s3_backend.storage_options)],
-                      callbacks=[ResumeStateCallback(), ModelCheckpoint(dirpath=root, every_n_train_steps=25)])
+                      callbacks=[*([ResumeStateCallback()] if setup == "with ResumeStateCallback" else []), saver])
     with pytest.raises(FileNotFoundError, match="bucket 'no-such-bucket-here' does not exist"):
         trainer.fit(model, loader())
     assert trainer.global_step == 0 and model.losses == []
+    assert sum(isinstance(c, FitStartCheck) for c in trainer.callbacks) == 1
+
+
+def test_the_fit_start_check_leaves_stock_trainers_and_checkpoints_alone(tmp_path):
+    # Every Trainer gets the callback; without our plugin it checks nothing, and it adds nothing to a checkpoint.
+    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False,
+                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "no" / "such" / "dir"), every_n_train_steps=2)])
+    assert [type(c).__name__ for c in trainer.callbacks].count("FitStartCheck") == 1
+    trainer.fit(TinyModel(), loader())
+    saved = torch.load(str(tmp_path / "no" / "such" / "dir" / "epoch=0-step=2.ckpt"), weights_only=False)
+    assert not any("FitStartCheck" in key for key in saved["callbacks"])
+    clone = pickle.loads(pickle.dumps(trainer.callbacks))
+    assert [type(c).__name__ for c in clone] == [type(c).__name__ for c in trainer.callbacks]
 
 
 def test_pytorch_lightning_trainer_takes_the_plugin_and_names_the_import_for_callbacks(tmp_path):
@@ -377,6 +396,8 @@ def test_pytorch_lightning_trainer_takes_the_plugin_and_names_the_import_for_cal
 
     trainer.fit(PLModel(), loader())
     assert load_checkpoint(find_latest_checkpoint(root))["global_step"] == 4
+    # its own namespace's fit-start check ran (through the pytorch_lightning entry point)
+    assert [type(c).__name__ for c in trainer.callbacks if isinstance(c, pl.Callback)].count("FitStartCheck") == 1
     for callback in (ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()):
         trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[callback])

@@ -31,6 +31,7 @@ from lightning.pytorch.loops.loop import _Loop
 from torch.utils.data import DataLoader
 
 from lightning_resilient._namespaces import require_lightning_pytorch
+from lightning_resilient.io.fit_check import add_fit_start_check
 from lightning_resilient.state._loader import (
     DATASET,
     ITERABLE,
@@ -195,7 +196,7 @@ class ResumeStateCallback(Callback):
         self._trainer = trainer
         self._warned_validation = False
         self._resumed = False
-        _check_roots(trainer)
+        add_fit_start_check(trainer)  # the folders are checked in on_fit_start, once ModelCheckpoint resolved them
         # First in line for every hook: another callback that saves from its on_train_batch_end (a user's saver,
         # OnExceptionCheckpoint, a preemption handler) then sees this batch counted, and a callback that draws
         # random numbers in on_train_batch_start draws them after the resumed RNG is back. A new list, since
@@ -693,19 +694,6 @@ class ResumeStateCallback(Callback):
                 " gets the position Lightning saved from global rank 0)", RuntimeWarning, stacklevel=2)
             return
         self._pending = ranks[rank]
-
-
-def _check_roots(trainer: Trainer) -> None:
-    """Stop a fit before its first step when a ModelCheckpoint's dirpath cannot hold checkpoints (a missing bucket,
-    credentials that cannot see it), instead of at the first save, a training interval later."""
-    io = getattr(trainer.strategy, "checkpoint_io", None)
-    check = getattr(io, "check_root", None)
-    if check is None:  # every rank checks: one that raised alone would leave the others waiting for it
-        return
-    for callback in trainer.checkpoint_callbacks:
-        dirpath = getattr(callback, "dirpath", None)
-        if isinstance(dirpath, (str, os.PathLike)) and str(dirpath):
-            check(str(dirpath))
 
 
 def _live(loader: DataLoader) -> bool:

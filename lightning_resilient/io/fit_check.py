@@ -1,0 +1,100 @@
+"""Check, when ``fit`` starts, that every checkpoint folder the Trainer will write through ``AtomicCheckpointIO``
+can hold checkpoints: a missing bucket or credentials that cannot see it stop the run before its first step, not at
+its first save a training interval later.
+
+A ``CheckpointIO`` gets no call from Lightning before it saves (and the folder is a ``ModelCheckpoint`` setting the
+plugin never sees), so the check is a callback. Lightning adds callbacks that packages register under the entry
+point groups ``lightning.pytorch.callbacks_factory`` and ``pytorch_lightning.callbacks_factory`` to every Trainer it
+builds (see ``pyproject.toml``); this one does nothing unless the Trainer's checkpoint plugin is ours, and it keeps
+no state, so checkpoints carry nothing of it. ``ResumeStateCallback`` adds one to a Trainer that lacks it (the
+package run from a source tree without installed entry points).
+
+The check runs in ``on_fit_start``: after every ``setup`` (``ModelCheckpoint.setup`` resolves a ``dirpath`` left
+``None`` to ``<default_root_dir>/.../checkpoints``), before the sanity check and the first step. Every rank checks:
+one that raised alone would leave the others waiting for it at the next collective.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+__all__ = ["FitStartCheck", "add_fit_start_check", "lightning_pytorch_callbacks", "pytorch_lightning_callbacks"]
+
+
+class _Check:
+    """The check itself, shared by the two namespaces' callback classes (each Trainer wants its own ``Callback``)."""
+
+    @property
+    def state_key(self) -> str:
+        return "lightning_resilient.FitStartCheck"
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        check = getattr(_plugin(trainer), "check_root", None)
+        if check is None:
+            return
+        seen: set[str] = set()
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if isinstance(dirpath, (str, os.PathLike)) and str(dirpath) and str(dirpath) not in seen:
+                seen.add(str(dirpath))
+                check(str(dirpath))
+
+
+def _plugin(trainer: Any) -> Any:
+    """The Trainer's checkpoint plugin when it is ours (also behind Lightning's ``AsyncCheckpointIO`` wrapper)."""
+    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    for _ in range(4):  # wrappers hold the plugin they wrap as ``checkpoint_io``
+        if isinstance(io, AtomicCheckpointIO):
+            return io
+        io = getattr(io, "checkpoint_io", None)
+    return None
+
+
+def _callback_class(namespace: str) -> type:
+    """``FitStartCheck`` for ``lightning.pytorch`` or ``pytorch_lightning``, built on first use so that loading the
+    entry point imports nothing the Trainer has not imported already."""
+    cached = _CLASSES.get(namespace)
+    if cached is None:
+        if namespace == "lightning.pytorch":
+            from lightning.pytorch import Callback
+        else:
+            Callback = sys.modules["pytorch_lightning"].Callback  # the Trainer asking for it has imported it
+        cached = _CLASSES[namespace] = type("FitStartCheck", (_Check, Callback), {
+            "__module__": __name__,
+            "__doc__": "Checks the checkpoint folders of ``AtomicCheckpointIO`` when ``fit`` starts (see module).",
+            "__reduce__": lambda self: (_rebuild, (namespace,)),
+        })
+    return cached
+
+
+def _rebuild(namespace: str) -> Any:
+    return _callback_class(namespace)()
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def lightning_pytorch_callbacks() -> list[Any]:
+    """Entry point ``lightning.pytorch.callbacks_factory``: the callbacks every ``lightning.pytorch`` Trainer gets."""
+    return [_callback_class("lightning.pytorch")()]
+
+
+def pytorch_lightning_callbacks() -> list[Any]:
+    """Entry point ``pytorch_lightning.callbacks_factory``: the same for ``pytorch_lightning`` Trainers."""
+    return [_callback_class("pytorch_lightning")()]
+
+
+def add_fit_start_check(trainer: Any) -> None:
+    """Give ``trainer`` the check when its entry point did not (a source tree run without installing the package)."""
+    if not any(isinstance(c, _Check) for c in trainer.callbacks):
+        trainer.callbacks = [*trainer.callbacks, _callback_class("lightning.pytorch")()]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FitStartCheck":  # the lightning.pytorch class, built on first use
+        return _callback_class("lightning.pytorch")
+    raise AttributeError(name)
