@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["FitStartCheck", "add_fit_start_check", "lightning_pytorch_callbacks", "pytorch_lightning_callbacks"]
+__all__ = ["add_fit_start_check", "lightning_pytorch_callbacks", "pytorch_lightning_callbacks"]
 
 
 class _Check:

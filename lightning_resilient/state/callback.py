@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import warnings
 import weakref
 from collections import deque
