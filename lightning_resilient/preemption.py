@@ -245,9 +245,11 @@ class PreemptionCheckpoint(Callback):
         started = time.monotonic()
         try:
             trainer.save_checkpoint(path)
-            wait = getattr(io, "wait", None)
+            wait = getattr(io, "persist_latest", None) or getattr(io, "wait", None)
             if callable(wait):
-                wait()  # an async plugin: committed, not merely snapshotted
+                # An async plugin: committed, not merely snapshotted; with a local tier, persisted to the durable
+                # root too (this node may not come back).
+                wait()
         finally:
             watchdog.cancel()
         seconds = time.monotonic() - started

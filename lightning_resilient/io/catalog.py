@@ -334,8 +334,14 @@ def load_together(url: str, root_for: Callable[[str], CheckpointRoot], together:
                             f" ({_RESOLVE_ATTEMPTS} times): the job writing it saves faster than it can be read")
 
 
-def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None) -> str | None:
+def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None, *,
+                           local_tier: str | None = None) -> str | None:
     """The newest committed checkpoint of the current run under ``root``, for ``trainer.fit(ckpt_path=...)``.
+
+    With ``local_tier`` (the plugin's ``local_tier`` folder), the newest of the root's lineage in either tier: a
+    checkpoint this node's local tier holds but the root does not (yet) is returned as a URL in the root, which a
+    plugin with that ``local_tier`` reads from the local tier (and falls back to the root's copy, or older, when the
+    local copy fails verification).
 
     Returns None when the root holds no committed checkpoint of the current run (a first run). It reads the
     pointer and the newest checkpoint's manifest (which must verify); every byte of the data is verified when the
@@ -346,6 +352,13 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
     silently restart training from scratch.
     """
     checkpoint_root = reader(root, storage_options)
+    if local_tier is not None:
+        from lightning_resilient.io.tiered import find_latest_tiered, local_tier_url  # it builds on this module
+
+        local = reader(local_tier_url(local_tier, checkpoint_root.url))
+        found_tiered = find_latest_tiered(checkpoint_root, local)
+        if found_tiered is not None:
+            return found_tiered
     for _ in range(_RESOLVE_ATTEMPTS):
         found = _find_latest(checkpoint_root)
         if found is not _RETIRED:

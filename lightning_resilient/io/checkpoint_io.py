@@ -9,6 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
@@ -30,9 +31,11 @@ from lightning_resilient.io.catalog import (
     repair_pointer,
 )
 from lightning_resilient.io.node_cache import NodeCache
+from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, _int
 from lightning_resilient.io.store import LocalStore, MemoryStore, open_store
+from lightning_resilient.io.tiered import TieredResolved, TieredRoot, load_tiered, local_tier_url, resolve_tiered
 
 __all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "repair_pointer"]
 
@@ -100,6 +103,16 @@ class AtomicCheckpointIO(CheckpointIO):
             training into the root. False: a resuming fit claims only at its first save (the old job, if still
             running, keeps writing until then). True: every load claims, for a process that will train outside
             ``Trainer.fit``. A job that starts without a checkpoint claims at its first save.
+        local_tier: a node-local folder (local NVMe, ``/dev/shm``) to commit every save to first: each save is a
+            checkpoint there (same protocol: manifest, pointer, fencing, verification), and every ``persist_every``-th
+            saved step, the last save of ``fit`` and every emergency save of ``PreemptionCheckpoint`` are also
+            persisted to the ModelCheckpoint dirpath (the durable root) in the background, copied from the local
+            tier. The durable root's pointer only names checkpoints complete there. A resume takes the newest
+            checkpoint of the durable root's lineage in either tier, read locally when this node holds it and it
+            verifies (see ``find_latest_checkpoint(root, local_tier=...)``). None: every save goes to the root.
+        persist_every: with ``local_tier``: persist every N-th saved step to the durable root (1: every save).
+        local_keep: with ``local_tier``: how many checkpoints the local tier keeps (the newest; a checkpoint being
+            persisted is kept until it is durable).
         retry_attempts: tries per storage request for transient errors (5xx, throttling, dropped connections).
         retry_base_delay: first backoff in seconds (doubles per retry, full jitter).
         retry_max_delay: longest single backoff in seconds.
@@ -120,6 +133,9 @@ class AtomicCheckpointIO(CheckpointIO):
         orphan_grace_seconds: float = 3600.0,
         fallback_on_corruption: bool = True,
         claim_on_load: bool | None = None,
+        local_tier: str | os.PathLike[str] | None = None,
+        persist_every: int = 1,
+        local_keep: int = 2,
         retry_attempts: int = 6,
         retry_base_delay: float = 0.2,
         retry_max_delay: float = 10.0,
@@ -150,6 +166,16 @@ class AtomicCheckpointIO(CheckpointIO):
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs a CUDA device, and this process sees none: use pin_memory=None"
                              " to pin only where CUDA is available")
+        self.local_tier = _check_local_tier(local_tier)
+        if not _is_int(persist_every) or persist_every < 1:
+            raise ValueError(f"persist_every must be an int >= 1 (persist every N-th saved step), got {persist_every!r}")
+        if not _is_int(local_keep) or local_keep < 1:
+            raise ValueError(f"local_keep must be an int >= 1 (checkpoints kept in the local tier), got {local_keep!r}")
+        if self.local_tier is None and persist_every != 1:
+            raise ValueError(f"persist_every={persist_every} needs local_tier: without a local tier every save goes to"
+                             " the durable root. Pass local_tier='/local/nvme/ckpt' (a node-local folder).")
+        self.persist_every = persist_every
+        self.local_keep = local_keep
         if not _is_int(retry_attempts) or retry_attempts < 1:
             raise ValueError(f"retry_attempts must be an int >= 1, got {retry_attempts!r}")
         self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
@@ -171,6 +197,7 @@ class AtomicCheckpointIO(CheckpointIO):
         #: What the most recent load read and allocated.
         self.last_load: LoadStats | None = None
         self._roots: dict[tuple[str, str], CheckpointRoot] = {}
+        self._tiers: dict[str, TieredRoot] = {}  # durable root URL -> its two tiers, for saves
         self._lock = threading.Lock()
 
     # -- pickling ----------------------------------------------------------------------------------------------
@@ -179,13 +206,14 @@ class AtomicCheckpointIO(CheckpointIO):
         # objects that hold the Trainer copy them: a copy keeps the settings and starts with no open roots, no
         # claimed writer epoch and no save in flight (those belong to the original; a copy that saves claims anew).
         state = self.__dict__.copy()
-        for runtime in ("_roots", "_lock", "_async"):
+        for runtime in ("_roots", "_tiers", "_lock", "_async"):
             state.pop(runtime, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._roots = {}
+        self._tiers = {}
         self._lock = threading.Lock()
         self._async = AsyncSaver(pin_memory=self.pin_memory) if self.async_save else None
 
@@ -211,9 +239,24 @@ class AtomicCheckpointIO(CheckpointIO):
         with self._lock:
             root = self._roots.get(key)
             if root is None:
-                root = CheckpointRoot(open_store(url, options, self.retry), self.settings, self._executor)
+                local = self.local_tier is not None and url.startswith(self.local_tier + os.sep)
+                settings = replace(self.settings, keep_last=self.local_keep) if local else self.settings
+                root = CheckpointRoot(open_store(url, {} if local else options, self.retry), settings, self._executor)
                 self._roots[key] = root
             return root
+
+    def tiers(self, url: str, storage_options: dict[str, Any] | None = None) -> TieredRoot:
+        """The durable root ``url`` and its local tier, as this plugin saves to them (needs ``local_tier``)."""
+        assert self.local_tier is not None
+        durable = self.root(url, storage_options)
+        with self._lock:
+            tiers = self._tiers.get(durable.url)
+        if tiers is None or tiers.durable is not durable:  # first save, or a new fit reopened the root
+            local = self.root(local_tier_url(self.local_tier, durable.url))
+            tiers = TieredRoot(durable, local, persist_every=self.persist_every, executor=self._executor)
+            with self._lock:
+                self._tiers[durable.url] = tiers
+        return tiers
 
     # -- Lightning's CheckpointIO API --------------------------------------------------------------------------
     @override
@@ -235,11 +278,12 @@ class AtomicCheckpointIO(CheckpointIO):
                              " (find_latest_checkpoint and retention would never see it). Use a ModelCheckpoint"
                              " filename that does not start with '.'.")
         _check_not_nested(url, checkpoint)
-        root = self.root(_paths.dirname(url), storage_options)
+        root: CheckpointRoot | TieredRoot = (self.root(_paths.dirname(url), storage_options) if self.local_tier is None
+                                             else self.tiers(_paths.dirname(url), storage_options))
         started = time.perf_counter()
         stats = self.save_stats_for(name, checkpoint)
         if self._async is not None:
-            self._async.save(root, checkpoint, name, stats)
+            self._async.save(root, checkpoint, name, stats)  # type: ignore[arg-type]  # a TieredRoot quacks alike
         else:
             root.save(checkpoint, name)
             stats.upload = time.perf_counter() - started
@@ -261,7 +305,7 @@ class AtomicCheckpointIO(CheckpointIO):
         return lambda commit, **kwargs: cache.load(root, commit, local_root, **kwargs)
 
     def _reopen(self, root: CheckpointRoot) -> CheckpointRoot:
-        fresh = CheckpointRoot(root.store, self.settings, self._executor)
+        fresh = CheckpointRoot(root.store, root.settings, self._executor)
         with self._lock:
             for key, value in self._roots.items():
                 if value is root:
@@ -284,6 +328,10 @@ class AtomicCheckpointIO(CheckpointIO):
         kwargs = {"map_location": map_location, "weights_only": weights_only,
                   "pin_memory": self.pin_memory and _targets_cuda(map_location)}
         together = _together(trainer)
+        if self.local_tier is not None:
+            tiered = self._load_tiered(url, trainer, together, kwargs)
+            if tiered is not None:
+                return tiered
         if together is not None:  # every rank of the job loads the commit rank 0 resolved
             done = load_together(url, self.root, together, fallback=self.settings.fallback_on_corruption,
                                  load_for=self._loader, **kwargs)
@@ -314,10 +362,54 @@ class AtomicCheckpointIO(CheckpointIO):
             _mark_resumed_step_saved(trainer, loaded.checkpoint)
         return loaded.checkpoint
 
+    def _load_tiered(self, url: str, trainer: Any, together: Together | None,
+                     kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """Load across the local and the durable tier (see ``io/tiered.py``); None when neither tier knows ``url``
+        (a plain file, a stock checkpoint: the single-tier path handles it)."""
+        assert self.local_tier is not None
+        found: TieredResolved | None = None
+        if together is None or together.rank == 0:
+            try:
+                found = resolve_tiered(url, self.local_tier, self.root)
+            except Exception as exc:  # noqa: BLE001 - every rank raises what rank 0 found
+                if together is None:
+                    raise
+                together.broadcast({"error": exc})
+                raise
+        if together is not None:
+            plan = together.broadcast({"found": found})
+            if "error" in plan:
+                raise plan["error"]
+            found = plan["found"]
+        if found is None:
+            return None
+        entry, source, loaded = load_tiered(found, self.local_tier, self.root, self._loader,
+                                            fallback=self.settings.fallback_on_corruption, together=together,
+                                            **kwargs)
+        self.last_load = loaded.stats
+        durable = self.root(found.durable_url)
+        fit = trainer is not None and _fn(trainer) == "fit"
+        if fit and durable.epoch is not None:
+            durable = self._reopen(durable)
+        if fit or self.claim_on_load:
+            if durable.epoch is None:
+                durable.resumed(entry)
+                durable.pending_resume_elsewhere = not durable.store.exists(f"{entry.commit}/{MANIFEST_NAME}")
+            claim_now = self.claim_on_load if self.claim_on_load is not None else fit
+            if claim_now and _global_rank() == 0 and durable.epoch is None:
+                durable.claim()
+        if source is not durable:
+            source.remember_loaded(loaded)
+        if fit:
+            _mark_resumed_step_saved(trainer, loaded.checkpoint)
+        return loaded.checkpoint
+
     @override
     def remove_checkpoint(self, path: Any) -> None:
         url = normalize(_fspath(path))
-        root, name = self.root(_paths.dirname(url)), _paths.basename(url)
+        name = _paths.basename(url)
+        root: CheckpointRoot | TieredRoot = (self.root(_paths.dirname(url)) if self.local_tier is None
+                                             else self.tiers(_paths.dirname(url)))
 
         def remove() -> None:
             # A stock file or link (a run from before this plugin, a save_last="link" link) goes as stock Lightning
@@ -335,15 +427,38 @@ class AtomicCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for the save in flight (async saves) and raise its error, if any."""
-        if self._async is not None:
-            self._async.close()
+        """Wait for the save in flight (async saves) and raise its error, if any; with ``local_tier``, persist the
+        newest local checkpoint (the last save of a fit) and wait for every persist."""
+        try:
+            if self._async is not None:
+                self._async.close()
+        finally:
+            with self._lock:
+                tiers = list(self._tiers.values())
+            for tier in tiers:
+                tier.close()
 
     def wait(self) -> None:
-        """Block until the async save in flight (if any) has committed; raise its error."""
+        """Block until the async save in flight (if any) has committed and, with ``local_tier``, the persists
+        queued so far are done; raise their error."""
         if self._async is not None:
             self._async.wait()
             self._async.raise_error()
+        with self._lock:
+            tiers = list(self._tiers.values())
+        for tier in tiers:
+            tier.wait()
+            tier.raise_error()
+
+    def persist_latest(self) -> None:
+        """With ``local_tier``: wait for the save in flight, then persist the newest local checkpoint to its
+        durable root (if it is not there yet) and wait until it is committed there. ``PreemptionCheckpoint`` calls
+        it after an emergency save: the node may not come back. Without a local tier: :meth:`wait`."""
+        self.wait()
+        with self._lock:
+            tiers = list(self._tiers.values())
+        for tier in tiers:
+            tier.persist_latest()
 
     # -- extras ------------------------------------------------------------------------------------------------
     def check_root(self, root: str) -> None:
@@ -354,8 +469,8 @@ class AtomicCheckpointIO(CheckpointIO):
         self.root(root).store.list_dir("")  # credentials that can name the bucket but not list it fail here
 
     def find_latest_checkpoint(self, root: str) -> str | None:
-        """Like :func:`find_latest_checkpoint`, with this plugin's storage options."""
-        return find_latest_checkpoint(root, self.storage_options)
+        """Like :func:`find_latest_checkpoint`, with this plugin's storage options and local tier."""
+        return find_latest_checkpoint(root, self.storage_options, local_tier=self.local_tier)
 
     def collect_garbage(self, root: str, *, dry_run: bool = False, abandoned: bool = False) -> list[str]:
         """Delete (or, with ``dry_run``, list) what no committed checkpoint under ``root`` needs: folders of crashed
@@ -374,6 +489,21 @@ def _check_storage_options(value: Any, field: str) -> dict[str, Any]:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise TypeError(f"{field} must be a dict of fsspec options with str keys or None, got {value!r}")
     return dict(value)
+
+
+def _check_local_tier(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)):
+        raise TypeError(f"local_tier must be a node-local folder path or None, got {value!r}")
+    path = str(os.fspath(value))
+    protocol = _paths.split_protocol(path)[0]
+    if protocol not in (None, "file", "local"):
+        raise ValueError(f"local_tier must be a node-local folder (local NVMe, /dev/shm), not a {protocol}:// URL"
+                         f" ({path!r}): the durable tier is the ModelCheckpoint dirpath")
+    if protocol is not None:
+        path = path.split("://", 1)[1]
+    return os.path.realpath(os.path.expanduser(path))
 
 
 def _fspath(path: Any) -> str:

@@ -38,6 +38,7 @@ def add_commands(subparsers: Any) -> None:
     ls.add_argument("root", help="the checkpoint root (ModelCheckpoint dirpath): s3://..., gs://..., a path")
     ls.add_argument("--quick", action="store_true",
                     help="check manifests and object sizes only, instead of every byte's checksum")
+    _local_tier_option(ls)
     _storage_option(ls)
     ls.set_defaults(func=_guarded(_ls))
 
@@ -68,6 +69,7 @@ def add_commands(subparsers: Any) -> None:
                     help="retention: keep only the N newest checkpoints of the current run")
     gc.add_argument("--abandoned", action="store_true",
                     help="also delete checkpoints outside the current run's lineage (a branch a rollback left)")
+    _local_tier_option(gc)
     _storage_option(gc)
     gc.set_defaults(func=_guarded(_gc))
 
@@ -80,6 +82,12 @@ def add_commands(subparsers: Any) -> None:
     export.add_argument("out", help="the .ckpt file to write (a path or an fsspec URL)")
     _storage_option(export)
     export.set_defaults(func=_guarded(_export))
+
+
+def _local_tier_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local-tier", default=None, metavar="DIR",
+                        help="the plugin's local_tier folder on this node: also show (ls) or clean (gc) this root's"
+                             " local tier")
 
 
 def _storage_option(parser: argparse.ArgumentParser) -> None:
@@ -242,10 +250,66 @@ def _ls(args: argparse.Namespace) -> int:
               " committed checkpoint exists):")
         _print_stock(root, stock)
     bad = [e for e, status in rows if status.startswith("NO")]
+    if args.local_tier:
+        bad += _ls_local_tier(args, root)
     if bad:
         print(f"\n{len(bad)} checkpoint(s) FAIL verification", file=sys.stderr)
         return 1
     return 0
+
+
+def _local_root(args: argparse.Namespace, root: CheckpointRoot) -> CheckpointRoot | None:
+    from lightning_resilient.io.tiered import local_tier_url
+
+    path = local_tier_url(args.local_tier, root.url)
+    if not os.path.isdir(path):
+        return None
+    settings = RootSettings(keep_last=None, shard_size=1, orphan_grace_seconds=getattr(args, "grace", 3600.0),
+                            fallback_on_corruption=False)
+    return CheckpointRoot(open_store(path, {}, RetryPolicy()), settings,
+                          lambda: ThreadPoolExecutor(_CONCURRENCY, thread_name_prefix="lightning_resilient-cli"))
+
+
+def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry]:
+    """The local tier's checkpoints beside the durable root's: which are durable too, which only local (and which
+    of those are being persisted), which are outside the durable lineage (never resumed). Returns the failing ones."""
+    from lightning_resilient.io.tiered import TierView
+
+    local = _local_root(args, root)
+    if local is None:
+        print(f"\nlocal tier: nothing for this root under {args.local_tier} on this node")
+        return []
+    view = TierView.read(root, local)
+    local_pointer = view.local_pointer
+    print(f"\nlocal tier: {local.url}")
+    if local_pointer is None:
+        print("no committed checkpoint in the local tier")
+        return []
+    durable = {e.commit for e in view.durable_pointer.entries()} if view.durable_pointer is not None else set()
+    lineage = view.lineage
+    print()
+    print("| name | step | writer epoch | size | age | where | verifies (local copy) |")
+    print("|---|---:|---:|---:|---:|---|---|")
+    bad: list[Entry] = []
+    for e in sorted(local_pointer.entries(), key=lambda e: e.order, reverse=True):
+        if not lineage.contains(e):
+            where = "local only, outside the durable lineage (a fenced job or an abandoned branch: never resumed)"
+        elif e.commit in durable:
+            where = "local + durable"
+        elif e.commit in local_pointer.protected:
+            where = "local only, being persisted"
+        else:
+            where = "local only"
+        status = _check(local, e, args.quick)
+        if status.startswith("NO"):
+            bad.append(e)
+        print(f"| {e.name} | {e.step} | {e.writer_epoch} | {_size(e.size)} | {_age(e.created)} | {where} | {status} |")
+    newest = view.candidates()
+    if newest:
+        tier = "the local tier" if newest[0].commit not in durable else "both tiers"
+        print(f"\na resume on this node loads {newest[0].name} (step {newest[0].step}) from {tier}; on another node,"
+              f" the durable root's newest")
+    return bad
 
 
 def _print_stock(root: CheckpointRoot, stock: list[tuple[str, float]]) -> None:
@@ -353,6 +417,13 @@ def _gc(args: argparse.Namespace) -> int:
     for url, why in doomed:
         if url not in dropped_folders:
             print(f"{verb} {url}: {why}")
+    local = _local_root(args, root) if args.local_tier else None
+    if local is not None:
+        # The local tier's own debris (saves of a fenced job, retired folders); it is kept at the plugin's
+        # local_keep by the job itself, so --keep-last applies to the durable root only.
+        for url, why in local.collect_garbage(dry_run=args.dry_run, abandoned=args.abandoned):
+            doomed.append((url, why))
+            print(f"{verb} {url}: {why}")
     if not dropped and not doomed:
-        print(f"nothing to delete under {root.url}")
+        print(f"nothing to delete under {root.url}" + (f" or its local tier {local.url}" if local is not None else ""))
     return 0

@@ -226,6 +226,7 @@ class CheckpointRoot:
         #: What this process last loaded from the root: a fit that resumed from it claims the root with it as
         #: origin at its first save. A process that only reads never writes, so never claims (never fences).
         self.pending_resume: Entry | None = None
+        self.pending_resume_elsewhere = False  # ``pending_resume`` is held by another tier (io/tiered.py), not here
         self._resumed_entry: Entry | None = None  # what this writer claimed with as its origin
         # Retired folders this process deleted: their records leave the pointer at its next update.
         self._deleted: set[str] = set()
@@ -342,19 +343,25 @@ class CheckpointRoot:
         ``resumed_from`` (default: what this process loaded from the root) is the origin of this writer's lineage:
         it becomes the latest, and checkpoints of older epochs after it are an abandoned branch from now on. None
         is a fresh start: every older checkpoint is then an abandoned branch (kept until ``gc --abandoned``).
+
+        An origin that only the node-local tier holds (see :mod:`~lightning_resilient.io.tiered`, where
+        ``pending_resume_elsewhere`` is set) is recorded as the lineage's origin all the same; this root cannot
+        protect or name it as latest, and its own checkpoints up to the origin's step stay the lineage's fallbacks.
         """
+        elsewhere = resumed_from is None and self.pending_resume_elsewhere
         if resumed_from is None:
             resumed_from = self.pending_resume
         self._check_fencing()
         origin = Origin(None) if resumed_from is None else Origin(resumed_from.commit, resumed_from.writer_epoch,
                                                                   resumed_from.step)
-        if resumed_from is not None and not self.store.exists(f"{resumed_from.commit}/{MANIFEST_NAME}"):
+        if resumed_from is not None and not elsewhere \
+                and not self.store.exists(f"{resumed_from.commit}/{MANIFEST_NAME}"):
             raise self._origin_gone(resumed_from)
 
         fresh_over: list[Entry] = []
 
         def bump(p: Pointer) -> Pointer:
-            if resumed_from is not None and resumed_from.commit in p.retired:
+            if resumed_from is not None and not elsewhere and resumed_from.commit in p.retired:
                 raise self._origin_gone(resumed_from)
             fresh_over[:] = p.candidates()[:1] if resumed_from is None else []
             p.writer_epoch += 1
@@ -362,10 +369,11 @@ class CheckpointRoot:
             p.origins[p.writer_epoch] = origin
             # Protections belong to the job that set them; this job protects what it resumed from.
             p.protected = {}
-            if resumed_from is not None:
+            if resumed_from is not None and not elsewhere:
                 _protect(p, resumed_from, self.writer)
-            # The newest checkpoint of the new lineage: what a restart of this job resumes until it saves.
-            p.latest = resumed_from
+            # The newest checkpoint of the new lineage: what a restart of this job resumes until it saves (with an
+            # origin held elsewhere, this root's newest checkpoint of the lineage it continues).
+            p.latest = resumed_from if not elsewhere else next(iter(p.lineage().members(p.entries())), None)
             _prune_origins(p)
             return p
 
@@ -374,13 +382,14 @@ class CheckpointRoot:
             self._drop_legacy_pointer()
         self.epoch = new.writer_epoch
         self.origin = origin
-        self._resumed_entry = resumed_from
+        self._resumed_entry = resumed_from if not elsewhere else None
         # After the swap (a record is only ever written for an epoch that was claimed): a crash between the two loses
         # nothing while the pointer lives (it holds the origin too); only a pointer lost as well makes a rebuild guess.
         self._record_origin(self.epoch, origin)
 
         self.resumed_from = resumed_from.commit if resumed_from else None
         self.pending_resume = None
+        self.pending_resume_elsewhere = False
         if fresh_over:
             # Legitimate (a new experiment in the same folder), but more often a resume that found nothing:
             # ckpt_path="last" on S3/GCS (Lightning lists last*.ckpt without the protocol and finds none) or a
@@ -425,6 +434,59 @@ class CheckpointRoot:
                 " each other's pointer (last writer wins). Checkpoints stay atomic and verified; make sure only one"
                 " job writes the root (stop the old one before starting its replacement), or use a store that"
                 " enforces conditional writes (AWS S3, GCS, local disk).", RuntimeWarning, stacklevel=4)
+
+    def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin]) -> None:
+        """Write this root as writer epoch ``epoch`` of another root: the node-local tier of a durable root whose
+        claim gave ``epoch`` and ``origin`` (``origins``: that root's lineage). Commits here then carry the durable
+        writer epoch and lineage, so the two tiers order and compare their checkpoints alike.
+
+        A newer epoch already adopted here (a newer job on this node) makes this writer stale. Local checkpoints
+        outside the adopted lineage can never be resumed again (a lineage only grows): they are dropped.
+        """
+        def bump(p: Pointer) -> Pointer:
+            if p.writer_epoch > epoch:
+                raise StaleWriterError(self.url, epoch, p.writer_epoch, p.writer)
+            p.writer_epoch = epoch
+            p.writer = self.writer
+            p.origins.update(origins)
+            p.origins[epoch] = origin
+            p.protected = {}
+            for entry in p.lineage().outside(p.entries()):
+                p.checkpoints.pop(entry.name, None)
+            p.latest = next(iter(p.lineage().members(p.entries())), None)
+            _prune_origins(p)
+            return p
+
+        new, _ = self._update(bump, fenced=False)
+        self.epoch, self.origin = epoch, origin
+        self._delete_retired(new)
+        try:
+            self.collect_garbage()
+        except Exception as exc:  # garbage collection must never stop training
+            log.warning("garbage collection under %s failed: %s", self.url, exc)
+
+    def hold(self, folders: Iterable[str], why: str) -> None:
+        """Keep ``folders`` (of committed checkpoints) from retention until :meth:`release`: they are to be copied.
+        Recorded in the pointer, so a ``gc`` run by another process keeps them too; a writer's next claim or adopt
+        drops what a dead one held."""
+        folders = list(folders)
+
+        def add(p: Pointer) -> Pointer:
+            for folder in folders:
+                p.protected[folder] = why
+            return p
+
+        self._update(add, fenced=False)
+
+    def release(self, folders: Iterable[str]) -> None:
+        folders = list(folders)
+
+        def drop(p: Pointer) -> Pointer | None:
+            dropped = [f for f in folders if p.protected.pop(f, None) is not None]
+            return p if dropped else None
+
+        new, _ = self._update(drop, fenced=False)
+        self._delete_retired(new)
 
     # -- save --------------------------------------------------------------------------------------------------
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
@@ -579,6 +641,12 @@ class CheckpointRoot:
             return True
         return False
 
+    def abandon(self, commit: str) -> None:
+        """Delete the folder of a commit that failed before its pointer move, unless the pointer may name it after
+        all (a lost response): what a failed save does, and a failed persist into this root."""
+        if not self._maybe_referenced(commit):
+            self._discard(commit)
+
     def _maybe_referenced(self, commit: str) -> bool:
         try:
             pointer, _ = self.read_pointer()
@@ -596,12 +664,22 @@ class CheckpointRoot:
                                  self._known if step == self._known_step else {}))
         skeleton = len(objects) - 1
         objects += extra or []
-        self.store.sync_folder(commit)  # the data is durable before the manifest names it
-        self._check_stored(objects, commit)
         manifest = Manifest(name=name, commit=commit, step=step, epoch=prepared.epoch, created=prepared.created,
                             writer_epoch=epoch, chunk_size=self.settings.chunk_size, skeleton=skeleton,
                             stream=stream, objects=objects, tensors=prepared.tensors,
                             sharded=sharded(objects) if sharded is not None else None, origin=origin)
+        return self.publish(manifest)
+
+    def publish(self, manifest: Manifest) -> Entry:
+        """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer.
+
+        A save's last step, and the whole of persisting a node-local checkpoint to its durable tier (the objects
+        copied there first, the manifest the one the local tier committed: same commit, writer epoch and origin).
+        """
+        assert self.epoch is not None and manifest.writer_epoch == self.epoch
+        commit, name, step, epoch, origin = manifest.commit, manifest.name, manifest.step, self.epoch, manifest.origin
+        self.store.sync_folder(commit)  # the data is durable before the manifest names it
+        self._check_stored(manifest.objects, commit)
         # The manifest goes last: until it exists, this folder is not a checkpoint.
         self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
         for folder in (commit, name, ""):  # and it, and the folders holding it, before the pointer names it
@@ -617,7 +695,8 @@ class CheckpointRoot:
                 p.saves += 1
                 p.last_saved = [epoch, step]
             p.writer_epoch = max(p.writer_epoch, epoch)  # a rebuilt pointer may not have seen this writer yet
-            p.origins[epoch] = origin  # this writer knows its origin (a rebuilt pointer may only have guessed it)
+            if origin is not None:  # this writer knows its origin (a rebuilt pointer may only have guessed it)
+                p.origins[epoch] = origin
             p.writer = p.writer or self.writer
             p.checkpoints[name] = entry
             # Within one writer the pointer never moves to a lower step.
@@ -629,7 +708,7 @@ class CheckpointRoot:
         new, _ = self._update(add, fenced=True)
         self._remember(manifest, new)
         log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(commit), entry.step,
-                 len(objects), entry.size)
+                 len(manifest.objects), entry.size)
         self._delete_retired(new)
         self._replaced(name)
         return entry

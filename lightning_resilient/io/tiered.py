@@ -1,0 +1,486 @@
+"""Tiered checkpoints: every save commits to a node-local root, every Nth is persisted to the durable root behind it.
+
+The local tier is an ordinary checkpoint root (same objects, manifest, pointer and verification) at
+``<local_tier>/<name>-<hash of the durable URL>``, written as the *durable* root's writer epoch: the job claims the
+durable root first (which fences older jobs there), then *adopts* that epoch and lineage in its local root. A commit
+therefore has one name (``<name>/c<time>-e<epoch>-<id>``) and one place in the lineage in both tiers.
+
+Persisting copies a committed local checkpoint's objects (each verified against the manifest on the way) into the
+same folder of the durable root, then publishes the very manifest there through the durable protocol: checked,
+manifest last, conditional pointer move fenced by the writer epoch. The durable pointer so only ever names
+checkpoints complete in the durable tier, a kill during a persist leaves it on the previous durable checkpoint (the
+half-copied folder is garbage of this epoch, collected once a later job has claimed), and a fenced job keeps writing
+its local tier but gets :class:`~lightning_resilient.StaleWriterError` from its next persist and its next save.
+While a persist copies a folder, the local pointer holds it so local retention cannot delete it.
+
+Resume reads both tiers (:class:`TierView`): the durable pointer gives the lineage (the authority: a local
+checkpoint outside it belongs to a job that was fenced or a branch that was abandoned, and is never loaded), and
+the candidates are the durable lineage's checkpoints plus the local ones inside it, newest first by (writer epoch,
+step). Each is read from the local tier when it holds it and it verifies, else from the durable tier, else the next
+older candidate. An empty local tier (a new node) therefore resumes from the durable tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lightning_resilient.errors import CheckpointCorruptedError
+from lightning_resilient.io import _paths, layout
+from lightning_resilient.io.catalog import NOT_FOUND, Together
+from lightning_resilient.io.lineage import Lineage
+from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
+from lightning_resilient.io.pointer import Entry, Pointer
+from lightning_resilient.io.root import CheckpointRoot, Loaded, Prepared, commit_epoch
+
+__all__ = ["TIER_RECORD", "TierView", "TieredResolved", "TieredRoot", "durable_of", "find_latest_tiered", "load_tiered",
+           "local_tier_url", "resolve_tiered"]
+
+log = logging.getLogger(__name__)
+
+TIER_RECORD = ".lightning_resilient/tier.json"  # in a local tier root: which durable root it belongs to
+_PERSISTING = "being persisted to the durable tier"
+
+
+def local_tier_url(local_tier: str, durable_url: str) -> str:
+    """The node-local root that holds the local tier of ``durable_url`` under the folder ``local_tier``."""
+    tail = re.sub(r"[^A-Za-z0-9._=-]+", "_", durable_url.split("://", 1)[-1].strip("/"))[-48:].strip("_") or "root"
+    digest = hashlib.sha256(durable_url.encode()).hexdigest()[:12]
+    return os.path.join(os.path.realpath(os.path.expanduser(local_tier)), f"{tail}-{digest}")
+
+
+def durable_of(local_root: CheckpointRoot) -> str | None:
+    """The durable root URL a local tier root belongs to (its tier record), or None if it is no local tier."""
+    try:
+        return str(json.loads(local_root.store.read(TIER_RECORD))["durable"])
+    except (FileNotFoundError, KeyError, ValueError, TypeError):
+        return None
+
+
+# -- writing -------------------------------------------------------------------------------------------------------
+class TieredRoot:
+    """The save side of one durable root and its local tier, for one plugin (see the module docstring).
+
+    Quacks like :class:`~lightning_resilient.io.root.CheckpointRoot` where saves use one (``prepare``, ``commit``,
+    ``save``, ``remove``), so the synchronous and the async save paths take it unchanged.
+    """
+
+    def __init__(self, durable: CheckpointRoot, local: CheckpointRoot, *, persist_every: int,
+                 executor: Callable[[], Executor]) -> None:
+        self.durable = durable
+        self.local = local
+        self.persist_every = persist_every
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._jobs: deque[tuple[Callable[[], None], str]] = deque()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._saves = 0  # distinct saved steps of this writer (a top-k save and save_last at one step count once)
+        self._last: tuple[int, int] | None = None  # (writer epoch, step) of the last one
+        self._persisting_step = False
+        self._latest: list[Entry] = []  # this writer's local commits at its newest saved step, in save order
+        self._persisted: set[str] = set()  # commits that are in the durable tier
+        self._queued: set[str] = set()
+        self._newest_queued: tuple[int, int] = (0, -1)  # (writer epoch, step) of the newest persist queued
+
+    # What saves and logs need of a root.
+    @property
+    def url(self) -> str:
+        return self.durable.url
+
+    @property
+    def store(self) -> Any:
+        return self.durable.store
+
+    def _claim(self) -> None:
+        """Claim the durable root (if this writer has not yet: that fences older jobs) and write the local tier
+        as the claimed writer epoch, with the durable lineage."""
+        if self.durable.epoch is None:
+            self.durable.claim()
+        if self.local.epoch != self.durable.epoch:
+            origin = self.durable.origin
+            assert self.durable.epoch is not None and origin is not None
+            pointer, _ = self.durable.read_pointer()
+            self.local.adopt(self.durable.epoch, origin, dict(pointer.origins) if pointer else {})
+            _write_tier_record(self.local, self.durable.url)
+            if origin.commit is not None and not self.durable.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
+                # Resumed from a checkpoint only this node holds: the durable tier is behind by saves of earlier
+                # jobs, and a process that just failed may fail again before its N-th save. Its first save is
+                # persisted, so every restart moves the durable tier forward.
+                with self._lock:
+                    self._saves = self.persist_every - 1
+
+    def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
+                before_fill: Callable[[], None] | None = None) -> Prepared:
+        if before_fill is None:
+            return self.local.prepare(checkpoint, name, snapshot)
+        return self.local.prepare(checkpoint, name, snapshot, before_fill)
+
+    def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
+        return self.commit(self.prepare(checkpoint, name))
+
+    def commit(self, prepared: Prepared) -> Entry:
+        """Commit to the local tier (the save is done then), and queue the persist of every Nth saved step."""
+        self.raise_error()
+        self._claim()
+        entry = self.local.commit(prepared)
+        with self._lock:
+            key = (entry.writer_epoch, entry.step)
+            if key != self._last:
+                self._last = key
+                self._saves += 1
+                self._persisting_step = self._saves % self.persist_every == 0
+                self._latest = []
+            self._latest.append(entry)
+            persist = self._persisting_step
+        if persist:
+            self._enqueue(entry)
+        return entry
+
+    def remove(self, name: str) -> None:
+        """Lightning's removal of a checkpoint name: from the local tier now, from the durable tier after the
+        persists queued before it (so a persist never resurrects a name removed after it)."""
+        pointer, _ = self.local.read_pointer()
+        if pointer is not None and name in pointer.checkpoints:
+            self._claim()
+            self.local.remove(name)
+        self._submit(lambda: self.durable.remove(name), f"removal of {self.durable.store.url(name)}")
+
+    def forget_stock(self, name: str) -> bool:
+        return self.durable.forget_stock(name)
+
+    # -- persisting ----------------------------------------------------------------------------------------------
+    def _enqueue(self, entry: Entry) -> None:
+        with self._lock:
+            if entry.commit in self._queued:
+                return
+            self._queued.add(entry.commit)
+            self._newest_queued = max(self._newest_queued, (entry.writer_epoch, entry.step))
+        # Held from now (not from when the copy starts): local retention would otherwise delete a queued checkpoint
+        # while the saves go on. Its folders include those whose bytes it shares (last.ckpt and its top-k twin).
+        self.local.hold(entry.folders, _PERSISTING)
+        self._submit(lambda: self._persist(entry), f"persist of {self.local.store.url(entry.commit)}")
+
+    def _submit(self, job: Callable[[], None], what: str) -> None:
+        """Run ``job`` after the jobs queued before it, in one background thread that ends when the queue is empty
+        (so nothing lingers between persists), and is not a daemon: an interpreter that exits normally first
+        finishes the persists it queued."""
+        with self._lock:
+            self._jobs.append((job, what))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="lightning_resilient-persist")
+                self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                job, what = self._jobs.popleft()
+                failed = self._error is not None
+            if failed:
+                log.warning("not running the %s: a persist before it failed", what)
+                continue
+            try:
+                job()
+            except BaseException as exc:
+                with self._lock:
+                    self._error = self._error or exc
+                log.error("%s failed; the durable tier keeps its previous checkpoint: %s", what, exc)
+
+    def _persist(self, entry: Entry) -> None:
+        try:
+            if entry.commit in self._persisted:
+                return
+            with self._lock:
+                superseded = (entry.writer_epoch, entry.step) < self._newest_queued
+            if superseded:
+                # A newer step is queued behind this one: the durable tier gets that one instead, so a store slower
+                # than the saves never builds a backlog (of uploads, or of held local checkpoints).
+                log.info("not persisting %s (step %d): step %d is queued after it", entry.commit, entry.step,
+                         self._newest_queued[1])
+                return
+            manifest = self.local.read_manifest(entry.commit)
+            manifest = self._copy(manifest)
+            try:
+                self.durable.publish(manifest)
+            except BaseException:
+                self.durable.abandon(manifest.commit)
+                raise
+            self._persisted.add(entry.commit)
+            log.info("persisted %s to %s", entry.commit, self.durable.url)
+        finally:
+            try:
+                self.local.release(entry.folders)
+            except Exception as exc:  # the hold is dropped by the next adopt of this local tier at the latest
+                log.warning("could not release %s: %s", self.local.store.url(entry.commit), exc)
+
+    def _copy(self, manifest: Manifest) -> Manifest:
+        """Copy ``manifest``'s objects from the local tier into the durable one, verifying each; returns the
+        manifest to publish there. An object shared with another commit of the same step stays shared when that
+        commit is durable already; otherwise it is copied into this commit's own folder."""
+        pointer, _ = self.durable.read_pointer()
+        live = pointer.live_folders() if pointer is not None else set()
+        commit = manifest.commit
+        targets: list[str] = []
+        for i, obj in enumerate(manifest.objects):
+            folder = obj.path.rsplit("/", 1)[0]
+            if folder == commit:
+                targets.append(obj.path)
+            elif folder in live:
+                targets.append("")  # already durable: referenced, not copied
+            else:
+                targets.append(f"{commit}/shared-{i:05d}-{obj.path.rsplit('/', 1)[-1]}")
+
+        def copy(i: int) -> int:
+            obj, target = manifest.objects[i], targets[i]
+            if not target:
+                return 0
+            data = memoryview(self.local.store.read(obj.path))
+            if manifest.chunk_size and chunk_digests([data], manifest.chunk_size) != obj.chunks:
+                raise CheckpointCorruptedError(f"{self.local.store.url(obj.path)} does not match its manifest: the"
+                                               " local copy is damaged and was not persisted",
+                                               object=self.local.store.url(obj.path))
+            self.durable.store.write_pieces(target, [data])
+            return len(data)
+
+        with self._executor() as pool:
+            list(pool.map(copy, range(len(manifest.objects))))
+        objects = [obj if not target or target == obj.path else replace(obj, path=target)
+                   for obj, target in zip(manifest.objects, targets)]
+        return replace(manifest, objects=objects)
+
+    def persist_latest(self) -> list[Entry]:
+        """Persist this writer's newest saved step (every name saved at it, e.g. a top-k name and ``last.ckpt``)
+        if it is not durable yet, wait for every queued persist and raise the first error: what ``fit``'s end and
+        an emergency save need."""
+        with self._lock:
+            latest = list(self._latest)
+        for entry in latest:
+            self._enqueue(entry)
+        self.wait()
+        self.raise_error()
+        return latest
+
+    def wait(self) -> None:
+        """Block until every queued persist and removal has run (errors are kept for :meth:`raise_error`)."""
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None:
+                return
+            thread.join()
+
+    def raise_error(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            note = "raised by a background persist to the durable tier; the durable tier keeps its previous checkpoint"
+            if note not in getattr(error, "__notes__", []) and hasattr(error, "add_note"):
+                error.add_note(note)
+            raise error
+
+    def close(self) -> None:
+        """Persist the newest local checkpoint (the last of a fit), wait for it, raise any error."""
+        self.persist_latest()
+
+
+def _write_tier_record(local: CheckpointRoot, durable_url: str) -> None:
+    if durable_of(local) != durable_url:
+        local.store.write(TIER_RECORD, json.dumps({"durable": durable_url}).encode())
+
+
+# -- reading -------------------------------------------------------------------------------------------------------
+@dataclass
+class TierView:
+    """Both tiers of one durable root as a resume sees them."""
+
+    durable: CheckpointRoot
+    local: CheckpointRoot
+    durable_pointer: Pointer | None
+    local_pointer: Pointer | None
+
+    @classmethod
+    def read(cls, durable: CheckpointRoot, local: CheckpointRoot) -> TierView:
+        pointer, _ = durable.read_pointer()
+        if pointer is None:
+            scan = durable.scan()
+            if scan.manifests or scan.max_epoch:
+                pointer = scan.pointer()
+        local_pointer, _ = local.read_pointer() if local.store.exists("") else (None, None)
+        return cls(durable, local, pointer, local_pointer)
+
+    @property
+    def lineage(self) -> Lineage:
+        """The durable root's current lineage: the authority on what a resume may continue."""
+        return self.durable_pointer.lineage() if self.durable_pointer is not None else Lineage({}, 0)
+
+    def _entries(self) -> list[Entry]:
+        durable = self.durable_pointer.entries() if self.durable_pointer is not None else []
+        local = self.local_pointer.entries() if self.local_pointer is not None else []
+        seen: dict[str, Entry] = {}
+        for entry in [*local, *durable]:
+            seen.setdefault(entry.commit, entry)
+        return list(seen.values())
+
+    def candidates(self) -> list[Entry]:
+        """The checkpoints a resume may load, newest first: the durable lineage's, in either tier."""
+        return self.lineage.members(self._entries())
+
+    def local_only(self) -> list[Entry]:
+        durable = {e.commit for e in self.durable_pointer.entries()} if self.durable_pointer is not None else set()
+        return [e for e in self.candidates() if e.commit not in durable]
+
+    def older(self, entry: Entry) -> list[Entry]:
+        origins = dict(self.durable_pointer.origins) if self.durable_pointer is not None else {}
+        return [e for e in Lineage.below(origins, entry).members(self._entries()) if e.commit != entry.commit]
+
+    def entry(self, commit: str) -> Entry | None:
+        for entry in self._entries():
+            if entry.commit == commit:
+                return entry
+        for root in (self.local, self.durable):
+            if root.store.exists(f"{commit}/{MANIFEST_NAME}"):
+                try:
+                    return Entry.from_manifest(root.read_manifest(commit))
+                except CheckpointCorruptedError:
+                    continue
+        return None
+
+    def holders(self, commit: str) -> list[CheckpointRoot]:
+        """The tiers holding a committed copy of ``commit``, the local one first."""
+        return [root for root in (self.local, self.durable) if root.store.exists(f"{commit}/{MANIFEST_NAME}")]
+
+
+@dataclass
+class TieredResolved:
+    durable_url: str
+    entry: Entry
+    fallbacks: list[Entry]
+
+
+def resolve_tiered(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot]) -> TieredResolved | None:
+    """What ``url`` names across the two tiers of its durable root; None when neither tier knows it (the caller's
+    single-tier resolution then handles it: a plain file, a stock checkpoint, the error message).
+
+    ``url`` may name the durable root (its newest checkpoint in either tier), a name in it, a commit folder in it, or
+    the same in its local tier root (``<local_tier>/<...>``).
+    """
+    durable_url, rel = _split(url, local_tier, root_for)
+    if durable_url is None:
+        return None
+    view = TierView.read(root_for(durable_url), root_for(local_tier_url(local_tier, durable_url)))
+    if rel == "":
+        candidates = view.candidates()
+        if not candidates:
+            return None
+        return TieredResolved(durable_url, candidates[0], candidates[1:])
+    if commit_epoch(rel) is not None:
+        entry = view.entry(rel)
+        if entry is None:
+            raise FileNotFoundError(f"{NOT_FOUND}{url}. Neither {durable_url} nor its local tier"
+                                    f" {view.local.url} holds a committed {rel!r}")
+        return TieredResolved(durable_url, entry, view.older(entry))
+    named = [e for e in view.candidates() if e.name == rel]
+    if not named:
+        return None
+    return TieredResolved(durable_url, named[0], view.older(named[0]))
+
+
+def _split(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot]) -> tuple[str | None, str]:
+    """(durable root URL, path relative to it) for a URL in a durable root or in a local tier root."""
+    base = os.path.realpath(os.path.expanduser(local_tier))
+    plain = url[len("file://"):] if url.startswith("file://") else url
+    if _paths.split_protocol(url)[0] in (None, "file", "local") and \
+            os.path.realpath(plain).startswith(base + os.sep):
+        inside = os.path.relpath(os.path.realpath(plain), base).split(os.sep)
+        durable = durable_of(root_for(os.path.join(base, inside[0])))
+        return durable, "/".join(inside[1:])
+    name = _paths.basename(url)
+    if commit_epoch(name) is not None:
+        return _paths.dirname(_paths.dirname(url)), f"{_paths.basename(_paths.dirname(url))}/{name}"
+    if _has_pointer(root_for(url)) or root_for(local_tier_url(local_tier, url)).store.exists(TIER_RECORD):
+        return url, ""
+    parent = _paths.dirname(url)
+    return parent, name
+
+
+def _has_pointer(root: CheckpointRoot) -> bool:
+    pointer, _ = root.read_pointer()
+    return pointer is not None
+
+
+def load_tiered(found: TieredResolved, local_tier: str, root_for: Callable[[str], CheckpointRoot],
+                load_for: Callable[[CheckpointRoot], Callable[..., Loaded]], *, fallback: bool,
+                together: Together | None, **load_kwargs: Any) -> tuple[Entry, CheckpointRoot, Loaded]:
+    """Load ``found`` (falling back to older candidates when ``fallback``): from the local tier when it holds a
+    copy that verifies, else from the durable tier. With ``together`` every rank loads the same commit (each from
+    its own node's local tier or from the durable one); returns (entry, the tier it was read from, loaded)."""
+    durable = root_for(found.durable_url)
+    local = root_for(local_tier_url(local_tier, found.durable_url))
+    candidates = [found.entry, *(found.fallbacks if fallback else [])]
+    first: str | None = None
+    last_error: BaseException | None = None
+    for candidate in candidates:
+        loaded: Loaded | None = None
+        source: CheckpointRoot | None = None
+        errors: list[str] = []
+        for root in (local, durable):
+            if not root.store.exists(f"{candidate.commit}/{MANIFEST_NAME}"):
+                continue
+            try:
+                loaded = (root.load if root is local else load_for(root))(candidate.commit, **load_kwargs)
+                source = root
+                break
+            except CheckpointCorruptedError as exc:
+                errors.append(f"{root.store.url(candidate.commit)}: {exc}")
+                last_error = exc
+                message = f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {exc}"
+                log.error(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+        ok = loaded is not None
+        if together is not None:
+            ok = together.all_true(ok)
+        if ok:
+            assert loaded is not None and source is not None
+            if first is not None:
+                message = (f"loaded the previous committed checkpoint {candidate.commit} (step {candidate.step}) of"
+                           f" {found.durable_url} instead of {first}, which no tier could load")
+                log.error(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return candidate, source, loaded
+        first = first or candidate.commit
+        if not errors and loaded is None:
+            log.warning("%s is in neither tier this process can read (%s, %s)", candidate.commit, local.url,
+                        durable.url)
+    raise CheckpointCorruptedError(
+        f"no valid checkpoint to load from {found.durable_url} or its local tier: tried {len(candidates)}, the last"
+        f" being {candidates[-1].commit}" + (f" ({last_error})" if last_error is not None else ""),
+        object=None)
+
+
+def find_latest_tiered(durable: CheckpointRoot, local: CheckpointRoot) -> str | None:
+    """The newest checkpoint of the durable root's lineage in either tier, as a URL in the durable root (a plugin
+    with the local tier reads it from there); None when neither tier holds one."""
+    view = TierView.read(durable, local)
+    for entry in view.candidates():
+        for root in view.holders(entry.commit):
+            try:
+                root.read_manifest(entry.commit)
+            except CheckpointCorruptedError as exc:
+                warnings.warn(f"skipping {root.store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=3)
+                continue
+            return durable.store.url(entry.commit)
+    return None
+
