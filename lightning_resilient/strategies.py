@@ -52,6 +52,11 @@ class _AtomicSharded:
         if io is not None and not isinstance(io, AtomicCheckpointIO):
             raise TypeError(f"{type(self).__name__} writes through lightning_resilient.AtomicCheckpointIO, got"
                             f" {type(io).__name__}: pass AtomicCheckpointIO(...) in Trainer(plugins=[...]) or none")
+        if io is not None and io.local_tier is not None:
+            # Every rank writes its own shards into one commit: a node-local copy of it would hold one node's shards.
+            raise ValueError(f"{type(self).__name__} does not support AtomicCheckpointIO(local_tier=...) yet: each"
+                             " rank writes its shards straight to the durable root. Drop local_tier (and"
+                             " persist_every) for sharded training.")
         self._checkpoint_io = io
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

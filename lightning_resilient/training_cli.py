@@ -115,7 +115,7 @@ def resume_path(trainer: Any) -> str | None:
                        f" {type(io).__name__}); training starts fresh. Add it, or pass --ckpt_path.")
         return None
     root = str(roots[0])
-    latest = find_latest_checkpoint(root, io.storage_options)
+    latest = find_latest_checkpoint(root, io.storage_options, local_tier=io.local_tier)
     if latest is None:
         rank_zero_info(f"auto_resume: no committed checkpoint under {root}: starting fresh")
         return None

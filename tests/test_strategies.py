@@ -38,6 +38,13 @@ def test_another_checkpoint_io_is_refused_with_what_to_pass_instead(cls):
         strategy.checkpoint_io = TorchCheckpointIO()
 
 
+@pytest.mark.parametrize("cls", STRATEGIES)
+def test_a_local_tier_is_refused_with_what_to_do(cls, tmp_path):
+    strategy = cls()
+    with pytest.raises(ValueError, match="does not support AtomicCheckpointIO\\(local_tier=...\\) yet"):
+        strategy.checkpoint_io = AtomicCheckpointIO(local_tier=str(tmp_path), persist_every=2)
+
+
 def test_full_state_saves_are_refused_at_construction():
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
         AtomicModelParallelStrategy(save_distributed_checkpoint=False)

@@ -148,3 +148,26 @@ def test_the_saved_config_never_holds_credentials(store_env, tmp_path):
     assert options == {"key": "<redacted>", "secret": "<redacted>",
                        "client_kwargs": {"aws_session_token": "<redacted>", "verify": False}}
     assert pointer(root).latest.step == 2  # the run itself had the real options
+
+
+@pytest.mark.parametrize("store_env", ["s3"], indirect=True)
+def test_the_s3_config_with_a_local_tier_resumes_from_local_disk(store_env, tmp_path, caplog):
+    # The commented-out local_tier lines of configs/s3.yaml, switched on: the durable root gets every 4th step and
+    # the last of the fit, and the same command resumes the newest checkpoint, read from this node's local tier.
+    store, root = store_env
+    config = yaml.safe_load((CONFIGS / "s3.yaml").read_text())
+    config["trainer"]["plugins"][0]["init_args"].update(local_tier=str(tmp_path / "nvme"), persist_every=4)
+    saver = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))
+    saver["init_args"]["every_n_train_steps"] = 1
+    tiered = tmp_path / "s3-tiered.yaml"
+    tiered.write_text(yaml.safe_dump(config))
+    caplog.set_level(logging.INFO)
+    main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(tiered), "--trainer.max_steps", "6", *QUIET])
+    durable = pointer(root)
+    assert durable.latest is not None and durable.latest.step == 6
+    assert sorted({e.step for e in durable.entries()}) == [4, 6]  # every 4th step, and the last of the fit
+    caplog.clear()
+    main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(tiered), "--trainer.max_steps", "9", *QUIET])
+    assert "auto_resume: resuming from" in caplog.text
+    assert "(step 6) from the local tier" in caplog.text
+    assert pointer(root).latest.step == 9

@@ -454,6 +454,8 @@ def load_tiered(found: TieredResolved, local_tier: str, root_for: Callable[[str]
             ok = together.all_true(ok)
         if ok:
             assert loaded is not None and source is not None
+            log.info("read %s (step %d) from the %s tier, %s", candidate.commit, candidate.step,
+                     "local" if source is local else "durable", source.url)
             if first is not None:
                 message = (f"loaded the previous committed checkpoint {candidate.commit} (step {candidate.step}) of"
                            f" {found.durable_url} instead of {first}, which no tier could load")
