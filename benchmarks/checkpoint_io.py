@@ -10,6 +10,9 @@ Methods (each measured in a fresh worker process, so peak RSS belongs to it alon
   at the same concurrency with plain ``fs.pipe``/``fs.cat`` (local disk: one file, written sequentially and
   fsynced, ``dd conv=fsync``-style, and read back in one pass);
 - ``ours-sync`` / ``ours-async``: ``AtomicCheckpointIO`` (``async_save=True`` for the second);
+- ``ours-tiered``: ``AtomicCheckpointIO(async_save=True, local_tier=<a folder on this disk>, persist_every=1)``: save
+  = until the checkpoint is durable in the store (persisted from the local tier), load = a resume from the local
+  tier; also recorded: until the local commit, and a resume from the store alone (a new node);
 - ``lightning``: stock ``TorchCheckpointIO``; ``lightning-async``: Lightning's ``AsyncCheckpointIO`` around it;
 - ``dcp``: ``torch.distributed.checkpoint`` with its fsspec writer (``thread_count`` = our concurrency) and reader.
 
@@ -45,7 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 MB = 10**6
-METHODS = ["raw", "ours-sync", "ours-async", "lightning", "lightning-async", "dcp"]
+METHODS = ["raw", "ours-sync", "ours-async", "ours-tiered", "lightning", "lightning-async", "dcp"]
 STORES = ["local", "s3", "s3-latency"]
 BUCKET = "bench"
 CONCURRENCY = 8
@@ -177,6 +180,15 @@ class Runner:
                                               max_concurrency=CONCURRENCY, claim_on_load=False)
             self.loader: Any = AtomicCheckpointIO(storage_options=store.options, max_concurrency=CONCURRENCY,
                                                   claim_on_load=False)
+        elif method == "ours-tiered":
+            from lightning_resilient import AtomicCheckpointIO
+
+            # The "node-local disk" is this machine's temp folder; the durable tier is the store under test.
+            self.local_tier = tempfile.mkdtemp(prefix="bench-local-tier-")
+            common = {"storage_options": store.options, "max_concurrency": CONCURRENCY, "claim_on_load": False}
+            self.io = AtomicCheckpointIO(async_save=True, local_tier=self.local_tier, persist_every=1, **common)
+            self.loader = AtomicCheckpointIO(local_tier=self.local_tier, **common)  # a restart on the same node
+            self.durable_loader = AtomicCheckpointIO(**common)  # a restart on a new node: the store alone
         elif method in ("lightning", "lightning-async"):
             from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
@@ -205,6 +217,29 @@ class Runner:
                 loaded = self.loader.load_checkpoint(target)
                 out["load"] = time.perf_counter() - t0
             _check(loaded["state_dict"], ckpt["state_dict"])
+        elif method == "ours-tiered":
+            with _peak_rss(out, "save_rss"):
+                t0 = time.perf_counter()
+                self.io.save_checkpoint(ckpt, f"{target}/step.ckpt")
+                out["blocked"] = time.perf_counter() - t0
+                self.io._async.wait()  # the local commit (the save is done, locally)
+                self.io._async.raise_error()
+                out["local_commit"] = time.perf_counter() - t0
+                self.io.wait()  # and the persist queued behind it: durable in the store
+                out["save"] = time.perf_counter() - t0
+            out["save_rss"] = max(out["save_rss"], self.io._async.snapshot.nbytes / 2**20)
+            with _peak_rss(out, "load_rss"):
+                t0 = time.perf_counter()
+                loaded = self.loader.load_checkpoint(target)
+                out["load"] = time.perf_counter() - t0
+            assert self.loader.last_load is not None
+            _check(loaded["state_dict"], ckpt["state_dict"])
+            del loaded
+            t0 = time.perf_counter()
+            loaded = self.durable_loader.load_checkpoint(target)
+            out["durable_load"] = time.perf_counter() - t0
+            _check(loaded["state_dict"], ckpt["state_dict"])
+            out["durable_bytes"] = float(self.durable_loader.last_load.bytes)  # what one persist wrote to the store
         elif method in ("lightning", "lightning-async"):
             path = f"{target}/step.ckpt"
             with _peak_rss(out, "save_rss"):
@@ -326,6 +361,9 @@ def worker(spec: dict[str, Any]) -> None:
         result.update(run=run, bytes=size)
         print("RESULT " + json.dumps(result), flush=True)
     store.clean()
+    if spec["method"] == "ours-tiered":
+        runner.io.teardown()
+        shutil.rmtree(runner.local_tier, ignore_errors=True)
 
 
 # -- the driver -------------------------------------------------------------------------------------------------
@@ -416,7 +454,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], dict[str
         grouped.setdefault((r["size_mb"], r["store"], r["method"]), []).append(r)
     out = {}
     for key, runs in grouped.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in ("save", "blocked", "load", "save_rss", "load_rss")}
+        med = {k: statistics.median(r[k] for r in runs) for k in ("save", "blocked", "load", "save_rss", "load_rss",
+                                                                    "local_commit", "durable_load", "durable_bytes")
+               if k in runs[0]}
         med["bytes"] = runs[0]["bytes"]
         med["runs"] = len(runs)
         out[key] = med
@@ -473,6 +513,49 @@ def targets(summary: dict[tuple[int, str, str], dict[str, float]]) -> str:
                 x = m[f"{phase}_rss"] * 2**20 / m["bytes"]
                 lines.append(f"| {method} {phase} peak RSS <= 1.3x | {store} | {size_mb} MB | {x:.2f}x |"
                              f" {'yes' if x <= 1.3 else 'NO'} |")
+    extra = tiered_targets(summary)
+    return "\n".join(lines + ([extra] if extra else []))
+
+
+def tiered(summary: dict[tuple[int, str, str], dict[str, float]], cadence_minutes: float, persist_every: int) -> str:
+    """The tiered rows: what the loop waits for, how long until durable, resume from each tier, and the store bytes
+    written per hour of training at a cadence (every save to the store vs every ``persist_every``-th)."""
+    rows = [(k, m) for k, m in sorted(summary.items()) if k[2] == "ours-tiered"]
+    if not rows:
+        return ""
+    saves_per_hour = 60.0 / cadence_minutes
+    lines = ["| size | store | blocked s (async save: s) | local commit s | durable s | resume local s |"
+             " resume store s | local vs store | store GB/h, every save | store GB/h, tiered |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (size_mb, store, _), m in rows:
+        asynchronous = summary.get((size_mb, store, "ours-async"))
+        blocked = f"{m['blocked']:.3f}" + (f" ({asynchronous['blocked']:.3f})" if asynchronous else "")
+        per_save = m["durable_bytes"] / 1e9
+        lines.append(f"| {size_mb} MB | {store} | {blocked} | {m['local_commit']:.3f} | {m['save']:.3f} |"
+                     f" {m['load']:.3f} | {m['durable_load']:.3f} | {m['durable_load'] / m['load']:.1f}x |"
+                     f" {per_save * saves_per_hour:.3g} | {per_save * saves_per_hour / persist_every:.3g} |")
+    lines += ["", f"Store bytes per hour: a save every {cadence_minutes:g} min; tiered persists every"
+              f" {persist_every}-th (persist_every={persist_every}), the other saves stay on local disk. The bytes per"
+              " save are those a persist wrote (measured); the benchmark itself persists every save"
+              " (persist_every=1), so 'durable s' is the lag of each save behind it."]
+    return "\n".join(lines)
+
+
+def tiered_targets(summary: dict[tuple[int, str, str], dict[str, float]]) -> str:
+    lines = []
+    for (size_mb, store, method), m in sorted(summary.items()):
+        if method != "ours-tiered":
+            continue
+        asynchronous = summary.get((size_mb, store, "ours-async"))
+        if asynchronous:
+            # Both are a host snapshot; 5 ms of slack for timer noise on saves of a few ms.
+            ok = m["blocked"] <= asynchronous["blocked"] * 1.10 + 0.005
+            lines.append(f"| tiered blocked <= async blocked | {store} | {size_mb} MB | {m['blocked']:.3f} s vs"
+                         f" {asynchronous['blocked']:.3f} s | {'yes' if ok else 'NO'} |")
+        if store == "s3-latency":
+            r = m["durable_load"] / m["load"]
+            lines.append(f"| resume from local tier >= 5x faster than from the store | {store} | {size_mb} MB |"
+                         f" {r:.1f}x | {'yes' if r >= 5 else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -526,6 +609,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint_io"),
                         help="output path prefix (.md, .json and .png are written)")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--cadence-minutes", type=float, default=10.0,
+                        help="tiered rows: minutes between saves, for the store bytes per hour")
+    parser.add_argument("--persist-every", type=int, default=6,
+                        help="tiered rows: persist every N-th save, for the store bytes per hour")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -554,7 +641,9 @@ def main(argv: list[str] | None = None) -> str:
     machine = machine_description()
     proxy = (f"s3-latency: moto behind a loopback proxy adding {args.latency * 1000:.0f} ms per request and capping"
              f" each connection at {args.bandwidth / MB:.0f} MB/s.")
+    tiered_text = tiered(summary, args.cadence_minutes, args.persist_every)
     text = "\n\n".join([f"# Checkpoint save/load, medians of {args.runs} run(s)", table(summary, machine), proxy,
+                        *(["## Tiered (local tier + store)", tiered_text] if tiered_text else []),
                         "## Targets", targets(summary)]) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".md", "w") as f:

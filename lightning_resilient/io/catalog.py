@@ -146,7 +146,8 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
             raise FileNotFoundError(
                 f"{NOT_FOUND}{url}. It no longer exists: {root.url} holds no commit {commit!r} (retention deletes the"
                 " checkpoints keep_last or a top-k rotation drop, a save later; a save that never committed leaves"
-                " no manifest)." + (f" The root's latest is {root.store.url(latest[0].commit)}." if latest else ""))
+                " no manifest; a checkpoint of a local tier that was not persisted is only on the node that wrote it:"
+                " pass that plugin's local_tier)." + (f" The root's latest is {root.store.url(latest[0].commit)}." if latest else ""))
 
     as_root = root_for(url)
     pointer, _ = as_root.read_pointer()

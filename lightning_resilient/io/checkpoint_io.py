@@ -386,8 +386,9 @@ class AtomicCheckpointIO(CheckpointIO):
         entry, source, loaded = load_tiered(found, self.local_tier, self.root, self._loader,
                                             fallback=self.settings.fallback_on_corruption, together=together,
                                             **kwargs)
-        self.last_load = loaded.stats
         durable = self.root(found.durable_url)
+        self.last_load = replace(loaded.stats, tier="durable" if source is durable else "local") \
+            if loaded.stats is not None else None
         fit = trainer is not None and _fn(trainer) == "fit"
         if fit and durable.epoch is not None:
             durable = self._reopen(durable)

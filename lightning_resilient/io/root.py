@@ -129,6 +129,7 @@ class LoadStats:
     host_buffer_bytes: int  # host memory allocated for tensors
     host_buffers: int
     seconds: float
+    tier: str = ""  # with a local tier: "local" or "durable", the tier the checkpoint was read from
 
 
 @dataclass

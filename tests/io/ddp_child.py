@@ -1,6 +1,7 @@
 """A 2-process DDP (gloo, CPU) job for the DDP test: python ddp_child.py ROOT MAX_STEPS [JSON_IO_OPTIONS].
 
-JSON_IO_OPTIONS are AtomicCheckpointIO arguments (storage_options, shard_size, node_cache, node_cache_dir).
+JSON_IO_OPTIONS are AtomicCheckpointIO arguments (storage_options, shard_size, node_cache, node_cache_dir, local_tier,
+persist_every).
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ class CountingIO(AtomicCheckpointIO):
 class Report(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         io = trainer.strategy.checkpoint_io
-        commit = io.last_load.commit if getattr(io, "last_load", None) is not None else None
-        print(f"START rank={trainer.global_rank} pid={os.getpid()} step={trainer.global_step} commit={commit}\n",
-              end="", flush=True)
+        last = getattr(io, "last_load", None)
+        commit, tier = (last.commit, last.tier or "-") if last is not None else (None, "-")
+        print(f"START rank={trainer.global_rank} pid={os.getpid()} step={trainer.global_step} commit={commit}"
+              f" tier={tier}\n", end="", flush=True)
 
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         w = pl_module.net[0].weight.detach().sum().item()
@@ -60,7 +62,8 @@ def main(root: str, max_steps: int, io_options: dict[str, Any]) -> None:
                       enable_progress_bar=False, enable_model_summary=False, plugins=[CountingIO(**io_options)],
                       callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1), Report()])
     trainer.fit(TinyModel(), tiny_loader(n=128),
-                ckpt_path=find_latest_checkpoint(root, io_options.get("storage_options")))
+                ckpt_path=find_latest_checkpoint(root, io_options.get("storage_options"),
+                                                 local_tier=io_options.get("local_tier")))
 
 
 if __name__ == "__main__":

@@ -91,3 +91,15 @@ def test_a_damaged_read_on_one_rank_makes_every_rank_fall_back_to_the_same_commi
     assert sorted(r for r, _, _ in starts) == ["0", "1"] and {(s, c) for _, s, c in starts} == {
         ("2", next(c for _, _, c in starts))}, out
     assert next(c for _, _, c in starts).startswith("epoch=0-step=2.ckpt/")
+
+
+@pytest.mark.slow
+def test_a_ddp_resume_with_a_local_tier_loads_one_commit_from_local_disk_on_every_rank(local_backend, tmp_path):
+    """Rank 0 decides across both tiers; every rank of the node reads that commit from the local tier."""
+    options = {"local_tier": str(tmp_path / "nvme"), "persist_every": 2}
+    run(local_backend.root, 6, options)  # saves 2, 4, 6: 4 is persisted (2nd save), 6 too (the last of the fit)
+    assert sorted({e.step for e in read_pointer(local_backend).entries()}) == [4, 6]
+    out = run(local_backend.root, 8, options)
+    starts = re.findall(r"START rank=(\d) pid=\d+ step=(\d+) commit=(\S+) tier=(\S+)", out)
+    assert sorted(r for r, _, _, _ in starts) == ["0", "1"], out
+    assert {(s, c, t) for _, s, c, t in starts} == {("6", starts[0][2], "local")}, out
