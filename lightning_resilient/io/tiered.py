@@ -111,8 +111,9 @@ class TieredRoot:
             origin = self.durable.origin
             assert self.durable.epoch is not None and origin is not None
             pointer, _ = self.durable.read_pointer()
-            self.local.adopt(self.durable.epoch, origin, dict(pointer.origins) if pointer else {})
+            # The record first: a local root holding commits always says which durable root it belongs to.
             _write_tier_record(self.local, self.durable.url)
+            self.local.adopt(self.durable.epoch, origin, dict(pointer.origins) if pointer else {})
             if origin.commit is not None and not self.durable.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
                 # Resumed from a checkpoint only this node holds: the durable tier is behind by saves of earlier
                 # jobs, and a process that just failed may fail again before its N-th save. Its first save is
