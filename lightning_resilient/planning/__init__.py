@@ -2,6 +2,8 @@
 
 - :mod:`~lightning_resilient.planning.cadence`: Young's and Daly's optimal checkpoint intervals and the
   expected waste of any interval.
+- :mod:`~lightning_resilient.planning.tiers`: the same for a node-local tier in front of the durable store:
+  the local interval and ``persist_every`` with the least expected waste, against the single-tier plan.
 - :class:`CheckpointCadence`: a callback that measures each save's blocking cost and the step time, reports
   the optimal cadence and, with ``adapt=True``, sets it on ``ModelCheckpoint(every_n_train_steps=...)``.
 - :mod:`~lightning_resilient.planning.cost`: wall-clock hours and cost per cluster option, the value of time,
@@ -21,6 +23,7 @@ from lightning_resilient.planning.cost import (
     compare,
     load_scaling,
 )
+from lightning_resilient.planning.tiers import TierCosts, TieredPlan, plan_tiers, tiered_waste
 
 __all__ = [
     "CadenceDecision",
@@ -30,12 +33,16 @@ __all__ = [
     "OptionCost",
     "SCALING_SCHEMA",
     "SaveMeasurement",
+    "TierCosts",
+    "TieredPlan",
     "TransferAudit",
     "TransferAuditWarning",
     "compare",
     "daly_interval",
     "expected_waste",
     "load_scaling",
+    "plan_tiers",
     "steps_for_interval",
+    "tiered_waste",
     "young_interval",
 ]

@@ -171,3 +171,123 @@ def test_missing_scaling_json_is_named(capsys, tmp_path: Path):
     path.write_text("scaling: {path: missing.json, price_per_gpu_hour: 2, steps_to_target: 10}\n")
     status, _, err = run(capsys, "cost", str(path))
     assert status == 2 and f"{tmp_path / 'missing.json'}: no such scaling file" in err
+
+
+# -- cadence with two tiers --------------------------------------------------------------------------------------
+TIERS = ["--local-save-seconds", "2", "--durable-save-seconds", "40", "--process-mtbf-hours", "6",
+         "--node-mtbf-hours", "48", "--local-restart-seconds", "60", "--durable-restart-seconds", "300"]
+
+
+def test_cadence_with_two_tiers_prints_both_intervals_and_the_config(capsys):
+    status, out, err = run(capsys, "cadence", *TIERS, "--state-gb", "10", "--step-seconds", "0.5")
+    assert status == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[:3] == [
+        "two-tier checkpoint cadence",
+        "  local tier:   save 2 s, restart 60 s; process failures: MTBF 21600 s (6.0 h)",
+        "  durable tier: save 40 s, persist blocks 0 s, restart 300.0 s (5.0 min); node losses: MTBF 172800 s"
+        " (48.0 h)",
+    ]
+    assert "| plan | local every | persist_every | durable every | waste | every_n_train_steps | store GB/h |" in lines
+    # A free persist: every save persisted (10 GB every 277.8 s of wall time = 130 GB/h), against Daly's 20 min
+    # with every save blocking 40 s on S3 and every failure restarting from it.
+    assert "| two tiers, least waste | 275.8 s (4.6 min) | 1 | 275.8 s (4.6 min) | 1.90% | 552 | 130 |" in lines
+    assert "| two tiers | 238.4 s (4.0 min) | 4 | 953.4 s (15.9 min) | 2.13% | 477 | 37.4 |" in lines
+    assert "| durable only (Daly) | - | - | 1212.8 s (20.2 min) | 7.77% | 2426 | 28.7 |" in lines
+    assert lines[-3:] == [
+        "recommended: save locally every 275.8 s (4.6 min) of training, persist every save: 1.90% waste, against"
+        " 7.77% with every checkpoint written to the durable store",
+        "  AtomicCheckpointIO(local_tier=<node-local dir>, persist_every=1)",
+        "  ModelCheckpoint(dirpath=<durable root>, every_n_train_steps=552)",
+    ]
+
+
+def test_cadence_with_a_blocking_persist_persists_every_few_saves(capsys):
+    status, out, _ = run(capsys, "cadence", *TIERS, "--persist-blocking-seconds", "4")
+    assert status == 0
+    assert "| two tiers, least waste | 291.5 s (4.9 min) | 4 | 1166.0 s (19.4 min) | 2.49% |" in out
+    assert "as often as uploads allow" not in out
+    assert ("recommended: save locally every 291.5 s (4.9 min) of training, persist every 4 saves = every 1166.0 s"
+            " (19.4 min): 2.49% waste") in out
+    assert "AtomicCheckpointIO(local_tier=<node-local dir>, persist_every=4)" in out
+    assert "ModelCheckpoint" not in out and "store GB/h" not in out  # no step time, no state size
+
+
+def test_cadence_with_a_traffic_cap(capsys):
+    status, out, _ = run(capsys, "cadence", *TIERS, "--state-gb", "10", "--max-store-gb-per-hour", "28")
+    assert status == 0
+    assert "| two tiers, <= 28 GB/h | 220.5 s (3.7 min) | 6 | 1322.9 s (22.0 min) | 2.26% | 27 |" in out
+    assert "AtomicCheckpointIO(local_tier=<node-local dir>, persist_every=6)" in out
+    # A cap the least-waste plan already meets changes nothing.
+    status, out, _ = run(capsys, "cadence", *TIERS, "--state-gb", "10", "--max-store-gb-per-hour", "500")
+    assert status == 0 and "<= 500 GB/h" not in out and "persist_every=1)" in out
+
+
+def test_cadence_says_when_a_local_tier_does_not_pay(capsys):
+    status, out, _ = run(capsys, "cadence", "--local-save-seconds", "30", "--save-seconds", "10",
+                         "--process-mtbf-hours", "1000", "--node-mtbf-hours", "5", "--persist-blocking-seconds", "10",
+                         "--step-seconds", "1")
+    assert status == 0
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("recommended: no local tier: save to the durable store every ")
+    assert "two tiers would waste" in last and last.endswith(")")
+    assert "AtomicCheckpointIO" not in out
+
+
+def test_cadence_durable_aliases_and_state_size_in_the_single_tier_form(capsys):
+    status, out, _ = run(capsys, "cadence", "--durable-save-seconds", "6", "--mtbf-hours", "2.8",
+                         "--durable-restart-seconds", "300", "--state-gb", "10")
+    assert status == 0
+    assert "| method | interval | waste | store GB/h |" in out
+    assert "| Daly 2006 | 343.8 s (5.7 min) | 6.24% | 103 |" in out  # 10 GB every 349.8 s
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--local-save-seconds", "2", "--save-seconds", "40", "--process-mtbf-hours", "6"],
+     "the following arguments are required with --local-save-seconds (a two-tier plan): --node-mtbf-hours"),
+    (["--node-mtbf-hours", "48"], "the following arguments are required with --node-mtbf-hours (a two-tier plan):"
+                                  " --local-save-seconds, --durable-save-seconds, --process-mtbf-hours"),
+    (["--local-save-seconds", "2", "--process-mtbf-hours", "6", "--node-mtbf-hours", "48"],
+     "the following arguments are required with --local-save-seconds (a two-tier plan): --durable-save-seconds"),
+    ([*TIERS, "--mtbf-hours", "5"], "argument --mtbf-hours: not allowed with --local-save-seconds"),
+    ([*TIERS, "--max-store-gb-per-hour", "10"], "argument --max-store-gb-per-hour: needs --state-gb"),
+    ([], "the following arguments are required: --save-seconds, --mtbf-hours"),
+])
+def test_cadence_two_tier_usage_errors_name_the_flag(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["cadence", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"lightning-resilient cadence: error: {message}" in err
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--local-save-seconds", "0", "--local-save-seconds must be > 0, got 0.0"),
+    ("--durable-save-seconds", "-1", "--durable-save-seconds must be > 0, got -1.0"),
+    ("--process-mtbf-hours", "nan", "--process-mtbf-hours must be a finite number, got nan"),
+    ("--node-mtbf-hours", "inf", "--node-mtbf-hours must be a finite number, got inf"),
+    ("--local-restart-seconds", "-5", "--local-restart-seconds must be >= 0, got -5.0"),
+    ("--durable-restart-seconds", "-5", "--durable-restart-seconds must be >= 0, got -5.0"),
+    ("--persist-blocking-seconds", "-1", "--persist-blocking-seconds must be >= 0, got -1.0"),
+    ("--state-gb", "0", "--state-gb must be > 0, got 0.0"),
+    ("--step-seconds", "0", "--step-seconds must be > 0, got 0.0"),
+])
+def test_cadence_two_tier_bad_numbers_exit_2_with_the_option_named(capsys, flag, value, message):
+    argv = list(TIERS)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    status, out, err = run(capsys, "cadence", *argv)
+    assert status == 2 and out == ""
+    assert err == f"lightning-resilient cadence: error: {message}\n"
+
+
+def test_cadence_help_shows_both_forms(capsys):
+    with pytest.raises(SystemExit):
+        main(["cadence", "--help"])
+    out = capsys.readouterr().out
+    assert "--local-save-seconds S --durable-save-seconds S --process-mtbf-hours H --node-mtbf-hours H" in out
+    for flag in ("--save-seconds S, --durable-save-seconds S", "--restart-seconds R, --durable-restart-seconds R",
+                 "--local-restart-seconds", "--persist-blocking-seconds", "--state-gb", "--max-store-gb-per-hour"):
+        assert flag in out

@@ -9,7 +9,7 @@ import pytest
 
 import lightning_resilient.planning as planning
 
-MODULES = ["audit", "cadence", "cadence_callback", "commands", "cost"]
+MODULES = ["audit", "cadence", "cadence_callback", "commands", "cost", "tiers"]
 
 
 def test_public_names_import_and_all_is_sorted():
@@ -21,7 +21,7 @@ def test_public_names_import_and_all_is_sorted():
         assert mod.__all__ == sorted(mod.__all__), module
 
 
-@pytest.mark.parametrize("module", ["cadence", "cost"])
+@pytest.mark.parametrize("module", ["cadence", "cost", "tiers"])
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"lightning_resilient.planning.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
