@@ -35,7 +35,14 @@ from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, _int
 from lightning_resilient.io.store import LocalStore, MemoryStore, open_store
-from lightning_resilient.io.tiered import TieredResolved, TieredRoot, load_tiered, local_tier_url, resolve_tiered
+from lightning_resilient.io.tiered import (
+    TieredResolved,
+    TieredRoot,
+    is_local_tier_url,
+    load_tiered,
+    local_tier_url,
+    resolve_tiered,
+)
 
 __all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "repair_pointer"]
 
@@ -239,7 +246,7 @@ class AtomicCheckpointIO(CheckpointIO):
         with self._lock:
             root = self._roots.get(key)
             if root is None:
-                local = self.local_tier is not None and url.startswith(self.local_tier + os.sep)
+                local = self.local_tier is not None and is_local_tier_url(self.local_tier, url)
                 settings = replace(self.settings, keep_last=self.local_keep) if local else self.settings
                 root = CheckpointRoot(open_store(url, {} if local else options, self.retry), settings, self._executor)
                 self._roots[key] = root
@@ -249,6 +256,10 @@ class AtomicCheckpointIO(CheckpointIO):
         """The durable root ``url`` and its local tier, as this plugin saves to them (needs ``local_tier``)."""
         assert self.local_tier is not None
         durable = self.root(url, storage_options)
+        if isinstance(durable.store, LocalStore) and (durable.url + os.sep).startswith(self.local_tier + os.sep):
+            raise ValueError(f"the checkpoint folder {durable.url} is inside local_tier={self.local_tier!r}: the"
+                             " durable tier must be another place (an object store, a shared filesystem) than the"
+                             " node-local folder. Give local_tier a folder of its own.")
         with self._lock:
             tiers = self._tiers.get(durable.url)
         if tiers is None or tiers.durable is not durable:  # first save, or a new fit reopened the root
@@ -429,37 +440,57 @@ class AtomicCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         """Wait for the save in flight (async saves) and raise its error, if any; with ``local_tier``, persist the
-        newest local checkpoint (the last save of a fit) and wait for every persist."""
-        try:
-            if self._async is not None:
-                self._async.close()
-        finally:
-            with self._lock:
-                tiers = list(self._tiers.values())
-            for tier in tiers:
-                tier.close()
+        newest local checkpoint (the last save of a fit) of every root and wait for every persist."""
+        self._each_tier(lambda tier: tier.close(), first=self._async.close if self._async is not None else None)
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) has committed and, with ``local_tier``, the persists
         queued so far are done; raise their error."""
-        if self._async is not None:
-            self._async.wait()
-            self._async.raise_error()
-        with self._lock:
-            tiers = list(self._tiers.values())
-        for tier in tiers:
+        def tier_wait(tier: TieredRoot) -> None:
             tier.wait()
             tier.raise_error()
 
+        self._each_tier(tier_wait, first=self._wait_async)
+
     def persist_latest(self) -> None:
-        """With ``local_tier``: wait for the save in flight, then persist the newest local checkpoint to its
-        durable root (if it is not there yet) and wait until it is committed there. ``PreemptionCheckpoint`` calls
-        it after an emergency save: the node may not come back. Without a local tier: :meth:`wait`."""
-        self.wait()
+        """With ``local_tier``: wait for the save in flight, then persist the newest local checkpoint of every root
+        (if it is not there yet) and wait until it is committed there. ``PreemptionCheckpoint`` calls it after an
+        emergency save: the node may not come back. Without a local tier: :meth:`wait`."""
+        self._each_tier(lambda tier: tier.persist_latest(), first=self._wait_async)
+
+    def _wait_async(self) -> None:
+        if self._async is not None:
+            self._async.wait()
+            self._async.raise_error()
+
+    def _each_tier(self, action: Callable[[TieredRoot], Any], *, first: Callable[[], None] | None) -> None:
+        """``first()``, then ``action`` on every root's tiers, each whatever the others raised; then the first error."""
+        errors: list[BaseException] = []
+        for step in ([first] if first is not None else []):
+            try:
+                step()
+            except BaseException as exc:
+                errors.append(exc)
         with self._lock:
             tiers = list(self._tiers.values())
         for tier in tiers:
-            tier.persist_latest()
+            try:
+                action(tier)
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def begin_fit(self, *, resumed: bool) -> None:
+        """A ``fit`` starts (called by the fit-start check callback). One that resumed nothing is a new job: the
+        roots an earlier ``fit`` of this plugin claimed are claimed anew at its first save (it starts a new lineage,
+        as a new process would), instead of continuing the earlier fit's writer epoch with steps from 0."""
+        if resumed:
+            return
+        with self._lock:
+            claimed = [root for root in self._roots.values() if root.epoch is not None]
+        for root in claimed:
+            self._reopen(root)
 
     # -- extras ------------------------------------------------------------------------------------------------
     def check_root(self, root: str) -> None:

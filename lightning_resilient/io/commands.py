@@ -283,7 +283,14 @@ def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry
     local_pointer = view.local_pointer
     print(f"\nlocal tier: {local.url}")
     if local_pointer is None:
-        print("no committed checkpoint in the local tier")
+        try:
+            own = local.read_pointer()[0]
+        except CheckpointError as exc:
+            print(f"its pointer is unreadable ({exc}): never resumed; the next job that saves sets it aside")
+            return []
+        print("no committed checkpoint in the local tier" if own is None else
+              f"{len(own.entries())} checkpoint(s) of another incarnation of this root (it was deleted and written"
+              " again since): never resumed; the next job that saves sets them aside, `gc --local-tier` deletes them")
         return []
     durable = {e.commit for e in view.durable_pointer.entries()} if view.durable_pointer is not None else set()
     lineage = view.lineage
@@ -291,8 +298,9 @@ def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry
     print("| name | step | writer epoch | size | age | where | verifies (local copy) |")
     print("|---|---:|---:|---:|---:|---|---|")
     bad: list[Entry] = []
+    usable = {e.commit for e in view.candidates()}
     for e in sorted(local_pointer.entries(), key=lambda e: e.order, reverse=True):
-        if not lineage.contains(e):
+        if not lineage.contains(e) or e.commit not in usable:
             where = "local only, outside the durable lineage (a fenced job or an abandoned branch: never resumed)"
         elif e.commit in durable:
             where = "local + durable"
@@ -306,9 +314,9 @@ def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry
         print(f"| {e.name} | {e.step} | {e.writer_epoch} | {_size(e.size)} | {_age(e.created)} | {where} | {status} |")
     newest = view.candidates()
     if newest:
-        tier = "the local tier" if newest[0].commit not in durable else "both tiers"
-        print(f"\na resume on this node loads {newest[0].name} (step {newest[0].step}) from {tier}; on another node,"
-              f" the durable root's newest")
+        tier = "the local tier" if newest[0].commit not in durable else "the local tier, else the durable tier"
+        print(f"\na resume on this node tries {newest[0].name} (step {newest[0].step}) first, from {tier} (a copy that"
+              " fails verification is skipped); on another node, the durable root's newest")
     return bad
 
 
@@ -419,8 +427,21 @@ def _gc(args: argparse.Namespace) -> int:
             print(f"{verb} {url}: {why}")
     local = _local_root(args, root) if args.local_tier else None
     if local is not None:
-        # The local tier's own debris (saves of a fenced job, retired folders); it is kept at the plugin's
-        # local_keep by the job itself, so --keep-last applies to the durable root only.
+        # The local tier's checkpoints that no resume can take (outside the durable lineage: a fenced job's, an
+        # abandoned branch's, another incarnation of the root's), then its debris (crashed saves, retired folders).
+        # The job keeps it at the plugin's local_keep, so --keep-last applies to the durable root only.
+        from lightning_resilient.io.tiered import TierView
+
+        view = TierView.read(root, local)
+        usable = {e.commit for e in view.candidates()}
+        try:
+            everything = local.read_pointer()[0]
+        except CheckpointError:
+            everything = None
+        outside = {e.commit for e in everything.entries()} - usable if everything is not None else set()
+        for entry in local.drop(outside, dry_run=args.dry_run):
+            doomed += [(local.store.url(f), "") for f in entry.folders]
+            print(f"{verb} local {entry.name} (step {entry.step}): outside the durable lineage, never resumed")
         for url, why in local.collect_garbage(dry_run=args.dry_run, abandoned=args.abandoned):
             doomed.append((url, why))
             print(f"{verb} {url}: {why}")

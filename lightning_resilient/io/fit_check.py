@@ -1,6 +1,7 @@
 """Check, when ``fit`` starts, that every checkpoint folder the Trainer will write through ``AtomicCheckpointIO``
 can hold checkpoints: a missing bucket or credentials that cannot see it stop the run before its first step, not at
-its first save a training interval later.
+its first save a training interval later. It also tells the plugin that a fit starts (a fit that resumed nothing is a
+new job: see ``AtomicCheckpointIO.begin_fit``).
 
 A ``CheckpointIO`` gets no call from Lightning before it saves (and the folder is a ``ModelCheckpoint`` setting the
 plugin never sees), so the check is a callback. Lightning adds callbacks that packages register under the entry
@@ -31,9 +32,12 @@ class _Check:
         return "lightning_resilient.FitStartCheck"
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        check = getattr(_plugin(trainer), "check_root", None)
-        if check is None:
+        plugin = _plugin(trainer)
+        if plugin is None:
             return
+        # A fit that resumed nothing is a new job, also with a plugin an earlier fit of this process used.
+        plugin.begin_fit(resumed=getattr(trainer, "ckpt_path", None) is not None)
+        check = plugin.check_root
         seen: set[str] = set()
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)

@@ -73,6 +73,10 @@ class Pointer:
     # folder -> the value of ``saves`` when retention dropped it. A retired folder's data is deleted only once the
     # root has saved another step, so a reader that resolved it just before has a whole save interval to read it.
     retired: dict[str, int] = field(default_factory=dict)
+    # Random, set by the first write of a pointer to this root: which incarnation of the root this is. A root deleted
+    # and written again under the same URL gets a new one, so a node-local tier of the old one is never taken for
+    # the new one's (io/tiered.py). A pointer rebuilt from the manifests gets a new one too.
+    root_id: str = ""
 
     def entries(self) -> list[Entry]:
         """Every checkpoint the pointer names (latest and the catalog), each once."""
@@ -175,6 +179,7 @@ class Pointer:
                 last_saved=[int(v) for v in raw.get("last_saved", [])],
                 retired={check_relative(k, where=f"{where} retired"): int(v)
                          for k, v in raw.get("retired", {}).items()},
+                root_id=str(raw.get("root_id", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptedError(f"pointer {where} is malformed ({type(exc).__name__}: {exc}).{hint}",

@@ -315,6 +315,7 @@ class CheckpointRoot:
             for folder in [f for f in new.retired if f in live]:  # referenced again (a rebuilt catalog): keep it
                 del new.retired[folder]
             new.txn = uuid.uuid4().hex
+            new.root_id = new.root_id or uuid.uuid4().hex
             if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
                 if legacy:
                     self._drop_legacy_pointer()
@@ -577,6 +578,15 @@ class CheckpointRoot:
                 self._put_back(prepared.name)
             raise
 
+    def make_room(self, name: str) -> None:
+        """Before a commit of ``name`` that did not come through :meth:`new_commit` (a persist from a local tier):
+        what stock Lightning left under that name goes aside until the commit is published (:meth:`put_back` on
+        failure)."""
+        self._make_room(name)
+
+    def put_back(self, name: str) -> None:
+        self._put_back(name)
+
     def _make_room(self, name: str) -> None:
         """Clear ``name`` of what stock Lightning left there, as stock Lightning would overwrite it.
 
@@ -777,6 +787,28 @@ class CheckpointRoot:
             return p if dropped else None
 
         new, _ = self._update(drop, fenced=False, retire_now=True)
+        self._delete_retired(new)
+        return dropped
+
+    def drop(self, commits: set[str], *, dry_run: bool = False) -> list[Entry]:
+        """Drop the checkpoints ``commits`` from the catalog now and delete them (an operator's ``gc`` of a local
+        tier, for its checkpoints outside the durable lineage). Returns what was (would be) dropped."""
+        pointer, _ = self.read_pointer()
+        if pointer is None:
+            return []
+        if dry_run:
+            return [e for e in pointer.entries() if e.commit in commits]
+        dropped: list[Entry] = []
+
+        def mutate(p: Pointer) -> Pointer | None:
+            dropped[:] = [e for e in p.entries() if e.commit in commits]
+            for entry in dropped:
+                p.checkpoints.pop(entry.name, None)
+                if p.latest is not None and p.latest.commit == entry.commit:
+                    p.latest = None
+            return p if dropped else None
+
+        new, _ = self._update(mutate, fenced=False, retire_now=True)
         self._delete_retired(new)
         return dropped
 

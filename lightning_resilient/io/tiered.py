@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from collections import deque
@@ -35,7 +36,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_resilient.errors import CheckpointCorruptedError
+from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths, layout
 from lightning_resilient.io.catalog import NOT_FOUND, Together
 from lightning_resilient.io.lineage import Lineage
@@ -54,17 +55,39 @@ _PERSISTING = "being persisted to the durable tier"
 
 def local_tier_url(local_tier: str, durable_url: str) -> str:
     """The node-local root that holds the local tier of ``durable_url`` under the folder ``local_tier``."""
+    if _paths.split_protocol(durable_url)[0] in (None, "file", "local"):
+        # One local tier per physical folder, as one root per physical folder (a dirpath reached by a symlink).
+        durable_url = os.path.realpath(durable_url.split("://", 1)[-1])
     tail = re.sub(r"[^A-Za-z0-9._=-]+", "_", durable_url.split("://", 1)[-1].strip("/"))[-48:].strip("_") or "root"
     digest = hashlib.sha256(durable_url.encode()).hexdigest()[:12]
     return os.path.join(os.path.realpath(os.path.expanduser(local_tier)), f"{tail}-{digest}")
 
 
-def durable_of(local_root: CheckpointRoot) -> str | None:
-    """The durable root URL a local tier root belongs to (its tier record), or None if it is no local tier."""
+def is_local_tier_url(local_tier: str, url: str) -> bool:
+    """Whether ``url`` has the form of a local tier root under the folder ``local_tier`` (see local_tier_url)."""
+    return os.path.dirname(url) == local_tier and re.search(r"-[0-9a-f]{12}$", os.path.basename(url)) is not None
+
+
+def tier_record(local_root: CheckpointRoot) -> dict[str, str] | None:
+    """The local tier root's record: ``durable`` (the URL) and ``root_id`` (the incarnation of that root whose
+    lineage it holds); None if it has none."""
     try:
-        return str(json.loads(local_root.store.read(TIER_RECORD))["durable"])
+        raw = json.loads(local_root.store.read(TIER_RECORD))
+        return {"durable": str(raw["durable"]), "root_id": str(raw.get("root_id", ""))}
     except (FileNotFoundError, KeyError, ValueError, TypeError):
         return None
+
+
+def durable_of(local_root: CheckpointRoot) -> str | None:
+    """The durable root URL a local tier root belongs to (its tier record), or None if it is no local tier."""
+    record = tier_record(local_root)
+    return record["durable"] if record is not None else None
+
+
+def _save_key(entry: Entry) -> tuple[int, int] | str:
+    """What makes two saves one training state: (writer epoch, step), as retention counts them; a save without a
+    step (a Fabric or hand-made state) is a state of its own."""
+    return (entry.writer_epoch, entry.step) if entry.step > 0 else entry.commit
 
 
 # -- writing -------------------------------------------------------------------------------------------------------
@@ -85,13 +108,14 @@ class TieredRoot:
         self._jobs: deque[tuple[Callable[[], None], str]] = deque()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._saves = 0  # distinct saved steps of this writer (a top-k save and save_last at one step count once)
-        self._last: tuple[int, int] | None = None  # (writer epoch, step) of the last one
-        self._persisting_step = False
-        self._latest: list[Entry] = []  # this writer's local commits at its newest saved step, in save order
+        self._saves = 0  # distinct training states saved by this writer (a top-k save and save_last count once)
+        self._last: tuple[int, int] | str | None = None  # the save key of the last one
+        self._persisting_state = False
+        self._latest: list[Entry] = []  # this writer's local commits of its newest state, in save order
         self._persisted: set[str] = set()  # commits that are in the durable tier
-        self._queued: set[str] = set()
-        self._newest_queued: tuple[int, int] = (0, -1)  # (writer epoch, step) of the newest persist queued
+        self._pending: set[str] = set()  # commits queued for a persist that has not finished
+        self._newest_key: tuple[int, int] | str | None = None  # the save key of the newest persist queued
+        self._held: dict[str, int] = {}  # local folders held for persists, with how many persists hold each
 
     # What saves and logs need of a root.
     @property
@@ -111,8 +135,10 @@ class TieredRoot:
             origin = self.durable.origin
             assert self.durable.epoch is not None and origin is not None
             pointer, _ = self.durable.read_pointer()
+            root_id = pointer.root_id if pointer is not None else ""
+            self._set_aside_if_foreign(root_id)
             # The record first: a local root holding commits always says which durable root it belongs to.
-            _write_tier_record(self.local, self.durable.url)
+            _write_tier_record(self.local, self.durable.url, root_id)
             self.local.adopt(self.durable.epoch, origin, dict(pointer.origins) if pointer else {})
             if origin.commit is not None and not self.durable.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
                 # Resumed from a checkpoint only this node holds: the durable tier is behind by saves of earlier
@@ -120,6 +146,31 @@ class TieredRoot:
                 # persisted, so every restart moves the durable tier forward.
                 with self._lock:
                     self._saves = self.persist_every - 1
+
+    def _set_aside_if_foreign(self, root_id: str) -> None:
+        """Move the local tier root aside (kept, renamed) when it cannot be this durable root's: it holds the
+        lineage of another incarnation of the root (deleted and written again under the same URL), or its pointer
+        is damaged. Its checkpoints could otherwise be taken for this run's, or stop every save."""
+        if not self.local.store.exists(""):
+            return
+        record = tier_record(self.local)
+        try:
+            pointer, _ = self.local.read_pointer()
+        except CheckpointError as exc:
+            why = f"its pointer is damaged ({exc})"
+        else:
+            if pointer is None and record is None:
+                return
+            if record is not None and record["root_id"] == root_id:
+                return
+            why = (f"it holds checkpoints of an earlier incarnation of {self.durable.url} (that root was deleted and"
+                   " written again since)")
+        path = self.local.store.path("").rstrip("/")
+        aside = f"{path}.set-aside-{int(time.time())}"
+        os.rename(path, aside)
+        self.local.epoch = None
+        warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
+                      " you no longer need it.", RuntimeWarning, stacklevel=4)
 
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
                 before_fill: Callable[[], None] | None = None) -> Prepared:
@@ -131,21 +182,23 @@ class TieredRoot:
         return self.commit(self.prepare(checkpoint, name))
 
     def commit(self, prepared: Prepared) -> Entry:
-        """Commit to the local tier (the save is done then), and queue the persist of every Nth saved step."""
-        self.raise_error()
+        """Commit to the local tier (the save is done then), and queue the persist of every Nth saved state. An
+        error of an earlier persist is raised after this save is committed locally (an emergency save is never
+        lost to an earlier persist's failure)."""
         self._claim()
         entry = self.local.commit(prepared)
         with self._lock:
-            key = (entry.writer_epoch, entry.step)
+            key = _save_key(entry)
             if key != self._last:
                 self._last = key
                 self._saves += 1
-                self._persisting_step = self._saves % self.persist_every == 0
+                self._persisting_state = self._saves % self.persist_every == 0
                 self._latest = []
             self._latest.append(entry)
-            persist = self._persisting_step
+            persist = self._persisting_state
         if persist:
             self._enqueue(entry)
+        self.raise_error()
         return entry
 
     def remove(self, name: str) -> None:
@@ -163,13 +216,17 @@ class TieredRoot:
     # -- persisting ----------------------------------------------------------------------------------------------
     def _enqueue(self, entry: Entry) -> None:
         with self._lock:
-            if entry.commit in self._queued:
+            if entry.commit in self._persisted or entry.commit in self._pending:
                 return
-            self._queued.add(entry.commit)
-            self._newest_queued = max(self._newest_queued, (entry.writer_epoch, entry.step))
+            self._pending.add(entry.commit)
+            self._newest_key = _save_key(entry)
+            first_holds = [f for f in entry.folders if not self._held.get(f)]
+            for folder in entry.folders:
+                self._held[folder] = self._held.get(folder, 0) + 1
         # Held from now (not from when the copy starts): local retention would otherwise delete a queued checkpoint
         # while the saves go on. Its folders include those whose bytes it shares (last.ckpt and its top-k twin).
-        self.local.hold(entry.folders, _PERSISTING)
+        if first_holds:
+            self.local.hold(first_holds, _PERSISTING)
         self._submit(lambda: self._persist(entry), f"persist of {self.local.store.url(entry.commit)}")
 
     def _submit(self, job: Callable[[], None], what: str) -> None:
@@ -189,10 +246,6 @@ class TieredRoot:
                     self._thread = None
                     return
                 job, what = self._jobs.popleft()
-                failed = self._error is not None
-            if failed:
-                log.warning("not running the %s: a persist before it failed", what)
-                continue
             try:
                 job()
             except BaseException as exc:
@@ -202,30 +255,39 @@ class TieredRoot:
 
     def _persist(self, entry: Entry) -> None:
         try:
-            if entry.commit in self._persisted:
-                return
             with self._lock:
-                superseded = (entry.writer_epoch, entry.step) < self._newest_queued
+                superseded = _save_key(entry) != self._newest_key
             if superseded:
-                # A newer step is queued behind this one: the durable tier gets that one instead, so a store slower
+                # A newer state is queued behind this one: the durable tier gets that one instead, so a store slower
                 # than the saves never builds a backlog (of uploads, or of held local checkpoints).
-                log.info("not persisting %s (step %d): step %d is queued after it", entry.commit, entry.step,
-                         self._newest_queued[1])
+                log.info("not persisting %s (step %d): a newer save is queued after it", entry.commit, entry.step)
                 return
             manifest = self.local.read_manifest(entry.commit)
-            manifest = self._copy(manifest)
+            self.durable.make_room(manifest.name)  # a stock file of that name (a run from before the plugin)
             try:
+                manifest = self._copy(manifest)
                 self.durable.publish(manifest)
             except BaseException:
                 self.durable.abandon(manifest.commit)
+                self.durable.put_back(manifest.name)
                 raise
-            self._persisted.add(entry.commit)
+            with self._lock:
+                self._persisted.add(entry.commit)
             log.info("persisted %s to %s", entry.commit, self.durable.url)
         finally:
-            try:
-                self.local.release(entry.folders)
-            except Exception as exc:  # the hold is dropped by the next adopt of this local tier at the latest
-                log.warning("could not release %s: %s", self.local.store.url(entry.commit), exc)
+            with self._lock:
+                self._pending.discard(entry.commit)  # a failed persist may be queued again
+                released = []
+                for folder in entry.folders:
+                    self._held[folder] -= 1
+                    if not self._held[folder]:
+                        del self._held[folder]
+                        released.append(folder)
+            if released:
+                try:
+                    self.local.release(released)
+                except Exception as exc:  # the hold is dropped by the next adopt of this local tier at the latest
+                    log.warning("could not release %s: %s", self.local.store.url(entry.commit), exc)
 
     def _copy(self, manifest: Manifest) -> Manifest:
         """Copy ``manifest``'s objects from the local tier into the durable one, verifying each; returns the
@@ -297,9 +359,9 @@ class TieredRoot:
         self.persist_latest()
 
 
-def _write_tier_record(local: CheckpointRoot, durable_url: str) -> None:
-    if durable_of(local) != durable_url:
-        local.store.write(TIER_RECORD, json.dumps({"durable": durable_url}).encode())
+def _write_tier_record(local: CheckpointRoot, durable_url: str, root_id: str) -> None:
+    if tier_record(local) != {"durable": durable_url, "root_id": root_id}:
+        local.store.write(TIER_RECORD, json.dumps({"durable": durable_url, "root_id": root_id}).encode())
 
 
 # -- reading -------------------------------------------------------------------------------------------------------
@@ -319,8 +381,7 @@ class TierView:
             scan = durable.scan()
             if scan.manifests or scan.max_epoch:
                 pointer = scan.pointer()
-        local_pointer, _ = local.read_pointer() if local.store.exists("") else (None, None)
-        return cls(durable, local, pointer, local_pointer)
+        return cls(durable, local, pointer, _local_pointer(local, pointer))
 
     @property
     def lineage(self) -> Lineage:
@@ -329,7 +390,11 @@ class TierView:
 
     def _entries(self) -> list[Entry]:
         durable = self.durable_pointer.entries() if self.durable_pointer is not None else []
-        local = self.local_pointer.entries() if self.local_pointer is not None else []
+        # A local checkpoint counts only under a writer epoch whose origin the durable root still records: an epoch
+        # older than what the durable pointer keeps of its lineage may be a fenced job's, past its fork.
+        origins = self.durable_pointer.origins if self.durable_pointer is not None else {}
+        local = [e for e in (self.local_pointer.entries() if self.local_pointer is not None else [])
+                 if e.writer_epoch in origins]
         seen: dict[str, Entry] = {}
         for entry in [*local, *durable]:
             seen.setdefault(entry.commit, entry)
@@ -393,10 +458,34 @@ def resolve_tiered(url: str, local_tier: str, root_for: Callable[[str], Checkpoi
             raise FileNotFoundError(f"{NOT_FOUND}{url}. Neither {durable_url} nor its local tier"
                                     f" {view.local.url} holds a committed {rel!r}")
         return TieredResolved(durable_url, entry, view.older(entry))
-    named = [e for e in view.candidates() if e.name == rel]
-    if not named:
+    candidates = view.candidates()
+    named = [e for e in candidates if e.name == rel]
+    if named:
+        return TieredResolved(durable_url, named[0], view.older(named[0]))
+    if rel.startswith("last") and candidates:
+        # ModelCheckpoint's last.ckpt (last-v1.ckpt, ...) means the newest: when the run's lineage has no checkpoint
+        # of that name yet (a rollback or a fresh start, whose last.ckpt is not persisted yet), the name in the
+        # catalogs is an abandoned branch's, never what "last" should resume.
+        log.info("%s: no %s in the current lineage of %s yet; resuming its newest checkpoint, %s", url, rel,
+                 durable_url, candidates[0].commit)
+        return TieredResolved(durable_url, candidates[0], candidates[1:])
+    return None
+
+
+def _local_pointer(local: CheckpointRoot, durable: Pointer | None) -> Pointer | None:
+    """The local tier's pointer when it belongs to this incarnation of the durable root; else None (ignored)."""
+    if durable is None or not local.store.exists(""):
         return None
-    return TieredResolved(durable_url, named[0], view.older(named[0]))
+    record = tier_record(local)
+    if record is None or not durable.root_id or record["root_id"] != durable.root_id:
+        return None  # another incarnation of the root (or none recorded): never this run's
+    try:
+        pointer, _ = local.read_pointer()
+    except CheckpointError as exc:
+        warnings.warn(f"the local tier {local.url} is unreadable ({exc}); resuming from the durable tier. The next"
+                      " job that saves moves it aside.", RuntimeWarning, stacklevel=4)
+        return None
+    return pointer
 
 
 def _split(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot]) -> tuple[str | None, str]:

@@ -16,7 +16,8 @@ import torch
 from lightning_resilient import AtomicCheckpointIO, StaleWriterError, find_latest_checkpoint
 from lightning_resilient.io.catalog import reader
 from lightning_resilient.io.manifest import MANIFEST_NAME
-from lightning_resilient.io.tiered import local_tier_url
+from lightning_resilient.cli import main
+from lightning_resilient.io.tiered import TierView, local_tier_url
 
 from .helpers import assert_same, make_checkpoint
 
@@ -206,8 +207,6 @@ def test_the_plugin_with_a_local_tier_pickles(tmp_path):
 
 
 def test_ls_shows_both_tiers_and_gc_cleans_both(local_backend, tmp_path, capsys):
-    from lightning_resilient.cli import main
-
     nvme = tmp_path / "nvme"
     lroot = Path(local_root(nvme, local_backend))
     crashed = lroot / "step=9.ckpt" / "c0000000000001-e0-00000000"  # a crashed save of an older writer
@@ -220,8 +219,188 @@ def test_ls_shows_both_tiers_and_gc_cleans_both(local_backend, tmp_path, capsys)
     out = capsys.readouterr().out
     assert f"local tier: {lroot}" in out
     assert "| step=6.ckpt | 6 | 1 |" in out and "| local only |" in out
-    assert "a resume on this node loads step=6.ckpt (step 6) from the local tier" in out
+    assert "a resume on this node tries step=6.ckpt (step 6) first, from the local tier" in out
     assert main(["gc", local_backend.root, "--local-tier", str(nvme), "--grace", "0"]) == 0
     assert str(crashed) in capsys.readouterr().out and not crashed.exists()
     damage(str(lroot), reader(str(lroot)).read_pointer()[0].latest.commit)
     assert main(["ls", local_backend.root, "--local-tier", str(nvme)]) == 1
+
+
+# -- regressions of the adversarial review (each failed before its fix) ----------------------------------------------
+def test_a_durable_root_deleted_and_written_again_never_resumes_the_old_local_tier(local_backend, tmp_path):
+    nvme = tmp_path / "nvme"
+    for job in range(3):  # three jobs of the old run: writer epochs 1..3, in both tiers
+        io = plugin(nvme, local_backend, persist_every=2, claim_on_load=True)
+        url = find_latest_checkpoint(local_backend.root, local_tier=str(nvme))
+        if url:
+            io.load_checkpoint(url)
+        save_steps(io, local_backend, range(job * 3 + 1, job * 3 + 4), last=False)
+        io.teardown()
+    shutil.rmtree(local_backend.root)  # the experiment is restarted from scratch under the same URL
+    assert find_latest_checkpoint(local_backend.root, local_tier=str(nvme)) is None
+    io = plugin(nvme, local_backend, persist_every=2)
+    with pytest.warns(RuntimeWarning, match="earlier incarnation"):
+        save_steps(io, local_backend, range(1, 2), last=False)  # the old local tier is set aside, kept
+    assert list(nvme.glob("*.set-aside-*"))
+    url = find_latest_checkpoint(local_backend.root, local_tier=str(nvme))
+    assert plugin(nvme, local_backend, claim_on_load=False).load_checkpoint(url)["global_step"] == 1
+    io.teardown()
+
+
+def test_a_fresh_fit_with_a_reused_plugin_is_a_new_job(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import TinyModel, tiny_loader
+
+    root, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
+    io = AtomicCheckpointIO(local_tier=nvme, persist_every=4, local_keep=2)
+
+    def fit(steps: int, prefix: str) -> None:
+        Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                enable_model_summary=False, plugins=[io],
+                callbacks=[ModelCheckpoint(dirpath=root, filename=prefix + "-{step}", every_n_train_steps=1,
+                                           save_top_k=-1)]).fit(TinyModel(), tiny_loader())
+
+    fit(6, "a")
+    with pytest.warns(RuntimeWarning, match="started from scratch"):
+        fit(3, "b")  # a new model from step 0, same plugin and folder: a new lineage, not epoch 1 continued
+    latest = find_latest_checkpoint(root, local_tier=nvme)
+    assert latest is not None and "/b-step=3.ckpt/" in latest
+    local = reader(local_tier_url(nvme, root)).read_pointer()[0]
+    assert local is not None and {e.name for e in local.entries()} == {"b-step=2.ckpt", "b-step=3.ckpt"}
+    durable = reader(root).read_pointer()[0]
+    assert durable is not None and durable.latest.name == "b-step=3.ckpt"  # the last save of the fit persisted
+
+
+def test_a_checkpoint_folder_inside_the_local_tier_is_refused(tmp_path):
+    io = AtomicCheckpointIO(local_tier=str(tmp_path))
+    with pytest.raises(ValueError, match="is inside local_tier"):
+        io.save_checkpoint(make_checkpoint(1), str(tmp_path / "run" / "ckpt" / "a.ckpt"))
+
+
+def test_saves_without_a_step_are_states_of_their_own(local_backend, tmp_path):
+    io = plugin(tmp_path / "nvme", local_backend, persist_every=2)
+    for i in range(1, 9):
+        state = make_checkpoint(1)
+        state["global_step"] = 0
+        io.save_checkpoint(state, local_backend.url(f"ckpt-{i}.pt"))
+    io.teardown()
+    assert sorted(pointer_steps(local_backend.root)) == ["ckpt-2.pt", "ckpt-4.pt", "ckpt-6.pt", "ckpt-8.pt"]
+
+
+def test_a_failed_persist_never_costs_a_local_save_and_is_retried(local_backend, tmp_path):
+    nvme = tmp_path / "nvme"
+    io = plugin(nvme, local_backend, persist_every=4)
+    save_steps(io, local_backend, range(1, 7), last=False)  # durable: 4; local: 5, 6
+    io.wait()
+    store = io.tiers(local_backend.root).durable.store
+    real = store.write_pieces
+
+    def down(path: str, pieces: Any) -> None:
+        raise ConnectionError("store unreachable (simulated)")
+
+    store.write_pieces = down
+    with pytest.raises(ConnectionError):
+        io.persist_latest()
+    with pytest.raises(ConnectionError):  # an emergency save: committed locally first, then the error is raised
+        save_steps(io, local_backend, range(7, 8), last=False)
+        io.persist_latest()
+    assert "step=7.ckpt" in pointer_steps(local_root(nvme, local_backend))
+    store.write_pieces = real  # the store is back: the newest state is persisted, not reported done without it
+    io.teardown()
+    assert pointer_steps(local_backend.root)["step=7.ckpt"] == 7
+
+
+def test_teardown_persists_every_root_even_when_one_fails(local_backend, tmp_path):
+    other = str(tmp_path / "periodic")
+    io = plugin(tmp_path / "nvme", local_backend, persist_every=100)
+    for step in range(1, 4):
+        io.save_checkpoint(make_checkpoint(step), local_backend.url(f"step={step}.ckpt"))
+        io.save_checkpoint(make_checkpoint(step), os.path.join(other, f"step={step}.ckpt"))
+    io.wait()
+
+    def down(path: str, pieces: Any) -> None:
+        raise ConnectionError("first root unreachable (simulated)")
+
+    io.tiers(local_backend.root).durable.store.write_pieces = down
+    with pytest.raises(ConnectionError):
+        io.teardown()
+    assert pointer_steps(other) == {"step=3.ckpt": 3}
+
+
+def test_last_ckpt_after_a_rollback_is_the_lineage_newest_never_the_abandoned_branch(local_backend, tmp_path):
+    nvme = tmp_path / "nvme"
+    first = plugin(nvme, local_backend, persist_every=4, local_keep=3)
+    save_steps(first, local_backend, range(1, 11))
+    first.teardown()  # durable: 4, 8, 10 (last.ckpt at 10)
+    four = next(e for e in reader(local_backend.root).read_pointer()[0].entries() if e.step == 4)
+    rollback = plugin(nvme, local_backend, persist_every=4, claim_on_load=True)
+    rollback.load_checkpoint(local_backend.url(four.commit))  # claims, then dies before saving
+    for node in (nvme, tmp_path / "other-node"):
+        loaded = plugin(node, local_backend, claim_on_load=False).load_checkpoint(local_backend.url("last.ckpt"))
+        assert loaded["global_step"] == 4
+
+
+def test_a_symlinked_checkpoint_folder_finds_its_local_tier(tmp_path):
+    real, link, nvme = tmp_path / "lustre" / "run", tmp_path / "scratch", str(tmp_path / "nvme")
+    real.mkdir(parents=True)
+    link.symlink_to(real.parent)
+    io = AtomicCheckpointIO(local_tier=nvme, persist_every=4)
+    for step in range(1, 7):
+        io.save_checkpoint(make_checkpoint(step), str(link / "run" / f"step={step}.ckpt"))
+    io.wait()
+    for root in (str(link / "run"), str(real)):
+        loader = AtomicCheckpointIO(local_tier=nvme, claim_on_load=False)
+        assert loader.load_checkpoint(root)["global_step"] == 6 and loader.last_load.tier == "local"
+    io.teardown()
+
+
+def test_a_stock_last_ckpt_in_the_checkpoint_folder_is_replaced_by_the_first_persist(tmp_path):
+    root, nvme = tmp_path / "ckpt", str(tmp_path / "nvme")
+    root.mkdir()
+    torch.save(make_checkpoint(3), root / "last.ckpt")  # a run from before the plugin
+    io = AtomicCheckpointIO(local_tier=nvme, persist_every=2, claim_on_load=True)
+    assert io.load_checkpoint(find_latest_checkpoint(str(root), local_tier=nvme))["global_step"] == 3
+    for step in range(4, 8):
+        io.save_checkpoint(make_checkpoint(step), str(root / f"step={step}.ckpt"))
+        io.save_checkpoint(make_checkpoint(step), str(root / "last.ckpt"))
+    io.teardown()
+    assert pointer_steps(str(root))["last.ckpt"] == 7 and not (root / "last.ckpt").is_file()
+
+
+def test_a_damaged_local_pointer_resumes_from_the_durable_tier_and_is_set_aside(local_backend, tmp_path):
+    nvme = tmp_path / "nvme"
+    io = plugin(nvme, local_backend, persist_every=1)
+    save_steps(io, local_backend, range(1, 4), last=False)
+    io.teardown()
+    pointer_file = Path(local_root(nvme, local_backend), ".lightning_resilient", "latest.json")
+    pointer_file.write_bytes(b"\xdf" + pointer_file.read_bytes()[1:])
+    with pytest.warns(RuntimeWarning, match="is unreadable"):
+        url = find_latest_checkpoint(local_backend.root, local_tier=str(nvme))
+    nxt = plugin(nvme, local_backend, persist_every=1, claim_on_load=True)
+    with pytest.warns(RuntimeWarning):
+        assert nxt.load_checkpoint(url)["global_step"] == 3
+    with pytest.warns(RuntimeWarning, match="was moved to"):
+        save_steps(nxt, local_backend, range(4, 5), last=False)
+    nxt.teardown()
+    assert pointer_steps(local_root(nvme, local_backend)) == {"step=4.ckpt": 4}
+
+
+def test_a_fenced_jobs_local_checkpoints_stay_out_after_the_durable_root_pruned_its_origins(tmp_path):
+    root, node1, node2 = str(tmp_path / "ckpt"), str(tmp_path / "node1"), str(tmp_path / "node2")
+    fenced = AtomicCheckpointIO(local_tier=node1, persist_every=4, local_keep=2)
+    for step in range(1, 12):
+        fenced.save_checkpoint(make_checkpoint(step), os.path.join(root, f"step={step}.ckpt"))
+    fenced.wait()  # durable: 4, 8; node1: 10, 11 (past the fork at 8 below)
+    for first, last in ((9, 14), (15, 16), (17, 18), (19, 20)):  # four more jobs on node2: origins get pruned
+        io = AtomicCheckpointIO(local_tier=node2, persist_every=1, keep_last=1, claim_on_load=True)
+        io.load_checkpoint(find_latest_checkpoint(root, local_tier=node2))
+        for step in range(first, last + 1):
+            io.save_checkpoint(make_checkpoint(step), os.path.join(root, f"step={step}.ckpt"))
+        io.teardown()
+    durable = reader(root)
+    view = TierView.read(durable, reader(local_tier_url(node1, durable.url)))
+    assert [e.step for e in view.candidates()] == [20, 18]
+    assert main(["gc", root, "--local-tier", node1, "--grace", "0"]) == 0  # and gc deletes them
+    assert reader(local_tier_url(node1, durable.url)).read_pointer()[0].entries() == []
