@@ -27,10 +27,14 @@ def plugin(local: Path, backend: Any, **kwargs: Any) -> AtomicCheckpointIO:
 
 
 def save_steps(io: AtomicCheckpointIO, backend: Any, steps: range, *, last: bool = True) -> None:
+    """Save ``steps`` (and last.ckpt at each), each step's persist done before the next step is saved: a persist
+    that has not started when a newer one is queued is skipped by design (test_a_slow_store_never_builds_a_backlog),
+    which would make the exact durable steps depend on the machine's speed."""
     for step in steps:
         io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
         if last:
             io.save_checkpoint(make_checkpoint(step), backend.url("last.ckpt"))
+        io.wait()
 
 
 def pointer_steps(root: str, options: dict[str, Any] | None = None) -> dict[str, int]:
@@ -285,6 +289,7 @@ def test_saves_without_a_step_are_states_of_their_own(local_backend, tmp_path):
         state = make_checkpoint(1)
         state["global_step"] = 0
         io.save_checkpoint(state, local_backend.url(f"ckpt-{i}.pt"))
+        io.wait()  # (each persist done before the next save: none is skipped for a newer one)
     io.teardown()
     assert sorted(pointer_steps(local_backend.root)) == ["ckpt-2.pt", "ckpt-4.pt", "ckpt-6.pt", "ckpt-8.pt"]
 
@@ -404,3 +409,26 @@ def test_a_fenced_jobs_local_checkpoints_stay_out_after_the_durable_root_pruned_
     assert [e.step for e in view.candidates()] == [20, 18]
     assert main(["gc", root, "--local-tier", node1, "--grace", "0"]) == 0  # and gc deletes them
     assert reader(local_tier_url(node1, durable.url)).read_pointer()[0].entries() == []
+
+
+def test_a_slow_store_never_builds_a_backlog(local_backend, tmp_path):
+    import time
+
+    nvme = tmp_path / "nvme"
+    io = plugin(nvme, local_backend, persist_every=1, local_keep=2)
+    store = io.tiers(local_backend.root).durable.store
+    real = store.write_pieces
+
+    def slow(path: str, pieces: Any) -> None:
+        time.sleep(0.2)
+        real(path, pieces)
+
+    store.write_pieces = slow
+    for step in range(1, 13):  # far faster than one persist each
+        io.save_checkpoint(make_checkpoint(step), local_backend.url(f"step={step}.ckpt"))
+    io.teardown()
+    durable = pointer_steps(local_backend.root)
+    assert durable["step=12.ckpt"] == 12 and len(durable) < 12  # the newest, with older ones skipped
+    local = reader(local_root(nvme, local_backend)).read_pointer()[0]
+    assert local is not None and not local.protected  # every hold released
+    assert sorted(e.step for e in local.entries()) == [11, 12]  # local_keep held once the persists ended

@@ -2,9 +2,10 @@
 
 Run as ``python tiered_child.py ROOT STORAGE_OPTIONS_JSON LOCAL_TIER OUT [--max-steps N] [--persist-delay S]``.
 It prints ``START <step>`` when training starts (the step it resumed at), ``SAVED <step>`` when a save returned
-(committed to the local tier), ``PERSIST-BEGIN <step>`` / ``PERSIST-END <step>`` around each persist to the durable
-root (``--persist-delay`` holds every persist that long between copying the objects and publishing the manifest: a
-window for the parent's SIGKILL), and ``DONE`` once ``fit`` returned, after writing the final weights to ``OUT``.
+(committed to the local tier), ``PERSIST-BEGIN <step>`` / ``PERSIST-END <step> durable=<bool>`` around each persist to
+the durable root (False: skipped for a newer one), ``COPIED <step>`` once a persist's objects are in the store
+(``--persist-delay`` then holds it that long before its manifest is published: a window for the parent's SIGKILL), and
+``DONE`` once ``fit`` returned, after writing the final weights to ``OUT``.
 """
 
 from __future__ import annotations
@@ -83,10 +84,11 @@ def announce_persists(delay: float) -> None:
     def announced(self: Any, entry: Any) -> None:
         say(f"PERSIST-BEGIN {entry.step}")
         persist(self, entry)
-        say(f"PERSIST-END {entry.step}")
+        say(f"PERSIST-END {entry.step} durable={entry.commit in self._persisted}")  # False: skipped for a newer one
 
     def slow_copy(self: Any, manifest: Any) -> Any:
         out = copy(self, manifest)
+        say(f"COPIED {manifest.step}")  # the objects are in the store; the manifest is not
         time.sleep(delay)
         return out
 
