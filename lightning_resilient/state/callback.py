@@ -698,6 +698,8 @@ class ResumeStateCallback(Callback):
 def _check_roots(trainer: Trainer) -> None:
     """Stop a fit before its first step when a ModelCheckpoint's dirpath cannot hold checkpoints (a missing bucket,
     credentials that cannot see it), instead of at the first save, a training interval later."""
+    from lightning_resilient.io.store import check_default_client
+
     io = getattr(trainer.strategy, "checkpoint_io", None)
     check = getattr(io, "check_root", None)
     if check is None:  # every rank checks: one that raised alone would leave the others waiting for it
@@ -706,6 +708,7 @@ def _check_roots(trainer: Trainer) -> None:
         dirpath = getattr(callback, "dirpath", None)
         if isinstance(dirpath, (str, os.PathLike)) and str(dirpath):
             check(str(dirpath))
+            check_default_client(str(dirpath))  # ModelCheckpoint lists it with its own client, without our options
 
 
 def _live(loader: DataLoader) -> bool:
