@@ -63,13 +63,17 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from lightning_resilient._extras import MissingExtraError, require
+    from lightning_resilient.demo.driver import run_demo, scenario_error
 
+    problem = scenario_error(args.max_steps, args.kill_step, args.every, flags=True)
+    if problem:
+        print(f"lightning-resilient demo: {problem}", file=sys.stderr)
+        return 2
     try:
         require("demo", "lightning-resilient demo")  # before any work, not after three trainings
     except MissingExtraError as exc:
         print(f"lightning-resilient demo: {exc}", file=sys.stderr)
         return 2
-    from lightning_resilient.demo.driver import run_demo
 
     try:
         return run_demo(max_steps=args.max_steps, kill_step=args.kill_step, every=args.every, out_dir=args.out_dir,

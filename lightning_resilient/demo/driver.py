@@ -235,14 +235,25 @@ def _config(out_dir: str, name: str, root: str, max_steps: int, every: int, prog
     return path, record
 
 
+def scenario_error(max_steps: int, kill_step: int, every: int, *, flags: bool = False) -> str | None:
+    """What is wrong with a demo scenario, or None; ``flags``: named as the command line's options."""
+    name = (lambda n: f"--{n.replace('_', '-')}") if flags else (lambda n: n)
+    if every < 1:
+        return f"{name('every')} must be >= 1, got {every}"
+    if kill_step % every or not every <= kill_step < max_steps:
+        return (f"{name('kill_step')} must be a multiple of {name('every')} ({every}) between {every} and"
+                f" {name('max_steps')} - 1 ({max_steps - 1}), got {kill_step}")
+    return None
+
+
 def run_demo(max_steps: int = 60, kill_step: int = 30, every: int = 10, out_dir: str = "demo_output",
              preempt: bool = False) -> int:
     """Run the demo; returns 0 when everything it shows held (the exit status of ``make demo``). ``preempt``: the
     first attempt gets a preemption notice (SIGTERM) once the checkpoint of ``kill_step`` committed, instead of a
     SIGKILL in the middle of its upload."""
-    if kill_step % every or not every <= kill_step < max_steps:
-        raise ValueError(f"kill_step must be a multiple of every ({every}) between {every} and max_steps - 1"
-                         f" ({max_steps - 1}), got {kill_step}")
+    problem = scenario_error(max_steps, kill_step, every)
+    if problem:
+        raise ValueError(problem)
     from lightning_resilient._extras import require
 
     require("demo", "lightning-resilient demo")  # before any work: not after three trainings
