@@ -36,10 +36,10 @@ def missing(extra: str) -> list[str]:
 def require(extra: str, what: str) -> None:
     """Raise :class:`MissingExtraError` naming the install command when ``extra`` is not fully installed.
 
-    ``what``: who needs it, for the message (``"lightning-resilient demo"``).
+    ``what``: who needs it, the message's first words (``"lightning-resilient demo"``).
     """
     absent = missing(extra)
     if absent:
         raise MissingExtraError(
-            f"{what} needs {', '.join(absent)} (the [{extra}] extra), not installed here: pip install"
+            f"{what}: needs {', '.join(absent)} (the [{extra}] extra), not installed here: pip install"
             f" 'lightning-resilient[{extra}]' (in a clone: pip install -e '.[{extra}]')", name=absent[0])

@@ -65,7 +65,7 @@ def _train(argv: list[str]) -> int:
     try:
         require("cli", "lightning-resilient train")
     except MissingExtraError as exc:
-        print(f"lightning-resilient train: {exc}", file=sys.stderr)
+        print(exc, file=sys.stderr)  # "lightning-resilient train: needs ...: pip install ..."
         return 2
     from lightning_resilient.training_cli import main as train
 

@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         require("demo", "lightning-resilient demo")  # before any work, not after three trainings
     except MissingExtraError as exc:
-        print(f"lightning-resilient demo: {exc}", file=sys.stderr)
+        print(exc, file=sys.stderr)  # "lightning-resilient demo: needs ...: pip install ..."
         return 2
 
     try:
