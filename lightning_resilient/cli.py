@@ -21,19 +21,23 @@ _COMMAND_MODULES = (
 )
 
 _TRAIN_HELP = """\
-usage: lightning-resilient train {fit,validate,test,predict} -c CONFIG [-c CONFIG ...] [--OPTION VALUE ...]
+usage: lightning-resilient train {fit,validate,test,predict} -c CONFIG [-c CONFIG ...]
+                                 [--OPTION VALUE ...]
 
-LightningCLI (ResilientCLI) with auto-resume: `fit` resumes from the newest committed checkpoint under the
-ModelCheckpoint dirpath, or starts fresh when there is none, so the same command is simply run again after a kill.
+LightningCLI (ResilientCLI) with auto-resume: fit resumes from the newest committed checkpoint
+under the ModelCheckpoint dirpath, or starts fresh when there is none, so after a kill the
+same command is simply run again.
 
   lightning-resilient train fit -c configs/base.yaml -c configs/local.yaml
   lightning-resilient train fit -c configs/base.yaml -c configs/local.yaml --trainer.max_steps 500
 
-options of `fit` beside LightningCLI's own (-c/--config, --trainer.*, --model.*, --data.*, --ckpt_path):
-  --auto_resume BOOL   look up the checkpoint to resume from when no --ckpt_path is given (default true)
+options of fit beside LightningCLI's own (-c/--config, --trainer.*, --model.*, --data.*,
+--ckpt_path):
+  --auto_resume BOOL  look up the checkpoint to resume from when no --ckpt_path is given
+                      (default true)
 
-`lightning-resilient train fit --help` lists every option of the trainer, model and data (it imports Lightning:
-a few seconds). Needs the [cli] extra: pip install 'lightning-resilient[cli]'.
+lightning-resilient train fit --help lists every option of the trainer, model and data (it
+imports Lightning: a few seconds). Needs the [cli] extra: pip install 'lightning-resilient[cli]'.
 """
 
 

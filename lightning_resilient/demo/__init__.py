@@ -27,12 +27,13 @@ if TYPE_CHECKING:
 
 # What `--help` shows (plain text: argparse prints it as it is).
 DESCRIPTION = """\
-Train a small model through `lightning-resilient train` with every plugin on, checkpointing to an S3 server
-(moto) started in this process; SIGKILL the job in the middle of a checkpoint upload; run the same command
-again (it resumes from the newest committed checkpoint); run the same training uninterrupted; and print a
-post-mortem: what the kill hit, what the restart resumed from, and whether the final weights are bit-identical.
-Writes its configs, the report and a loss plot under --out-dir. Needs the [demo] extra
-(pip install 'lightning-resilient[demo]').
+Train a small model through lightning-resilient train with every plugin on, checkpointing to
+an S3 server (moto) started in this process; SIGKILL the job in the middle of a checkpoint
+upload; run the same command again (it resumes from the newest committed checkpoint); run
+the same training uninterrupted; and print a post-mortem: what the kill hit, what the
+restart resumed from, and whether the final weights are bit-identical. Writes its configs,
+the report and a loss plot under --out-dir. Needs the [demo] extra (pip install 'lightning-
+resilient[demo]').
 """
 
 

@@ -37,8 +37,9 @@ _SCALING_DEFAULTS = ("price_per_gpu_hour", "value_per_hour", "steps_to_target", 
 
 # `lightning-resilient cost --help`: what the command does and the whole file format.
 COST_DESCRIPTION = """\
-Compare ways to run a training job by wall-clock time, cost (GPUs x price per GPU-hour x hours) and cost
-including the value of time, and name the one to pick: the lowest total cost; on equal cost, the faster.
+Compare ways to run a training job by wall-clock time, cost (GPUs x price per GPU-hour x
+hours) and cost including the value of time, and name the one to pick: the lowest total cost;
+on equal cost, the faster.
 
 OPTIONS.yaml holds 'options' and/or 'scaling'. Every field, in a file that works as it is:
 
@@ -58,7 +59,8 @@ OPTIONS.yaml holds 'options' and/or 'scaling'. Every field, in a file that works
       value_per_hour: 50       # optional, per option
   scaling:                     # optional: benchmarks/scaling.py's JSON, one option per world size
     path: scaling.json         # relative to this file
-    steps_to_target: {256: 90000, 1024: 30000}  # per global batch, or one number; or samples_to_target
+    steps_to_target: {256: 90000, 1024: 30000}  # per global batch, or one number for all
+                                                # (or samples_to_target)
     include_checkpoint_overhead: true           # add the measured checkpointing share (default)
 
 A wrong field exits with status 2 and a message naming the file and the field.
