@@ -55,7 +55,7 @@ def test_every_help_answers(command, bare_env, capsys):
     started = time.perf_counter()
     proc = cli(bare_env, *([command] if command else []), "--help")
     seconds = time.perf_counter() - started
-    with capsys.disabled():  # measured, not asserted: the figure the README quotes comes from here
+    with capsys.disabled():  # measured, not asserted (benchmarks/first_hour.py records the figures quoted)
         print(f"\n  lightning-resilient {command + ' ' if command else ''}--help: {seconds:.2f} s")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: lightning-resilient {command}".rstrip()) and proc.stderr == ""
