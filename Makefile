@@ -20,7 +20,7 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install
-	$(PY) -m lightning_resilient.demo
+	$(VENV)/bin/lightning-resilient demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

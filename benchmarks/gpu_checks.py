@@ -8,7 +8,7 @@
 3. TransferAudit on a CUDA run with a pageable loader, a blocking copy and a per-step ``.item()``: one warning each.
 4. The benchmarks: ``precision_gpu.py``, ``checkpoint_io.py`` (local disk, 1 GB) and ``scaling.py`` on the GPUs.
 Each check prints PASS or FAIL and goes on; results land in ``--out`` (``gpu_checks.md`` and the benchmarks'
-files), ready to quote in the README.
+files), ready to quote in docs/benchmarks.md and the README.
 """
 
 from __future__ import annotations

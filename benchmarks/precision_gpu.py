@@ -3,6 +3,7 @@ transformer block under bf16-mixed, 16-mixed (with a GradScaler) and 32-true.
 
     python benchmarks/precision_gpu.py                  # the current GPU (or the CPU when there is none)
     python benchmarks/precision_gpu.py --device cpu --d-model 128 --steps 3    # a quick CPU smoke run
+    python benchmarks/precision_gpu.py ... --out benchmarks/results/precision_cpu    # also writes OUT.md
 
 Each precision runs the same block, batch and optimizer, the same way Lightning's plugins do (autocast, and a
 GradScaler for fp16); step time is the median over ``--steps`` timed steps after ``--warmup`` steps.
@@ -11,6 +12,8 @@ GradScaler for fp16); step time is the median over ``--steps`` timed steps after
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
 from typing import Any
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", default=None, help="also write the table, with the machine, to OUT.md")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     facts = detect_facts(device)
@@ -86,7 +90,22 @@ def main(argv: list[str] | None = None) -> str:
         lines.append(f"| {r['precision']}{mark} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x | {peak} |")
     text = "\n".join(lines)
     print(text)
+    if args.out:
+        with open(f"{args.out}.md", "w") as f:
+            f.write(f"# Mixed precision: step time per precision\n\nMachine: {machine_description()}\n\n{text}\n")
     return text
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {gpu}, Python {platform.python_version()},"
+            f" torch {torch.__version__}")
 
 
 if __name__ == "__main__":

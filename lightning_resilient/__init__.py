@@ -18,6 +18,7 @@ _WHERE = {
     "AtomicFSDPStrategy": "lightning_resilient.strategies",
     "AtomicModelParallelStrategy": "lightning_resilient.strategies",
     "AutoPrecision": "lightning_resilient.precision",
+    "BucketNotFoundError": "lightning_resilient.errors",
     "CheckpointCadence": "lightning_resilient.planning",
     "CheckpointCorruptedError": "lightning_resilient.errors",
     "CheckpointError": "lightning_resilient.errors",
@@ -26,6 +27,9 @@ _WHERE = {
     "ResumeStateCallback": "lightning_resilient.state",
     "ShardedCheckpointError": "lightning_resilient.errors",
     "StaleWriterError": "lightning_resilient.errors",
+    "StoreCredentialsError": "lightning_resilient.errors",
+    "StoreSetupError": "lightning_resilient.errors",
+    "StoreURLError": "lightning_resilient.errors",
     "TransferAudit": "lightning_resilient.planning",
     "UnsupportedFormatError": "lightning_resilient.errors",
     "export_checkpoint": "lightning_resilient.io.loading",
@@ -43,6 +47,7 @@ __all__ = [
     "AtomicFSDPStrategy",
     "AtomicModelParallelStrategy",
     "AutoPrecision",
+    "BucketNotFoundError",
     "CheckpointCadence",
     "CheckpointCorruptedError",
     "CheckpointError",
@@ -51,6 +56,9 @@ __all__ = [
     "ResumeStateCallback",
     "ShardedCheckpointError",
     "StaleWriterError",
+    "StoreCredentialsError",
+    "StoreSetupError",
+    "StoreURLError",
     "TransferAudit",
     "UnsupportedFormatError",
     "__version__",
@@ -65,10 +73,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     from lightning_resilient.errors import (
+        BucketNotFoundError,
         CheckpointCorruptedError,
         CheckpointError,
         ShardedCheckpointError,
         StaleWriterError,
+        StoreCredentialsError,
+        StoreSetupError,
+        StoreURLError,
         UnsupportedFormatError,
     )
     from lightning_resilient.io.catalog import find_latest_checkpoint, repair_pointer

@@ -1,7 +1,8 @@
 """``lightning-resilient``: the operator's command line.
 
 Each group of subcommands lives next to the code it drives and registers itself here through an
-``add_commands(subparsers)`` function; every subcommand sets ``func(args) -> int`` (the exit status).
+``add_commands(subparsers)`` function; every subcommand sets ``func(args) -> int`` (the exit status). Those modules
+import torch, Lightning and the cloud clients only inside the commands, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,26 @@ _COMMAND_MODULES = (
     "lightning_resilient.planning.commands",
     "lightning_resilient.demo",
 )
+
+_TRAIN_HELP = """\
+usage: lightning-resilient train {fit,validate,test,predict} -c CONFIG [-c CONFIG ...]
+                                 [--OPTION VALUE ...]
+
+LightningCLI (ResilientCLI) with auto-resume: fit resumes from the newest committed checkpoint
+under the ModelCheckpoint dirpath, or starts fresh when there is none, so after a kill the
+same command is simply run again.
+
+  lightning-resilient train fit -c configs/base.yaml -c configs/local.yaml
+  lightning-resilient train fit -c configs/base.yaml -c configs/local.yaml --trainer.max_steps 500
+
+options of fit beside LightningCLI's own (-c/--config, --trainer.*, --model.*, --data.*,
+--ckpt_path):
+  --auto_resume BOOL  look up the checkpoint to resume from when no --ckpt_path is given
+                      (default true)
+
+lightning-resilient train fit --help lists every option of the trainer, model and data (it
+imports Lightning: a few seconds). Needs the [cli] extra: pip install 'lightning-resilient[cli]'.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,14 +57,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _train(argv: list[str]) -> int:
+    """``lightning-resilient train ARGS``: LightningCLI parses ARGS (fit/validate/..., -c, --trainer.*) itself."""
+    if argv in ([], ["-h"], ["--help"]):
+        # LightningCLI's own help needs Lightning imported; the short one answers at once.
+        print(_TRAIN_HELP, end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    from lightning_resilient._extras import MissingExtraError, require
+    from lightning_resilient.errors import StoreSetupError
+
+    try:
+        require("cli", "lightning-resilient train")
+    except MissingExtraError as exc:
+        print(exc, file=sys.stderr)  # "lightning-resilient train: needs ...: pip install ..."
+        return 2
+    from lightning_resilient.training_cli import main as train
+
+    try:
+        train(argv)
+    except StoreSetupError as exc:  # a missing bucket, no credentials, a URL no filesystem knows: one line
+        print(f"lightning-resilient train: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
-        # LightningCLI parses its own arguments (fit/validate/..., -c, --trainer.*): hand them over untouched.
-        from lightning_resilient.training_cli import main as train
-
-        train(argv[1:])
-        return 0
+        return _train(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -1,16 +1,22 @@
 """Exceptions raised by lightning_resilient.
 
-Each one says what went wrong and what to do about it; all derive from :class:`CheckpointError` so a caller
-can catch the family at once.
+Each one says what went wrong and what to do about it. Errors about stored checkpoints derive from
+:class:`CheckpointError`, so a caller can catch the family at once; errors about a store that cannot be used as
+configured (no such bucket, no credentials, a URL no filesystem knows) derive from :class:`StoreSetupError` and
+from the built-in a caller would expect (``FileNotFoundError``, ``PermissionError``, ``ValueError``).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointCorruptedError",
     "CheckpointError",
     "ShardedCheckpointError",
     "StaleWriterError",
+    "StoreCredentialsError",
+    "StoreSetupError",
+    "StoreURLError",
     "UnsupportedFormatError",
 ]
 
@@ -60,3 +66,27 @@ class ShardedCheckpointError(CheckpointError, ValueError):
     :class:`~lightning_resilient.AtomicFSDPStrategy`), or consolidate it with
     :func:`lightning_resilient.io.sharded.load_full`.
     """
+
+
+class StoreSetupError(Exception):
+    """The store cannot be used as configured; the message says what to fix, in a line or two.
+
+    ``lightning-resilient`` prints the message alone (no traceback) and exits with status 2. ``cli_message`` is the
+    same message with its hints phrased for the command line (``--storage-options`` instead of the Python argument).
+    """
+
+    def __init__(self, message: str, *, cli_message: str | None = None) -> None:
+        super().__init__(message)
+        self.cli_message = cli_message or message
+
+
+class BucketNotFoundError(StoreSetupError, FileNotFoundError):
+    """The bucket of an S3/GCS checkpoint root does not exist (or the credentials cannot see it)."""
+
+
+class StoreCredentialsError(StoreSetupError, PermissionError):
+    """No credentials reach the store, or they may not do what was asked; the message names what to set."""
+
+
+class StoreURLError(StoreSetupError, ValueError):
+    """A URL no installed fsspec filesystem can open (an unknown protocol, or its filesystem is not installed)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+import warnings
 from typing import Any
 
 from jsonargparse import Namespace
@@ -24,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
+from lightning_resilient.io.store import check_default_client
 
 __all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "main", "redact_storage_options"]
 
@@ -89,6 +92,16 @@ class ResilientCLI(LightningCLI):
         # A rerun after a kill writes the same config into the same folder: that is the point, not a mistake.
         super().__init__(*args, save_config_kwargs={"overwrite": True, **(save_config_kwargs or {})}, **kwargs)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        if isinstance(args, list) and args and sys.argv[-len(args):] == args:
+            # ``lightning-resilient train ARGS`` hands its own command line over: not the mix of Python arguments
+            # and command line that LightningCLI's warning is about.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+                super().parse_arguments(parser, args)
+            return
+        super().parse_arguments(parser, args)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
             "--auto_resume", type=bool, default=True,
@@ -96,6 +109,9 @@ class ResilientCLI(LightningCLI):
                  " --ckpt_path is given (lightning_resilient.AtomicCheckpointIO); start fresh when there is none")
 
     def before_fit(self) -> None:
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+                check_default_client(str(callback.dirpath))  # before ModelCheckpoint's bare NoCredentialsError
         config = self.config_init["fit"]
         if config.get("ckpt_path") is not None or not config.get("auto_resume", True):
             return

@@ -18,13 +18,24 @@ def load(name: str):
     return module
 
 
-def test_precision_benchmark_smoke():
+def test_precision_benchmark_smoke(tmp_path):
     text = load("precision_gpu").main(["--device", "cpu", "--d-model", "32", "--heads", "2", "--batch", "2",
-                                       "--seq", "8", "--steps", "2", "--warmup", "1"])
+                                       "--seq", "8", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "p")])
     assert "AutoPrecision chooses:" in text
     assert text.count("(chosen)") == 1
     for precision in ("bf16-mixed", "16-mixed", "32-true"):
         assert f"| {precision}" in text
+    written = (tmp_path / "p.md").read_text()
+    assert written.startswith("# Mixed precision") and "Machine: " in written
+
+
+def test_first_hour_benchmark_smoke(tmp_path):
+    """--help timings only (the demo is test_demo's); the suite time is recorded, not run."""
+    text = load("first_hour").main(["--no-demo", "--runs", "1", "--out", str(tmp_path / "f"), "--suite-time", "17:18",
+                                    "--suite-source", "a CI run"])
+    assert "Machine: " in text and "| `lightning-resilient ls --help` |" in text
+    assert "| `make test` (the whole suite) | 17:18 | a CI run |" in text
+    assert json.loads((tmp_path / "f.json").read_text())["help"][0]["median_s"] > 0
 
 
 @pytest.mark.slow

@@ -18,15 +18,25 @@ def test_demo_runs_end_to_end_and_reports(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     script = shutil.which("lightning-resilient", path=os.path.dirname(sys.executable))
     assert script, "the package installs the lightning-resilient console script"
+    env["PATH"] = f"{os.path.dirname(script)}{os.pathsep}{env.get('PATH', '')}"  # as in an activated venv
     proc = subprocess.run([script, "demo", "--max-steps", "30", "--kill-step", "20"], capture_output=True, text=True,
                           timeout=400, cwd=tmp_path, env=env, start_new_session=True)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    # It shows the command it runs (the console script, found on PATH), and the same one again.
+    assert "\n$ lightning-resilient train fit -c demo_output/run.yaml\n" in out
     assert "$ lightning-resilient train fit -c demo_output/run.yaml     # the same command again" in out
-    assert "PARTIAL (no manifest: invisible to resume)" in out
+    # Not a terminal: no progress bar redraws, one line per checkpoint event instead.
+    assert "it/s" not in out and "\r" not in out
+    assert "  [job] step 10: checkpoint epoch=0-step=10.ckpt committed (" in out
     report = (tmp_path / "demo_output" / "report.txt").read_text()
-    assert re.search(r"what the kill hit: +training step 2\d, during the background upload of the checkpoint of step"
-                     r" 20 \(\d+ objects stored; never committed: no manifest\)", report), report
+    found = re.search(r"what the kill hit: +training step 2\d, during the background upload of the checkpoint of step"
+                      r" 20 \((\d+) objects? stored; never committed: no manifest\)", report)
+    assert found, report
+    # One count of the killed upload's objects, wherever it is shown: the kill line, the listing, the report.
+    stored = int(found.group(1))
+    assert re.search(rf"SIGKILL at training step 2\d, .* \({stored} objects? stored, no manifest", out), out
+    assert re.search(rf"step=20\.ckpt/\S+ +{stored} objects? +PARTIAL \(no manifest: invisible to resume\)", out), out
     assert re.search(r"restart resumed from: +s3://lightning-resilient-demo/run-1/checkpoints/\S+ \(step 10\), found"
                      r" by the same command", report), report
     assert re.search(r"steps recomputed: +1\d \(step 10 to step 2\d\)", report), report
@@ -37,14 +47,17 @@ def test_demo_runs_end_to_end_and_reports(tmp_path):
             " losses after the resume identical") in report
     png = tmp_path / "demo_output" / "loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert out.rstrip().endswith("DEMO OK")
+    # The post-mortem comes last, framed, and ends with the verdict.
+    tail = out.rstrip().splitlines()
+    assert tail[-1].startswith("DEMO OK") and tail[-2] == "=" * 100
+    assert "POST-MORTEM" in tail[-15:] and "what the kill hit" in out.rsplit("POST-MORTEM", 1)[1]
     # It leaves nothing running: no training job, no server (its port is closed).
     port = re.search(r"S3 server \(moto\) on http://127\.0\.0\.1:(\d+)", out).group(1)
     import socket
 
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", int(port))) != 0
-    leftover = subprocess.run(["pgrep", "-f", "lightning_resilient.training_cli fit -c demo_output/"],
+    leftover = subprocess.run(["pgrep", "-f", "train fit -c demo_output/"],
                               capture_output=True, text=True)
     assert not leftover.stdout.strip()
     assert not (Path(tmp_path) / "lightning_logs").exists()

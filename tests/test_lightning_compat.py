@@ -178,7 +178,7 @@ def test_every_load_route_reads_the_committed_checkpoint_and_none_fences_the_job
     assert_equal_state(weights(stock), weights(expected))
     assert_equal_state(ValModel.load_from_checkpoint(out).state_dict(), weights(expected))
 
-    with pytest.raises(IsADirectoryError):  # the stock route that cannot work (the README names the replacement)
+    with pytest.raises(IsADirectoryError):  # the stock route that cannot work (docs/compatibility.md names the replacement)
         torch.load(best)
 
 

@@ -140,7 +140,7 @@ def test_the_saved_config_never_holds_credentials(store_env, tmp_path):
     with_secrets = tmp_path / "with-secrets.yaml"
     with_secrets.write_text(yaml.safe_dump(config))
     main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(with_secrets), "--trainer.max_steps", "2", *QUIET])
-    saved = (tmp_path / "config.yaml").read_text()
+    saved = (tmp_path / "runs" / "run-1" / "config.yaml").read_text()  # base.yaml's default_root_dir
     for secret in ("AKIAEXAMPLEKEY", "s3cr3t-value", "t0ken-value"):
         assert secret not in saved
     options = next(p for p in yaml.safe_load(saved)["trainer"]["plugins"]

@@ -1,10 +1,11 @@
 """The demo: a LightningCLI training job with every plugin on, killed in the middle of a checkpoint upload to an
 S3 server on loopback, restarted with the same command, and compared with the same training never interrupted.
 
-``make demo`` runs ``python -m lightning_resilient.demo``; ``lightning-resilient demo`` is the same. It starts
-moto's S3 server in this process, writes the job's config (``demo_output/run.yaml``), runs
-``lightning-resilient train fit -c demo_output/run.yaml`` three times (killed, resumed, uninterrupted), prints a
-post-mortem report, writes ``demo_output/loss_curves.png``, and stops the server.
+``make demo`` runs ``lightning-resilient demo``. It starts moto's S3 server in this process, writes the job's config
+(``demo_output/run.yaml``), runs ``lightning-resilient train fit -c demo_output/run.yaml`` three times (killed,
+resumed, uninterrupted) and prints each command exactly as it runs it, writes ``demo_output/loss_curves.png``,
+stops the server, and prints a post-mortem report last. When its output is not a terminal (a log file, CI), the
+job's progress bar is off and the driver prints one line per checkpoint event instead.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ class Event:
 
 
 class Job:
-    """The training command in a subprocess: its output goes to the terminal, its events to a pipe."""
+    """The training command in a subprocess: its output goes to the terminal, its events to a pipe (and, with
+    ``echo``, one line each to this process's output: what a progress bar would show, without its redraws)."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], *, echo: bool = False) -> None:
+        self.echo = echo
         events_r, events_w = os.pipe()
         env = {**env, "LR_DEMO_EVENTS_FD": str(events_w)}
         self.started = time.monotonic()
@@ -54,8 +57,11 @@ class Job:
         with os.fdopen(fd, "r") as stream:
             for line in stream:
                 kind, *rest = line.strip().split()
+                event = Event(time.monotonic(), kind.lstrip("@"), rest)
+                if self.echo:
+                    _echo(event)
                 with self.cond:
-                    self.events.append(Event(time.monotonic(), kind.lstrip("@"), rest))
+                    self.events.append(event)
                     self.cond.notify_all()
         with self.cond:
             self.cond.notify_all()
@@ -86,13 +92,42 @@ class Job:
         self.reader.join()
 
 
+def _echo(event: Event) -> None:
+    """One line for a checkpoint event of the job (commits and loads; objects and snapshots are too many)."""
+    if event.kind == "commit":
+        step, name, seconds = event.fields[:3]
+        print(f"  [job] step {step}: checkpoint {name.rstrip('/').rsplit('/', 1)[-1]} committed"
+              f" ({float(seconds):.2f} s, in the background)", flush=True)
+    elif event.kind == "load":
+        print(f"  [job] loaded {event.fields[0]} (step {event.fields[1]})", flush=True)
+
+
+def train_command() -> tuple[list[str], str]:
+    """How the demo runs ``lightning-resilient train``, and how it shows that command: the console script next to
+    this interpreter, shown by its name when that is the one on PATH, by its path otherwise; without the script
+    (a source tree that was never installed), ``python -m lightning_resilient.cli``."""
+    bin_dir = os.path.dirname(sys.executable)
+    script = os.path.join(bin_dir, "lightning-resilient")
+    if os.path.isfile(script) and os.access(script, os.X_OK):
+        on_path = shutil.which("lightning-resilient")
+        shown = "lightning-resilient" if on_path and os.path.samefile(on_path, script) else _short(script)
+        return [script, "train"], f"{shown} train"
+    return [sys.executable, "-m", "lightning_resilient.cli", "train"], \
+        f"{_short(sys.executable)} -m lightning_resilient.cli train"
+
+
+def _short(path: str) -> str:
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else path
+
+
 # -- the store -------------------------------------------------------------------------------------------------
 
 def _start_s3() -> tuple[Any, str]:
     try:
         from moto.server import ThreadedMotoServer
     except ImportError as exc:  # pragma: no cover - the Makefile installs it
-        raise SystemExit("the demo needs moto's S3 server: pip install 'lightning_resilient[demo]'") from exc
+        raise SystemExit("the demo needs moto's S3 server: pip install 'lightning-resilient[demo]'") from exc
     import logging
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request log would drown the demo
@@ -187,10 +222,12 @@ def _plot(path: str, uninterrupted: Losses, run: Losses, kill_step: int, resumed
 
 # -- the demo --------------------------------------------------------------------------------------------------
 
-def _config(out_dir: str, name: str, root: str, max_steps: int, every: int) -> tuple[str, str]:
+def _config(out_dir: str, name: str, root: str, max_steps: int, every: int, progress_bar: bool) -> tuple[str, str]:
     record = os.path.join(out_dir, f"records-{name}")
     text = resources.files("lightning_resilient.demo").joinpath("demo.yaml").read_text()
-    for key, value in {"ROOT": root, "RECORD": record, "MAX_STEPS": str(max_steps), "EVERY": str(every)}.items():
+    values = {"ROOT": root, "RECORD": record, "MAX_STEPS": str(max_steps), "EVERY": str(every),
+              "PROGRESS_BAR": "true" if progress_bar else "false"}
+    for key, value in values.items():
         text = re.sub(rf"\b{key}\b", value, text)
     path = os.path.join(out_dir, f"{name}.yaml")
     with open(path, "w") as f:
@@ -198,14 +235,32 @@ def _config(out_dir: str, name: str, root: str, max_steps: int, every: int) -> t
     return path, record
 
 
+def scenario_error(max_steps: int, kill_step: int, every: int, *, flags: bool = False) -> str | None:
+    """What is wrong with a demo scenario, or None; ``flags``: named as the command line's options."""
+    name = (lambda n: f"--{n.replace('_', '-')}") if flags else (lambda n: n)
+    if every < 1:
+        return f"{name('every')} must be >= 1, got {every}"
+    if kill_step % every or not every <= kill_step < max_steps:
+        return (f"{name('kill_step')} must be a multiple of {name('every')} ({every}) between {every} and"
+                f" {name('max_steps')} - 1 ({max_steps - 1}), got {kill_step}")
+    return None
+
+
 def run_demo(max_steps: int = 60, kill_step: int = 30, every: int = 10, out_dir: str = "demo_output",
              preempt: bool = False) -> int:
     """Run the demo; returns 0 when everything it shows held (the exit status of ``make demo``). ``preempt``: the
     first attempt gets a preemption notice (SIGTERM) once the checkpoint of ``kill_step`` committed, instead of a
     SIGKILL in the middle of its upload."""
-    if kill_step % every or not every <= kill_step < max_steps:
-        raise ValueError(f"kill_step must be a multiple of every ({every}) between {every} and max_steps - 1"
-                         f" ({max_steps - 1}), got {kill_step}")
+    problem = scenario_error(max_steps, kill_step, every)
+    if problem:
+        raise ValueError(problem)
+    from lightning_resilient._extras import require
+
+    require("demo", "lightning-resilient demo")  # before any work: not after three trainings
+    # The jobs write to the same output: ours must not wait in a buffer while theirs goes out.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    terminal = sys.stdout.isatty()
     os.environ.update({"AWS_ACCESS_KEY_ID": "demo", "AWS_SECRET_ACCESS_KEY": "demo", "AWS_DEFAULT_REGION": "us-east-1"})
     server, endpoint = _start_s3()
     os.environ["AWS_ENDPOINT_URL"] = endpoint  # reaches s3fs here, in the jobs, and Lightning's own client
@@ -217,49 +272,68 @@ def run_demo(max_steps: int = 60, kill_step: int = 30, every: int = 10, out_dir:
         os.makedirs(out_dir)
         root = f"s3://{BUCKET}/run-1/checkpoints"
         reference_root = f"s3://{BUCKET}/run-uninterrupted/checkpoints"
-        config, record = _config(out_dir, "run", root, max_steps, every)
-        reference_config, reference_record = _config(out_dir, "uninterrupted", reference_root, max_steps, every)
-        cmd = [sys.executable, "-m", "lightning_resilient.training_cli", "fit", "-c", config]
-        shown = f"lightning-resilient train fit -c {config}"
+        config, record = _config(out_dir, "run", root, max_steps, every, terminal)
+        reference_config, reference_record = _config(out_dir, "uninterrupted", reference_root, max_steps, every,
+                                                     terminal)
+        train, shown_train = train_command()
+        cmd = [*train, "fit", "-c", config]
+        shown = f"{shown_train} fit -c {config}"
         print(f"S3 server (moto) on {endpoint}; checkpoints go to {root}")
         print(f"The job: {config} (AtomicCheckpointIO with async saves, ResumeStateCallback, AutoPrecision, a warmup +"
-              " cosine LR schedule counted in optimizer steps)\n")
-        print(f"$ {shown}")
-        return _show(cmd, shown, root, record, reference_config, reference_record, out_dir, max_steps, kill_step,
-                     preempt)
+              " cosine LR schedule counted in optimizer steps)")
+        if not terminal:
+            print("Output is not a terminal: no progress bar; one [job] line per checkpoint event instead")
+        print(f"\n$ {shown}")
+        report, ok = _show(cmd, shown, root, record, reference_config, reference_record, out_dir, max_steps,
+                           kill_step, preempt, echo=not terminal)
     finally:
         server.stop()
+    _print_report(report, ok)
+    return 0 if ok else 1
+
+
+def _print_report(report: list[str], ok: bool) -> None:
+    """The post-mortem, last and framed, so that it stands out from the jobs' logs above it."""
+    rule = "=" * 100
+    print(f"\n\n{rule}\n{report[0].upper()}\n{rule}")
+    print("\n".join(report[1:]))
+    print(rule)
+    print("DEMO OK: everything above held" if ok else "DEMO FAILED: see the lines above")
 
 
 def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: str, reference_record: str,
-          out_dir: str, max_steps: int, kill_step: int, preempt: bool = False) -> int:
+          out_dir: str, max_steps: int, kill_step: int, preempt: bool = False, *,
+          echo: bool = False) -> tuple[list[str], bool]:
     from lightning_resilient import find_latest_checkpoint
     from lightning_resilient.io.manifest import MANIFEST_NAME
 
     env = dict(os.environ)
-    first = Job(cmd, env)
+    first = Job(cmd, env, echo=echo)
     if preempt:
         return _show_preemption(first, cmd, env, shown, root, record, reference_config, reference_record, out_dir,
-                                max_steps, kill_step)
+                                max_steps, kill_step, echo)
     target = f"step={kill_step}.ckpt/"
     first.wait_for(lambda e: e.kind == "save-begin" and e.fields[0] == str(kill_step), f"the save of step {kill_step}")
     # Aim inside the upload: after a few of that checkpoint's objects are stored, before its manifest.
     first.wait_for(lambda e: sum(1 for x in first.of("object") if target in x.fields[0]) >= 3,
                    f"the upload of step {kill_step}")
     first.kill()
-    stored = [e.fields[0] for e in first.of("object") if target in e.fields[0]]
-    committed = any(e.fields[0] == str(kill_step) and target in e.fields[1] for e in first.of("commit"))
+    # What the store holds, not what the job announced: an object can land between the last announcement and the
+    # kill, so counting announcements would undercount what the listing shows.
+    folders = _folders(root)
+    killed = {f: names for f, names in folders.items() if target in f"{f}/"}
+    stored = sum(len(names - {MANIFEST_NAME}) for names in killed.values())
+    committed = any(MANIFEST_NAME in names for names in killed.values())
     blocked_first = sum(float(e.fields[1]) for e in first.of("save-end"))
     # Optimizer steps completed when the kill hit: the last step whose loss was recorded, or the step being saved
     # (the loop may have been inside that save, which runs before the step's loss is recorded).
     recorded = Losses.read(record).attempts
     killed_at = max([kill_step, *(s for s, _, _ in (recorded[-1] if recorded else []))])
     what = ("its manifest had been written: that save was committed" if committed
-            else "before its manifest: never committed")
-    print(f"\n\n*** SIGKILL at training step {killed_at}, in the middle of uploading the checkpoint of step {kill_step}"
-          f" ({len(stored)} objects stored, {what}) ***\n")
+            else "no manifest: never committed")
+    print(f"\n*** SIGKILL at training step {killed_at}, in the middle of uploading the checkpoint of step {kill_step}"
+          f" ({_objects(stored)} stored, {what}) ***\n")
 
-    folders = _folders(root)
     retired = _retired(root)
     partial = sorted(f for f, names in folders.items() if MANIFEST_NAME not in names and f not in retired)
     latest = find_latest_checkpoint(root)
@@ -267,11 +341,11 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
     for folder, names in sorted(folders.items()):
         state = ("committed" if MANIFEST_NAME in names else "retired by keep_last (deleted after the next commit)"
                  if folder in retired else "PARTIAL (no manifest: invisible to resume)")
-        print(f"  {folder:60s} {len(names):3d} objects  {state}")
+        print(f"  {folder:60s} {_objects(len(names)):>11s}  {state}")
     print(f"\nNewest committed checkpoint: {latest}\n")
 
     print(f"$ {shown}     # the same command again")
-    second = Job(cmd, env)
+    second = Job(cmd, env, echo=echo)
     second.finish()
     loads = second.of("load")
     resumed_url, resumed_step = (loads[0].fields[0], int(loads[0].fields[1])) if loads else (None, 0)
@@ -282,7 +356,7 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
     wall_second = time.monotonic() - second.started
 
     run, reference, same, same_losses, final_step, tensors = _uninterrupted(cmd, env, reference_config, record,
-                                                                            reference_record)
+                                                                            reference_record, shown, echo)
     after = _folders(root)
     png = os.path.join(out_dir, "loss_curves.png")
     _plot(png, reference, run, killed_at, resumed_step)
@@ -290,7 +364,7 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
     report = [
         "Post-mortem",
         f"  what the kill hit:        training step {killed_at}, during the background upload of the checkpoint of step"
-        f" {kill_step} ({len(stored)} objects stored; {'committed' if committed else 'never committed: no manifest'})",
+        f" {kill_step} ({_objects(stored)} stored; {'committed' if committed else 'never committed: no manifest'})",
         f"  partial folders it left:  {len(partial)}" + (f" ({', '.join(partial)})" if partial else ""),
         f"  restart resumed from:     {resumed_url} (step {resumed_step}), found by the same command",
         f"  steps recomputed:         {max(0, killed_at - resumed_step)} (step {resumed_step} to step {killed_at})",
@@ -304,18 +378,20 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
         f" all {tensors} tensors); per-step losses after the resume {'identical' if same_losses else 'DIFFER'}",
         f"  loss curves:              {png}",
     ]
-    print("\n\n" + "\n".join(report))
     with open(os.path.join(out_dir, "report.txt"), "w") as f:
         f.write("\n".join(report) + "\n")
     ok = (same and same_losses and resumed_url == latest and final_step == max_steps and not committed
           and resumed_step < kill_step)
-    print("\nDEMO OK" if ok else "\nDEMO FAILED")
-    return 0 if ok else 1
+    return report, ok
+
+
+def _objects(n: int) -> str:
+    return f"{n} object{'' if n == 1 else 's'}"
 
 
 def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str, root: str, record: str,
                      reference_config: str, reference_record: str, out_dir: str, max_steps: int,
-                     kill_step: int) -> int:
+                     kill_step: int, echo: bool) -> tuple[list[str], bool]:
     """``demo --preempt``: a SIGTERM after the checkpoint of ``kill_step`` committed (what a cloud's notice is);
     PreemptionCheckpoint saves the step in progress, the job exits 143, and the restart recomputes nothing."""
     from lightning_resilient import find_latest_checkpoint
@@ -328,19 +404,19 @@ def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str
     emergency = [e for e in first.of("commit") if e.fields[1].endswith("preemption.ckpt")]
     saved_step = int(emergency[0].fields[0]) if emergency else None
     took = (emergency[0].at - noticed) if emergency else None
-    print(f"\n\n*** SIGTERM (a preemption notice) after the checkpoint of step {kill_step} committed: exit status"
+    print(f"\n*** SIGTERM (a preemption notice) after the checkpoint of step {kill_step} committed: exit status"
           f" {status}; " + (f"emergency checkpoint of step {saved_step} committed {took:.2f} s after the notice ***\n"
                             if emergency else "no emergency checkpoint ***\n"))
     latest = find_latest_checkpoint(root)
     print(f"Newest committed checkpoint: {latest}\n")
 
     print(f"$ {shown}     # the same command again")
-    second = Job(cmd, env)
+    second = Job(cmd, env, echo=echo)
     second.finish()
     loads = second.of("load")
     resumed_url, resumed_step = (loads[0].fields[0], int(loads[0].fields[1])) if loads else (None, 0)
     run, reference, same, same_losses, final_step, _ = _uninterrupted(cmd, env, reference_config, record,
-                                                                      reference_record)
+                                                                      reference_record, shown, echo)
     # The last step the first attempt trained: its losses are recorded after every callback's batch end, so the step
     # the emergency save ended may not be among them.
     trained = max([saved_step or 0, *(s for s, _, _ in (run.attempts[0] if run.attempts else []))])
@@ -358,23 +434,21 @@ def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str
         f" per-step losses after the resume {'identical' if same_losses else 'DIFFER'}",
         f"  loss curves:              {png}",
     ]
-    print("\n\n" + "\n".join(report))
     with open(os.path.join(out_dir, "report.txt"), "w") as f:
         f.write("\n".join(report) + "\n")
     ok = (same and same_losses and status == 143 and saved_step is not None and resumed_step == saved_step
           and resumed_url == latest and final_step == max_steps and trained <= saved_step)
-    print("\nDEMO OK" if ok else "\nDEMO FAILED")
-    return 0 if ok else 1
+    return report, ok
 
 
 def _uninterrupted(cmd: list[str], env: dict[str, str], reference_config: str, record: str,
-                   reference_record: str) -> tuple[Losses, Losses, bool, bool, int, int]:
+                   reference_record: str, shown: str, echo: bool) -> tuple[Losses, Losses, bool, bool, int, int]:
     """Run the same training uninterrupted and compare: (run, reference, same final weights, same per-step losses
     after the resume, the resumed run's final step, the number of tensors compared)."""
     import torch
 
-    print(f"\n\n$ lightning-resilient train fit -c {reference_config}     # the same training, never interrupted")
-    Job([*cmd[:-1], reference_config], env).finish()
+    print(f"\n$ {shown.rsplit(' ', 1)[0]} {reference_config}     # the same training, never interrupted")
+    Job([*cmd[:-1], reference_config], env, echo=echo).finish()
     run, reference = Losses.read(record), Losses.read(reference_record)
     resumed_w = torch.load(os.path.join(record, "weights.pt"))
     plain_w = torch.load(os.path.join(reference_record, "weights.pt"))

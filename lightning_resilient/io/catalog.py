@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
+from lightning_resilient.errors import BucketNotFoundError, CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths
 from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
@@ -75,7 +75,7 @@ def check_bucket(store: Store) -> None:
     if protocol in ("s3", "s3a", "gs", "gcs"):
         bucket = store.root_path.split("/", 1)[0]
         if not store.bucket_exists(bucket):
-            raise FileNotFoundError(f"bucket {bucket!r} does not exist (looking for checkpoints in"
+            raise BucketNotFoundError(f"bucket {bucket!r} does not exist (looking for checkpoints in"
                                     f" {store.root_url}): create it, fix the checkpoint dirpath, or use"
                                     " credentials that can see it")
 

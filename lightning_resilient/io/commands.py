@@ -13,15 +13,16 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
-from lightning_resilient.io.catalog import check_bucket, normalize, stock_checkpoints, was_retired
+from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError, StoreSetupError
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import LEGACY_NAMES, POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import RESUMED, CheckpointRoot, RootSettings, commit_epoch
 from lightning_resilient.io.store import open_store
+
+if TYPE_CHECKING:
+    from lightning_resilient.io.root import CheckpointRoot
 
 __all__ = ["add_commands"]
 
@@ -107,6 +108,9 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
         except _Usage as exc:
             print(f"lightning-resilient {args.command}: {exc}", file=sys.stderr)
             return 2
+        except StoreSetupError as exc:
+            print(f"lightning-resilient {args.command}: {exc.cli_message}", file=sys.stderr)
+            return 2
         except (FileNotFoundError, PermissionError) as exc:
             print(f"lightning-resilient {args.command}: {exc}", file=sys.stderr)
             return 2
@@ -118,12 +122,12 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def _open(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
+    # The protocol's modules import torch: only a command that runs needs them, `--help` answers without.
+    from lightning_resilient.io.catalog import check_bucket, normalize
+    from lightning_resilient.io.root import CheckpointRoot, RootSettings
+
     options = _options(args)
-    try:
-        store = open_store(normalize(args.root), options, RetryPolicy())
-    except (ValueError, ImportError) as exc:
-        raise _Usage(f"cannot open {args.root!r}: {exc}. Use a local path, s3://bucket/prefix, gs://bucket/prefix"
-                     " or another fsspec URL whose filesystem is installed.") from None
+    store = open_store(normalize(args.root), options, RetryPolicy())  # a URL no filesystem knows: StoreURLError
     check_bucket(store)
     settings = RootSettings(keep_last=None, shard_size=1, orphan_grace_seconds=grace, fallback_on_corruption=False)
     return CheckpointRoot(store, settings, lambda: ThreadPoolExecutor(_CONCURRENCY,
@@ -183,6 +187,9 @@ def _check(root: CheckpointRoot, entry: Entry, quick: bool) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    from lightning_resilient.io.catalog import stock_checkpoints
+    from lightning_resilient.io.root import RESUMED, commit_epoch
+
     root = _open(args)
     pointer = _pointer(root)
     print(f"root:    {root.url}")
@@ -330,6 +337,9 @@ def _print_stock(root: CheckpointRoot, stock: list[tuple[str, float]]) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from lightning_resilient.io.catalog import was_retired
+    from lightning_resilient.io.root import commit_epoch
+
     root = _open(args)
     if args.all:
         pointer = _pointer(root)
@@ -373,6 +383,9 @@ def _verify(args: argparse.Namespace) -> int:
 def _target(root: CheckpointRoot, checkpoint: str | None) -> Entry:
     """The entry ``checkpoint`` names: a name (last.ckpt), a commit folder, either relative to the root or as a
     URL under it; the latest of the current run when None."""
+    from lightning_resilient.io.catalog import normalize
+    from lightning_resilient.io.root import commit_epoch
+
     pointer = _pointer(root)
     if checkpoint is None:
         candidates = pointer.candidates() if pointer is not None else []

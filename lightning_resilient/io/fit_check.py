@@ -31,6 +31,18 @@ class _Check:
     def state_key(self) -> str:
         return "lightning_resilient.FitStartCheck"
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # Before ModelCheckpoint.setup (Lightning runs checkpoint callbacks last), which lists its dirpath with its
+        # own client: without credentials in the environment that fails with botocore's bare NoCredentialsError.
+        if stage != "fit" or _plugin(trainer) is None:
+            return
+        from lightning_resilient.io.store import check_default_client
+
+        for callback in trainer.checkpoint_callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            if isinstance(dirpath, (str, os.PathLike)) and str(dirpath):
+                check_default_client(str(dirpath))
+
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         plugin = _plugin(trainer)
         if plugin is None:

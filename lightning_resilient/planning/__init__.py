@@ -12,18 +12,34 @@
   host syncs inside the training step.
 """
 
-from lightning_resilient.planning.audit import TransferAudit, TransferAuditWarning
-from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
-from lightning_resilient.planning.cadence_callback import CadenceDecision, CheckpointCadence, SaveMeasurement
-from lightning_resilient.planning.cost import (
-    SCALING_SCHEMA,
-    ClusterOption,
-    Comparison,
-    OptionCost,
-    compare,
-    load_scaling,
-)
-from lightning_resilient.planning.tiers import TierCosts, TieredPlan, plan_tiers, tiered_waste
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562): the callbacks import Lightning, which `lightning-resilient cadence` and `cost`
+# (and their `--help`) do not need.
+_WHERE = {
+    "CadenceDecision": "lightning_resilient.planning.cadence_callback",
+    "CheckpointCadence": "lightning_resilient.planning.cadence_callback",
+    "ClusterOption": "lightning_resilient.planning.cost",
+    "Comparison": "lightning_resilient.planning.cost",
+    "OptionCost": "lightning_resilient.planning.cost",
+    "SCALING_SCHEMA": "lightning_resilient.planning.cost",
+    "SaveMeasurement": "lightning_resilient.planning.cadence_callback",
+    "TierCosts": "lightning_resilient.planning.tiers",
+    "TieredPlan": "lightning_resilient.planning.tiers",
+    "TransferAudit": "lightning_resilient.planning.audit",
+    "TransferAuditWarning": "lightning_resilient.planning.audit",
+    "compare": "lightning_resilient.planning.cost",
+    "daly_interval": "lightning_resilient.planning.cadence",
+    "expected_waste": "lightning_resilient.planning.cadence",
+    "load_scaling": "lightning_resilient.planning.cost",
+    "plan_tiers": "lightning_resilient.planning.tiers",
+    "steps_for_interval": "lightning_resilient.planning.cadence",
+    "tiered_waste": "lightning_resilient.planning.tiers",
+    "young_interval": "lightning_resilient.planning.cadence",
+}
 
 __all__ = [
     "CadenceDecision",
@@ -46,3 +62,30 @@ __all__ = [
     "tiered_waste",
     "young_interval",
 ]
+
+if TYPE_CHECKING:
+    from lightning_resilient.planning.audit import TransferAudit, TransferAuditWarning
+    from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
+    from lightning_resilient.planning.cadence_callback import CadenceDecision, CheckpointCadence, SaveMeasurement
+    from lightning_resilient.planning.cost import (
+        SCALING_SCHEMA,
+        ClusterOption,
+        Comparison,
+        OptionCost,
+        compare,
+        load_scaling,
+    )
+    from lightning_resilient.planning.tiers import TierCosts, TieredPlan, plan_tiers, tiered_waste
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_resilient.planning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -32,12 +32,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_resilient._namespaces import require_lightning_pytorch
 from lightning_resilient.planning._checks import check_positive_int
+from lightning_resilient.planning._units import plural
 
 __all__ = ["TransferAudit", "TransferAuditWarning"]
 
 TransferKind = Literal["pageable", "blocking_copy", "sync"]
 KINDS: tuple[TransferKind, ...] = ("pageable", "blocking_copy", "sync")
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's c10 warn_or_error_on_sync() text
+_COUNTED = {"pageable": ("pageable tensor", "pageable tensors"), "blocking_copy": ("blocking copy", "blocking copies"),
+            "sync": ("host sync", "host syncs")}  # how the summary counts each kind
 _MAX_SITES = 20  # distinct details kept per kind: enough to point at the culprits, bounded on long runs
 
 _FIXES: dict[str, str] = {
@@ -143,9 +146,10 @@ class _Auditor:
             self._emit(f"TransferAudit: {_FIXES[kind].format(detail=detail)}")
 
     def summary(self, batches: int) -> str:
-        found = ", ".join(f"{self.counts[k]} {k.replace('_', ' ')}" for k in KINDS)
+        found = ", ".join(plural(self.counts[k], *_COUNTED[k]) for k in KINDS)
         top = [f"{kind}: {site} (x{n})" for kind in KINDS for site, n in self.sites[kind].most_common(3)]
-        return f"TransferAudit: {found} in {batches} audited batch(es)" + (f"; top: {'; '.join(top)}" if top else "")
+        return (f"TransferAudit: {found} in {plural(batches, 'audited batch', 'audited batches')}"
+                + (f"; top: {'; '.join(top)}" if top else ""))
 
 
 class _SyncWindow:

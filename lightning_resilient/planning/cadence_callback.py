@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilient._namespaces import require_lightning_pytorch
 from lightning_resilient.planning._checks import check_non_negative, check_positive, check_positive_int
-from lightning_resilient.planning._units import format_duration, format_percent
+from lightning_resilient.planning._units import format_duration, format_percent, plural
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
 
 __all__ = ["CadenceDecision", "CheckpointCadence", "SaveMeasurement"]
@@ -297,11 +297,11 @@ class CheckpointCadence(Callback):
 
     def _describe(self, m: SaveMeasurement, every_n: list[int]) -> str:
         step_part = f", step {format_duration(m.step_seconds)}" if m.step_seconds else ""
-        steps_part = f" ({m.interval_steps} steps)" if m.interval_steps is not None else ""
+        steps_part = f" ({plural(m.interval_steps, 'step')})" if m.interval_steps is not None else ""
         if m.current_interval_seconds is None:
             present = "present cadence unknown"
         else:
-            how = f"every {min(every_n)} steps, " if every_n and m.step_seconds else ""
+            how = f"every {plural(min(every_n), 'step')}, " if every_n and m.step_seconds else ""
             present = (f"present cadence ({how}{format_duration(m.current_interval_seconds)}) wastes"
                        f" {format_percent(m.current_waste or 0.0)}")
         return (f"save at step {m.global_step} blocked the loop {format_duration(m.seconds)} (checkpoint cost"

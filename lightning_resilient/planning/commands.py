@@ -10,21 +10,9 @@ plans a node-local tier in front of the durable store (:mod:`~lightning_resilien
 interval, ``persist_every``, their waste next to the single-tier plan's, and the lines to configure them.
 ``--state-gb`` adds the object-store traffic per hour, in either form.
 
-``lightning-resilient cost OPTIONS.yaml`` prints a cost comparison and the verdict. The file::
-
-    value_per_hour: 0            # optional: what an hour of waiting is worth, default for every option
-    price_per_gpu_hour: 2.0      # optional: default price for every option and for the scaling file
-    options:                     # ClusterOption fields, one mapping per option
-      - {name: 256 GPUs, gpus: 256, hours: 48}
-      - {name: 64 GPUs, gpus: 64, throughput: 1000, samples_to_target: 691200000}
-    scaling:                     # optional: benchmarks/scaling.py output, one option per world size
-      path: scaling.json         # relative to this file
-      steps_to_target: {256: 90000, 1024: 30000}   # or one number, or samples_to_target: N
-      include_checkpoint_overhead: true
-
-``scaling: scaling.json`` (a bare path) takes ``steps_to_target``/``samples_to_target`` from the top level.
-A file that cannot be read, is not YAML or has a wrong field exits with status 2 and a message naming the file
-and the field.
+``lightning-resilient cost OPTIONS.yaml`` prints a cost comparison and the verdict. The file's format is in
+:data:`COST_DESCRIPTION`, which ``lightning-resilient cost --help`` prints. A file that cannot be read, is not YAML or
+has a wrong field exits with status 2 and a message naming the file and the field.
 """
 
 from __future__ import annotations
@@ -44,7 +32,7 @@ from lightning_resilient.planning.cadence import daly_interval, expected_waste, 
 from lightning_resilient.planning.cost import ClusterOption, compare, load_scaling
 from lightning_resilient.planning.tiers import TierCosts, plan_tiers
 
-__all__ = ["add_commands", "run_cadence", "run_cost"]
+__all__ = ["COST_DESCRIPTION", "add_commands", "run_cadence", "run_cost"]
 
 _OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(ClusterOption))
 _SCALING_FIELDS = ("path", "price_per_gpu_hour", "steps_to_target", "samples_to_target", "value_per_hour",
@@ -53,6 +41,38 @@ _TOP_FIELDS = ("options", "scaling", "price_per_gpu_hour", "value_per_hour", "st
                "samples_to_target", "include_checkpoint_overhead")
 _SCALING_DEFAULTS = ("price_per_gpu_hour", "value_per_hour", "steps_to_target", "samples_to_target",
                      "include_checkpoint_overhead")
+
+
+# `lightning-resilient cost --help`: what the command does and the whole file format.
+COST_DESCRIPTION = """\
+Compare ways to run a training job by wall-clock time, cost (GPUs x price per GPU-hour x
+hours) and cost including the value of time, and name the one to pick: the lowest total cost;
+on equal cost, the faster.
+
+OPTIONS.yaml holds 'options' and/or 'scaling'. Every field, in a file that works as it is:
+
+  price_per_gpu_hour: 2.0      # the default for every option and for scaling
+  value_per_hour: 0            # optional: what an hour of waiting is worth (same currency)
+  options:                     # one mapping per way to run the job
+    - name: 256 GPUs           # a label for the table
+      gpus: 256                # GPUs billed
+      hours: 48                # wall-clock hours, when known; or the work and the speed:
+    - name: 64 GPUs
+      gpus: 64
+      price_per_gpu_hour: 2.5  # per option, over the default
+      throughput: 4000         # samples/s of the whole cluster; or base_throughput (samples/s
+                               #   of one GPU) with scaling_efficiency (e.g. 0.9)
+      samples_to_target: 690000000   # or steps_to_target with global_batch
+      overhead_fraction: 0.02  # optional: share of wall time lost outside the throughput
+      value_per_hour: 50       # optional, per option
+  scaling:                     # optional: benchmarks/scaling.py's JSON, one option per world size
+    path: scaling.json         # relative to this file
+    steps_to_target: {256: 90000, 1024: 30000}  # per global batch, or one number for all
+                                                # (or samples_to_target)
+    include_checkpoint_overhead: true           # add the measured checkpointing share (default)
+
+A wrong field exits with status 2 and a message naming the file and the field.
+"""
 
 
 class _FileError(Exception):
@@ -104,11 +124,9 @@ def add_commands(subparsers: Any) -> None:
     cadence.set_defaults(func=functools.partial(run_cadence, parser=cadence))
 
     cost = subparsers.add_parser(
-        "cost", help="compare clusters by wall-clock hours and cost",
-        description="Compare training options by hours, cost (GPUs x price x hours) and cost including the value"
-                    " of time; options come from a YAML file and/or a benchmarks/scaling.py JSON it points at.")
-    cost.add_argument("options", metavar="OPTIONS.yaml", help="the options file (see `lightning_resilient.planning"
-                                                             ".commands` for its fields)")
+        "cost", help="compare clusters by wall-clock time and cost", description=COST_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    cost.add_argument("options", metavar="OPTIONS.yaml", help="the options file (its format is above)")
     cost.set_defaults(func=run_cost)
 
 

@@ -34,7 +34,13 @@ from lightning_resilient.planning._checks import (
     check_positive,
     check_positive_int,
 )
-from lightning_resilient.planning._units import format_money
+from lightning_resilient.planning._units import (
+    format_hours,
+    format_hours_pair,
+    format_money,
+    format_money_pair,
+    plural,
+)
 
 __all__ = ["ClusterOption", "Comparison", "OptionCost", "SCALING_SCHEMA", "compare", "load_scaling"]
 
@@ -194,11 +200,11 @@ class Comparison:
 
     def to_markdown(self) -> str:
         """The comparison as a markdown table followed by the verdict line."""
-        lines = ["| option | GPUs | $/GPU-h | hours | cost | cost incl. time value |",
+        lines = ["| option | GPUs | $/GPU-h | time | cost | cost incl. time value |",
                  "|---|---:|---:|---:|---:|---:|"]
         for row in self.rows:
             lines.append(f"| {row.name} | {row.option.gpus} | {row.option.price_per_gpu_hour:,.2f} |"
-                         f" {row.hours:,.1f} | {format_money(row.cost)} | {format_money(row.total_cost)} |")
+                         f" {format_hours(row.hours)} | {format_money(row.cost)} | {format_money(row.total_cost)} |")
         lines.append("")
         lines.append(f"winner: {self.winner.name} ({self.reason})")
         return "\n".join(lines)
@@ -266,20 +272,21 @@ def _reason(rows: list[OptionCost], winner: OptionCost) -> str:
     if tied:
         other = min(tied, key=lambda r: r.hours)
         if _same(other.hours, winner.hours):
-            return (f"equal {what} ({format_money(winner.total_cost)}) and equal time ({winner.hours:,.1f} h):"
+            return (f"equal {what} ({format_money(winner.total_cost)}) and equal time ({format_hours(winner.hours)}):"
                     f" {winner.name} and {other.name} are interchangeable")
+        mine, theirs = format_hours_pair(winner.hours, other.hours)
         return (f"equal {what} ({format_money(winner.total_cost)} each), so the faster one: {winner.name} takes"
-                f" {winner.hours:,.1f} h instead of {other.hours:,.1f} h")
+                f" {mine} instead of {theirs}")
     runner_up = min(others, key=lambda r: (r.total_cost, r.hours))
-    money = f"{format_money(winner.total_cost)} vs {format_money(runner_up.total_cost)} for {runner_up.name}"
+    ours, other_money = format_money_pair(winner.total_cost, runner_up.total_cost)
+    money = f"{ours} vs {other_money} for {runner_up.name}"
     prefix = "counting the value of time, " if timed else ""
+    mine, theirs = format_hours_pair(winner.hours, runner_up.hours)
     if winner.hours < runner_up.hours and not _same(winner.hours, runner_up.hours):
-        return f"{prefix}{winner.name} is both cheaper ({money}) and faster ({winner.hours:,.1f} h vs" \
-               f" {runner_up.hours:,.1f} h)"
+        return f"{prefix}{winner.name} is both cheaper ({money}) and faster ({mine} vs {theirs})"
     if _same(winner.hours, runner_up.hours):
-        return f"{prefix}{winner.name} costs less ({money}) in the same time ({winner.hours:,.1f} h)"
-    return (f"{prefix}{winner.name} costs less ({money}) although it takes longer ({winner.hours:,.1f} h vs"
-            f" {runner_up.hours:,.1f} h)")
+        return f"{prefix}{winner.name} costs less ({money}) in the same time ({format_hours(winner.hours)})"
+    return f"{prefix}{winner.name} costs less ({money}) although it takes longer ({mine} vs {theirs})"
 
 
 # -- the scaling benchmark's output ------------------------------------------------------------------------------
@@ -328,7 +335,7 @@ def load_scaling(
                       "scaling_efficiency": 1.0, "step_seconds": 0.026, "save_seconds": 0.8,
                       "load_seconds": 0.5, "checkpoint_overhead_fraction": 0.01}, ...]}
 
-    Each result becomes ``ClusterOption(name="<world_size> GPUs", gpus=world_size, throughput=
+    Each result becomes ``ClusterOption(name="<world_size> GPUs" ("1 GPU"), gpus=world_size, throughput=
     throughput_samples_per_s, ...)``. The throughput is taken to exclude checkpointing, whose measured share of
     wall time (``checkpoint_overhead_fraction``) is added back unless ``include_checkpoint_overhead=False``.
 
@@ -395,8 +402,8 @@ def load_scaling(
     options = []
     for i, r in enumerate(parsed):
         # Two results at one world size (e.g. two global batches) need the batch in the name to stay distinct.
-        name = f"{r['world_size']} GPUs" if sizes.count(r["world_size"]) == 1 else \
-            f"{r['world_size']} GPUs, batch {r['global_batch']}"
+        name = plural(r["world_size"], "GPU") if sizes.count(r["world_size"]) == 1 else \
+            f"{plural(r['world_size'], 'GPU')}, batch {r['global_batch']}"
         work: dict[str, Any]
         if samples_to_target is not None:
             work = {"samples_to_target": samples_to_target}

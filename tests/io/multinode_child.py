@@ -93,7 +93,7 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     io = IO(options.get("fail_rank"), storage_options=options.get("storage_options"), shard_size=8192)
     # find_unused_parameters=True keeps DDP's gradient buckets as built: otherwise DDP rebuilds them after its first
     # iteration, and with more than two processes the first step after a resume reduces gradients in another order
-    # than the uninterrupted run's steady state (equal up to float rounding, not bit for bit; see the README).
+    # than the uninterrupted run's steady state (equal up to float rounding, not bit for bit; see docs/multi-node.md).
     trainer = Trainer(strategy=DDPStrategy(find_unused_parameters=True), num_nodes=2, devices=2, accelerator="cpu", max_steps=options["max_steps"],
                       logger=False, enable_progress_bar=False, enable_model_summary=False, plugins=[io],
                       callbacks=[ResumeStateCallback(), Report(io, out),

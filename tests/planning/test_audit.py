@@ -28,7 +28,7 @@ def test_is_a_real_no_op_on_a_cpu_run(cpu_run):
     assert all(seen["showwarning"] is cpu_run.showwarning_before for seen in cpu_run.probe.seen)
     assert "batch_to_device" not in vars(cpu_run.trainer.strategy)
     assert not [w for w in cpu_run.caught if issubclass(w.category, TransferAuditWarning)]
-    assert audit.summary() == "TransferAudit: 0 pageable, 0 blocking copy, 0 sync in 0 audited batch(es)"
+    assert audit.summary() == "TransferAudit: 0 pageable tensors, 0 blocking copies, 0 host syncs in 0 audited batches"
 
 
 # -- the pure core ------------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_the_hooks_flag_injected_pageable_tensors_blocking_copies_and_syncs_once
     assert [str(w.message) for w in caught if w.category is UserWarning] == ["an unrelated warning"] * 3
     (site, count), = audit.sites["sync"].items()
     assert site.startswith(__file__) and count == 3
-    assert "3 sync in 3 audited batch(es)" in audit.summary()
+    assert "3 host syncs in 3 audited batches" in audit.summary()
 
 
 def test_max_batches_and_syncs_off():

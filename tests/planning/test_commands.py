@@ -76,10 +76,10 @@ def test_cost_reproduces_the_worked_example(capsys, tmp_path):
     status, out, err = run(capsys, "cost", str(path))
     assert status == 0 and err == ""
     assert out.splitlines() == [
-        "| option | GPUs | $/GPU-h | hours | cost | cost incl. time value |",
+        "| option | GPUs | $/GPU-h | time | cost | cost incl. time value |",
         "|---|---:|---:|---:|---:|---:|",
-        "| 256 GPUs | 256 | 2.00 | 48.0 | $24,576.00 | $24,576.00 |",
-        "| 64 GPUs | 64 | 2.00 | 192.0 | $24,576.00 | $24,576.00 |",
+        "| 256 GPUs | 256 | 2.00 | 48.0 h | $24,576.00 | $24,576.00 |",
+        "| 64 GPUs | 64 | 2.00 | 192.0 h | $24,576.00 | $24,576.00 |",
         "",
         "winner: 256 GPUs (equal cost ($24,576.00 each), so the faster one: 256 GPUs takes 48.0 h instead of"
         " 192.0 h)",
@@ -102,11 +102,11 @@ scaling:
     status, out, err = run(capsys, "cost", str(path))
     assert status == 0, err
     # 4 x $2 x 5 h = $40, + $50 of time; 8 GPUs: $32 + $20; 32 GPUs: 0.68587 h -> $43.896 + $6.859 = $50.755.
-    assert "| rented 4 GPUs | 4 | 2.00 | 5.0 | $40.00 | $90.00 |" in out
-    assert "| 8 GPUs | 8 | 2.00 | 2.0 | $32.00 | $52.00 |" in out
-    assert "| 32 GPUs | 32 | 2.00 | 0.7 | $43.90 | $50.75 |" in out
+    assert "| rented 4 GPUs | 4 | 2.00 | 5.0 h | $40.00 | $90.00 |" in out
+    assert "| 8 GPUs | 8 | 2.00 | 2.0 h | $32.00 | $52.00 |" in out
+    assert "| 32 GPUs | 32 | 2.00 | 41.2 min | $43.90 | $50.75 |" in out
     assert out.rstrip().splitlines()[-1] == ("winner: 32 GPUs (counting the value of time, 32 GPUs is both cheaper"
-                                             " ($50.75 vs $52.00 for 8 GPUs) and faster (0.7 h vs 2.0 h))")
+                                             " ($50.75 vs $52.00 for 8 GPUs) and faster (41.2 min vs 2.0 h))")
 
 
 def test_cost_accepts_a_bare_scaling_path(capsys, tmp_path):
@@ -115,7 +115,7 @@ def test_cost_accepts_a_bare_scaling_path(capsys, tmp_path):
     path.write_text("scaling: scaling.json\nprice_per_gpu_hour: 1.0\nsamples_to_target: 18432000\n")
     status, out, _ = run(capsys, "cost", str(path))
     assert status == 0
-    assert "| 8 GPUs | 8 | 1.00 | 2.0 | $16.00 | $16.00 |" in out
+    assert "| 8 GPUs | 8 | 1.00 | 2.0 h | $16.00 | $16.00 |" in out
 
 
 @pytest.mark.parametrize(("text", "message"), [

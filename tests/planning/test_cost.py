@@ -100,10 +100,21 @@ def test_compare_rejects_bad_input():
 
 def test_markdown_table():
     table = compare([BIG, SMALL]).to_markdown().splitlines()
-    assert table[0] == "| option | GPUs | $/GPU-h | hours | cost | cost incl. time value |"
-    assert table[2] == "| 256 GPUs | 256 | 2.00 | 48.0 | $24,576.00 | $24,576.00 |"
-    assert table[3] == "| 64 GPUs | 64 | 2.00 | 192.0 | $24,576.00 | $24,576.00 |"
+    assert table[0] == "| option | GPUs | $/GPU-h | time | cost | cost incl. time value |"
+    assert table[2] == "| 256 GPUs | 256 | 2.00 | 48.0 h | $24,576.00 | $24,576.00 |"
+    assert table[3] == "| 64 GPUs | 64 | 2.00 | 192.0 h | $24,576.00 | $24,576.00 |"
     assert table[-1].startswith("winner: 256 GPUs (equal cost ($24,576.00 each), so the faster one")
+
+
+def test_short_times_read_in_minutes_or_seconds_and_two_different_figures_never_read_alike():
+    quick = ClusterOption("1 GPU", 1, 2.0, hours=0.1)  # $0.2000 in 6 minutes
+    slower = ClusterOption("2 GPUs", 2, 1.0, hours=0.10005)  # $0.2001 in 6.003 minutes
+    c = compare([quick, slower])
+    table = c.to_markdown().splitlines()
+    assert table[2] == "| 1 GPU | 1 | 2.00 | 6.0 min | $0.20 | $0.20 |"
+    assert c.reason == "1 GPU is both cheaper ($0.2000 vs $0.2001 for 2 GPUs) and faster (6.000 min vs 6.003 min)"
+    seconds = compare([ClusterOption("a", 1, 1.0, hours=10 / 3600)]).to_markdown().splitlines()[2]
+    assert seconds == "| a | 1 | 1.00 | 10.0 s | $0.00 | $0.00 |"
 
 
 # -- the scaling benchmark's output ------------------------------------------------------------------------------
@@ -153,6 +164,9 @@ def test_two_results_at_one_world_size_get_distinct_names(tmp_path):
     doc["results"].append(dict(doc["results"][1], global_batch=2048))
     options = load_scaling(write(tmp_path, doc), price_per_gpu_hour=2.0, steps_to_target=100)
     assert [o.name for o in options] == ["8 GPUs", "32 GPUs, batch 1024", "32 GPUs, batch 2048"]
+    doc["results"].append(dict(doc["results"][0], world_size=1, global_batch=32))
+    options = load_scaling(write(tmp_path, doc), price_per_gpu_hour=2.0, steps_to_target=100)
+    assert options[-1].name == "1 GPU"
 
 
 def _without(field: str) -> dict[str, Any]:
