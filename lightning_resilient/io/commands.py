@@ -266,6 +266,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _local_root(args: argparse.Namespace, root: CheckpointRoot) -> CheckpointRoot | None:
+    from lightning_resilient.io.root import CheckpointRoot, RootSettings
     from lightning_resilient.io.tiered import local_tier_url
 
     path = local_tier_url(args.local_tier, root.url)
