@@ -355,6 +355,7 @@ def worker(spec: dict[str, Any]) -> None:
     size = tensor_bytes(ckpt)
     runner = Runner(spec["method"], store)
     for run in range(spec["runs"]):
+        time.sleep(spec.get("pause", 0.0))  # a save interval: in training, saves are minutes apart
         store.clean()
         ckpt["global_step"] = 1000 + run  # a new step each time, as in training (a repeat of a step is cheaper)
         result = runner.run(ckpt, size)
@@ -609,6 +610,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint_io"),
                         help="output path prefix (.md, .json and .png are written)")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--pause", type=float, default=2.0,
+                        help="seconds between one run's load and the next run's save (default 2: saves in training are"
+                             " minutes apart, and a save right after a persist's I/O copies its snapshot on a busy node)")
     parser.add_argument("--cadence-minutes", type=float, default=10.0,
                         help="tiered rows: minutes between saves, for the store bytes per hour")
     parser.add_argument("--persist-every", type=int, default=6,
@@ -627,7 +631,8 @@ def main(argv: list[str] | None = None) -> str:
         for size_mb in sizes:
             for store in args.stores:
                 for method in args.methods:
-                    spec = {**servers.store(store, tmp), "method": method, "size": size_mb * MB, "runs": args.runs}
+                    spec = {**servers.store(store, tmp), "method": method, "size": size_mb * MB, "runs": args.runs,
+                            "pause": args.pause}
                     started = time.perf_counter()
                     results = measure(spec, args.timeout)
                     rows += [{**r, "size_mb": size_mb, "store": store, "method": method} for r in results]

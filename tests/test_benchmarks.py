@@ -43,7 +43,8 @@ def test_checkpoint_io_benchmark_smoke(tmp_path):
     bench = load("checkpoint_io")
     out = tmp_path / "result"
     local = [m for m in bench.METHODS if m != "ours-tiered"]  # (tiered: on the modelled store below)
-    text = bench.main(["--sizes", "4", "--runs", "1", "--stores", "local", "--methods", *local, "--out", str(out)])
+    text = bench.main(["--sizes", "4", "--runs", "1", "--stores", "local", "--methods", *local, "--pause", "0",
+                       "--out", str(out)])
     for method in local:
         assert f"| local | {method} |" in text
     assert "## Targets" in text and (tmp_path / "result.png").stat().st_size > 0
@@ -51,8 +52,8 @@ def test_checkpoint_io_benchmark_smoke(tmp_path):
     assert {r["method"] for r in runs} == set(local)
     assert all(r["save"] > 0 and r["load"] > 0 and r["blocked"] <= r["save"] for r in runs)
     # The modelled store: moto and the latency proxy, each in their own process, stopped afterwards.
-    text = bench.main(["--sizes", "4", "--runs", "1", "--stores", "s3-latency", "--methods", "raw", "ours-async",
-                       "ours-tiered", "--latency", "0.01", "--out", str(out)])
+    text = bench.main(["--sizes", "4", "--runs", "1", "--stores", "s3-latency", "--methods", "ours-async",
+                       "ours-tiered", "--latency", "0.01", "--pause", "0", "--out", str(out)])
     assert "| s3-latency | ours-async |" in text and "| s3-latency | ours-tiered |" in text
     # The tiered rows: both resumes measured, the store bytes per hour, and their targets checked.
     assert "## Tiered (local tier + store)" in text and "| 4 MB | s3-latency |" in text
