@@ -7,8 +7,9 @@ importing Lightning.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_resilient._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -94,14 +95,4 @@ if TYPE_CHECKING:
     from lightning_resilient.strategies import AtomicFSDPStrategy, AtomicModelParallelStrategy
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_resilient' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports('lightning_resilient', _WHERE, globals())

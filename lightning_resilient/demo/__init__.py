@@ -9,9 +9,10 @@ does not import Lightning. Run the demo with ``make demo``, ``lightning-resilien
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import TYPE_CHECKING, Any
+
+from lightning_resilient._lazy import lazy_exports
 
 __all__ = ["AnnouncingCheckpointIO", "DemoData", "DemoModel", "add_commands", "main"]
 
@@ -37,17 +38,7 @@ resilient[demo]').
 """
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_resilient.demo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports('lightning_resilient.demo', _WHERE, globals())
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:

@@ -44,6 +44,16 @@ class SaveStats:
     asynchronous: bool = False
 
 
+def raise_from_background(error: BaseException | None, note: str) -> None:
+    """Raise ``error`` (if any), an exception a background thread recorded: the original one (a StaleWriterError
+    stays one), with ``note`` saying where it came from, added once."""
+    if error is None:
+        return
+    if note not in getattr(error, "__notes__", []) and hasattr(error, "add_note"):
+        error.add_note(note)
+    raise error
+
+
 class AsyncSaver:
     """One background commit at a time, for one :class:`~lightning_resilient.AtomicCheckpointIO`."""
 
@@ -129,12 +139,8 @@ class AsyncSaver:
     def raise_error(self) -> None:
         with self._lock:
             error, self._error = self._error, None
-        if error is not None:
-            # The original exception (a StaleWriterError stays one), marked as coming from the background.
-            note = "raised by a background (async) checkpoint save or removal; nothing of it was committed"
-            if note not in getattr(error, "__notes__", []) and hasattr(error, "add_note"):
-                error.add_note(note)
-            raise error
+        raise_from_background(error, "raised by a background (async) checkpoint save or removal; nothing of it was"
+                                     " committed")
 
     def close(self) -> None:
         """Wait for the last save, stop the thread, and raise any error not raised yet."""

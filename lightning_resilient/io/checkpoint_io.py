@@ -31,6 +31,7 @@ from lightning_resilient.io.catalog import (
     repair_pointer,
 )
 from lightning_resilient.io.node_cache import NodeCache
+from lightning_resilient.io.pointer import Entry
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, _int
@@ -355,6 +356,16 @@ class AtomicCheckpointIO(CheckpointIO):
         self.last_load = loaded.stats
         root = found.root
         resumed = next((e for e in [found.entry, *found.fallbacks] if e.commit == loaded.entry_commit), found.entry)
+        root = self._continue_from(root, resumed, trainer)
+        root.remember_loaded(loaded)
+        if trainer is not None and _fn(trainer) == "fit":
+            _mark_resumed_step_saved(trainer, loaded.checkpoint)
+        return loaded.checkpoint
+
+    def _continue_from(self, root: CheckpointRoot, entry: Entry, trainer: Any, *,
+                       elsewhere: bool = False) -> CheckpointRoot:
+        """What loading ``entry`` of ``root`` means for writing it (``elsewhere``: only the local tier holds it);
+        returns the root this process writes from now on."""
         fit = trainer is not None and _fn(trainer) == "fit"
         if fit and root.epoch is not None:
             # This plugin already wrote this root in an earlier fit (a notebook, an in-process retry); a fit that
@@ -364,14 +375,11 @@ class AtomicCheckpointIO(CheckpointIO):
             # What this job's training continues: the origin of its lineage when it claims the root (now, for a
             # resuming fit on the writing rank, so the job it replaces is stopped before it can retire this
             # checkpoint; else at its first save). Any other load is read-only: it never fences anyone.
-            root.resumed(resumed)
+            root.resumed(entry, elsewhere=elsewhere)
             claim_now = self.claim_on_load if self.claim_on_load is not None else fit
             if claim_now and _global_rank() == 0 and root.epoch is None:
                 root.claim()
-        root.remember_loaded(loaded)
-        if fit:
-            _mark_resumed_step_saved(trainer, loaded.checkpoint)
-        return loaded.checkpoint
+        return root
 
     def _load_tiered(self, url: str, trainer: Any, together: Together | None,
                      kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -400,19 +408,11 @@ class AtomicCheckpointIO(CheckpointIO):
         durable = self.root(found.durable_url)
         self.last_load = replace(loaded.stats, tier="durable" if source is durable else "local") \
             if loaded.stats is not None else None
-        fit = trainer is not None and _fn(trainer) == "fit"
-        if fit and durable.epoch is not None:
-            durable = self._reopen(durable)
-        if fit or self.claim_on_load:
-            if durable.epoch is None:
-                durable.resumed(entry)
-                durable.pending_resume_elsewhere = not durable.store.exists(f"{entry.commit}/{MANIFEST_NAME}")
-            claim_now = self.claim_on_load if self.claim_on_load is not None else fit
-            if claim_now and _global_rank() == 0 and durable.epoch is None:
-                durable.claim()
-        if source is not durable:
+        self._continue_from(durable, entry, trainer,
+                            elsewhere=not durable.store.exists(f"{entry.commit}/{MANIFEST_NAME}"))
+        if source is not durable:  # (saves go to the local tier: only its own bytes may be shared)
             source.remember_loaded(loaded)
-        if fit:
+        if trainer is not None and _fn(trainer) == "fit":
             _mark_resumed_step_saved(trainer, loaded.checkpoint)
         return loaded.checkpoint
 

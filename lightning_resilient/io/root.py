@@ -875,10 +875,12 @@ class CheckpointRoot:
             self.claim()
         self._update(drop, fenced=True)
 
-    def resumed(self, entry: Entry) -> None:
-        """Record that this process loaded ``entry`` from the root (a fit's resume claims with it as origin)."""
+    def resumed(self, entry: Entry, *, elsewhere: bool = False) -> None:
+        """Record that this process loaded ``entry`` from the root (a fit's resume claims with it as origin);
+        ``elsewhere``: only the root's node-local tier holds it (see :meth:`claim`)."""
         if self.epoch is None:
             self.pending_resume = entry
+            self.pending_resume_elsewhere = elsewhere
 
     # -- load --------------------------------------------------------------------------------------------------
     def read_manifest(self, commit: str) -> Manifest:

@@ -38,6 +38,7 @@ from typing import Any
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths, layout
+from lightning_resilient.io.async_save import raise_from_background
 from lightning_resilient.io.catalog import NOT_FOUND, Together
 from lightning_resilient.io.lineage import Lineage
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
@@ -348,11 +349,8 @@ class TieredRoot:
     def raise_error(self) -> None:
         with self._lock:
             error, self._error = self._error, None
-        if error is not None:
-            note = "raised by a background persist to the durable tier; the durable tier keeps its previous checkpoint"
-            if note not in getattr(error, "__notes__", []) and hasattr(error, "add_note"):
-                error.add_note(note)
-            raise error
+        raise_from_background(error, "raised by a background persist to the durable tier; the durable tier keeps"
+                                     " its previous checkpoint")
 
     def close(self) -> None:
         """Persist the newest local checkpoint (the last of a fit), wait for it, raise any error."""

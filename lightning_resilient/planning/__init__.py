@@ -14,8 +14,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_resilient._lazy import lazy_exports
 
 # Imported on first use (PEP 562): the callbacks import Lightning, which `lightning-resilient cadence` and `cost`
 # (and their `--help`) do not need.
@@ -78,14 +79,4 @@ if TYPE_CHECKING:
     from lightning_resilient.planning.tiers import TierCosts, TieredPlan, plan_tiers, tiered_waste
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_resilient.planning' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once imported, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports('lightning_resilient.planning', _WHERE, globals())
