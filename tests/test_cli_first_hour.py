@@ -226,9 +226,12 @@ def test_a_missing_extra_is_named_with_its_install_command_before_any_work(argv,
                                                                               tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, module, None)  # what find_spec reports for a module that is not installed
-    started = time.perf_counter()
+
+    def no_work(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"work started before the missing extra was reported: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_work)  # the demo's trainings and servers are processes
     assert main(argv) == 2
-    assert time.perf_counter() - started < 60  # not after three trainings (a generous bound: the demo takes ~40 s)
     err = capsys.readouterr().err
     assert err.startswith(f"lightning-resilient {argv[0]}: ") and len(err.strip().splitlines()) == 1
     assert f"pip install 'lightning-resilient[{extra}]'" in err
