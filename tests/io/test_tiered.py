@@ -432,3 +432,36 @@ def test_a_slow_store_never_builds_a_backlog(local_backend, tmp_path):
     local = reader(local_root(nvme, local_backend)).read_pointer()[0]
     assert local is not None and not local.protected  # every hold released
     assert sorted(e.step for e in local.entries()) == [11, 12]  # local_keep held once the persists ended
+
+
+def test_gc_and_readers_between_a_persists_copy_and_its_manifest_lose_nothing(local_backend, tmp_path, capsys):
+    """The worst instant of a persist: its objects are in the durable root, its manifest is not. An operator's
+    ``gc --grace 0`` on both tiers and readers of both run right then; the persist still commits, and every
+    checkpoint of both tiers verifies."""
+    from lightning_resilient.io import tiered
+
+    nvme = tmp_path / "nvme"
+    io = plugin(nvme, local_backend, persist_every=2, local_keep=2)
+    save_steps(io, local_backend, range(1, 3), last=False)  # durable: 2
+    seen: list[int | None] = []
+    copy = tiered.TieredRoot._copy
+
+    def copy_then_interfere(self: Any, manifest: Any) -> Any:
+        out = copy(self, manifest)
+        assert main(["gc", local_backend.root, "--local-tier", str(nvme), "--grace", "0"]) == 0
+        url = find_latest_checkpoint(local_backend.root, local_tier=str(nvme))
+        seen.append(plugin(nvme, local_backend, claim_on_load=False).load_checkpoint(url)["global_step"])
+        seen.append(AtomicCheckpointIO(claim_on_load=False).load_checkpoint(local_backend.root)["global_step"])
+        return out
+
+    tiered.TieredRoot._copy = copy_then_interfere  # type: ignore[method-assign]
+    try:
+        save_steps(io, local_backend, range(3, 5), last=False)  # step 4's persist meets the gc and the readers
+    finally:
+        tiered.TieredRoot._copy = copy  # type: ignore[method-assign]
+    io.teardown()
+    assert seen == [4, 2]  # the newest from the local tier; the durable root alone still at its previous one
+    assert pointer_steps(local_backend.root) == {"step=2.ckpt": 2, "step=4.ckpt": 4}
+    capsys.readouterr()
+    assert main(["verify", local_backend.root, "--all", "--no-progress"]) == 0
+    assert main(["ls", local_backend.root, "--local-tier", str(nvme)]) == 0  # exit 1 if any local copy failed
