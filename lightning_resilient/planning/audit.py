@@ -31,7 +31,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_resilient._namespaces import require_lightning_pytorch
-from lightning_resilient.planning._checks import check_positive_int
+from lightning_resilient._checks import check_positive_int
 from lightning_resilient.planning._units import plural
 
 __all__ = ["TransferAudit", "TransferAuditWarning"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_resilient.planning._checks import check_non_negative, check_positive
+from lightning_resilient._checks import check_non_negative, check_positive
 
 __all__ = ["daly_interval", "expected_waste", "steps_for_interval", "young_interval"]
 

@@ -22,7 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilient._namespaces import require_lightning_pytorch
-from lightning_resilient.planning._checks import check_non_negative, check_positive, check_positive_int
+from lightning_resilient._checks import check_non_negative, check_positive, check_positive_int
 from lightning_resilient.planning._units import format_duration, format_percent, plural
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
 

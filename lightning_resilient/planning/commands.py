@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from lightning_resilient.planning._checks import check_non_negative, check_positive
+from lightning_resilient._checks import check_non_negative, check_positive
 from lightning_resilient.planning._units import format_duration, format_percent
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
 from lightning_resilient.planning.cost import ClusterOption, compare, load_scaling

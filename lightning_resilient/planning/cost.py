@@ -28,7 +28,7 @@ from typing import Any
 
 import fsspec
 
-from lightning_resilient.planning._checks import (
+from lightning_resilient._checks import (
     check_fraction,
     check_non_negative,
     check_positive,

@@ -44,7 +44,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_resilient.planning._checks import check_non_negative, check_positive, check_positive_int
+from lightning_resilient._checks import check_non_negative, check_positive, check_positive_int
 from lightning_resilient.planning.cadence import daly_interval, expected_waste
 
 __all__ = ["TierCosts", "TieredPlan", "plan_tiers", "tiered_waste"]

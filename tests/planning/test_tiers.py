@@ -314,7 +314,7 @@ def test_plan_arguments_are_checked():
 
 
 # -- imports -----------------------------------------------------------------------------------------------------
-LIGHT = {"lightning_resilient.planning._checks", "lightning_resilient.planning._units",
+LIGHT = {"lightning_resilient._checks", "lightning_resilient.planning._units",
          "lightning_resilient.planning.cadence", "lightning_resilient.planning.cost",
          "lightning_resilient.planning.tiers"}
 

@@ -1,0 +1,121 @@
+"""Argument checks for every public constructor and function: one message shape, naming the argument and what it got.
+
+Settings are checked where they are given (at construction), so a typo fails before any training or I/O. Each
+check returns the value in its checked type, so a caller can write ``self.keep = check_int("keep", keep, minimum=1)``.
+
+A value of the wrong type raises :class:`SettingTypeError`, which is both a ``TypeError`` and a ``ValueError``:
+earlier releases raised one or the other for different settings, and callers that catch either keep working.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Collection
+from typing import Any, TypeVar
+
+__all__ = ["SettingTypeError", "check_bool", "check_choice", "check_fraction", "check_int", "check_non_negative",
+           "check_number", "check_optional_bool", "check_optional_int", "check_positive", "check_positive_int"]
+
+T = TypeVar("T")
+
+
+class SettingTypeError(TypeError, ValueError):
+    """A setting of the wrong type (a ``TypeError``; also a ``ValueError`` for callers of earlier releases)."""
+
+
+def _hint(hint: str) -> str:
+    return f" ({hint})" if hint else ""
+
+
+def check_bool(name: str, value: Any, *, hint: str = "") -> bool:
+    """``value`` if it is ``True`` or ``False`` (not 0/1, not a string); else :class:`SettingTypeError`."""
+    if not isinstance(value, bool):
+        raise SettingTypeError(f"{name} must be True or False{_hint(hint)}, got {value!r}")
+    return value
+
+
+def check_optional_bool(name: str, value: Any, *, none_means: str) -> bool | None:
+    """``value`` if it is ``True``, ``False`` or ``None``; ``none_means`` says what ``None`` does, in the message."""
+    if value is not None and not isinstance(value, bool):
+        raise SettingTypeError(f"{name} must be True, False or None ({none_means}), got {value!r}")
+    return value
+
+
+def _int_rule(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f"an int from {minimum} to {maximum}"
+    if minimum is not None:
+        return f"an int >= {minimum}"
+    if maximum is not None:
+        return f"an int <= {maximum}"
+    return "an int"
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+              hint: str = "") -> int:
+    """``value`` if it is an int (not a bool, not a float) within ``[minimum, maximum]``; else an error naming
+    ``name``: :class:`SettingTypeError` for another type, ``ValueError`` for an int out of range."""
+    rule = _int_rule(minimum, maximum)
+    # bool is an int subclass: True steps or True bytes is a bug at the call site, not a number.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SettingTypeError(f"{name} must be {rule}{_hint(hint)}, got {type(value).__name__} {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {rule}{_hint(hint)}, got {value!r}")
+    return int(value)
+
+
+def check_optional_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+                       none_means: str) -> int | None:
+    """``None``, or ``value`` checked as :func:`check_int`; ``none_means`` says what ``None`` does, in the message."""
+    if value is None:
+        return None
+    return check_int(name, value, minimum=minimum, maximum=maximum, hint=f"or None: {none_means}")
+
+
+def check_number(name: str, value: Any, *, minimum: float | None = None, above: float | None = None,
+                 below: float | None = None, hint: str = "") -> float:
+    """``value`` as a float if it is a finite real number (not a bool) with ``value >= minimum``, ``value > above``
+    and ``value < below`` (each bound when given); else an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SettingTypeError(f"{name} must be a number{_hint(hint)}, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number{_hint(hint)}, got {value!r}")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum:g}{_hint(hint)}, got {value!r}")
+    if above is not None and number <= above:
+        raise ValueError(f"{name} must be > {above:g}{_hint(hint)}, got {value!r}")
+    if below is not None and number >= below:
+        raise ValueError(f"{name} must be < {below:g}{_hint(hint)}, got {value!r}")
+    return number
+
+
+def check_positive(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite number > 0; else an error naming ``name``."""
+    return check_number(name, value, above=0)
+
+
+def check_non_negative(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite number >= 0; else an error naming ``name``."""
+    return check_number(name, value, minimum=0)
+
+
+def check_fraction(name: str, value: Any) -> float:
+    """``value`` as a float if it is in [0, 1); else an error naming ``name``."""
+    number = check_number(name, value)
+    if not 0.0 <= number < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return number
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` if it is an int >= 1 (not a bool, not a float); else an error naming ``name``."""
+    return check_int(name, value, minimum=1)
+
+
+def check_choice(name: str, value: T, choices: Collection[T]) -> T:
+    """``value`` if it is one of ``choices``; else ``ValueError`` listing them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
