@@ -5,19 +5,24 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test demo clean
+.PHONY: install test demo lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e '.[test]' "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e '.[test,lint]' "$(TORCH_PIN)"
 	touch $@
 
 install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff over the whole tree, mypy --strict over the package (settings in pyproject.toml); zero findings expected.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 demo: install
 	$(VENV)/bin/lightning-resilient demo
