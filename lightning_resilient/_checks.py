@@ -35,10 +35,13 @@ def check_bool(name: str, value: Any, *, hint: str = "") -> bool:
     return value
 
 
-def check_optional_bool(name: str, value: Any, *, none_means: str) -> bool | None:
-    """``value`` if it is ``True``, ``False`` or ``None``; ``none_means`` says what ``None`` does, in the message."""
+def check_optional_bool(name: str, value: Any, *, none_means: str, none_first: bool = False) -> bool | None:
+    """``value`` if it is ``True``, ``False`` or ``None``; ``none_means`` says what ``None`` does, in the message
+    (which lists None first with ``none_first``: where None is the default, as it usually is)."""
     if value is not None and not isinstance(value, bool):
-        raise SettingTypeError(f"{name} must be True, False or None ({none_means}), got {value!r}")
+        rule = (f"None ({none_means}), True or False" if none_first
+                else f"True, False or None ({none_means})")
+        raise SettingTypeError(f"{name} must be {rule}, got {value!r}")
     return value
 
 
@@ -53,37 +56,44 @@ def _int_rule(minimum: int | None, maximum: int | None) -> str:
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
-              hint: str = "") -> int:
+              hint: str = "", rule: str | None = None, typed: bool = True) -> int:
     """``value`` if it is an int (not a bool, not a float) within ``[minimum, maximum]``; else an error naming
-    ``name``: :class:`SettingTypeError` for another type, ``ValueError`` for an int out of range."""
-    rule = _int_rule(minimum, maximum)
+    ``name``: :class:`SettingTypeError` for another type, ``ValueError`` for an int out of range.
+
+    ``rule`` replaces the generated "an int >= 1" in the message (say it in the caller's words: "a number of bytes
+    from 1 to 5 GiB"); ``typed=False`` leaves the wrong value's type name out of it ("got 2.5", not "got float 2.5").
+    """
+    rule = rule or _int_rule(minimum, maximum)
     # bool is an int subclass: True steps or True bytes is a bug at the call site, not a number.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise SettingTypeError(f"{name} must be {rule}{_hint(hint)}, got {type(value).__name__} {value!r}")
+        shown = f"{type(value).__name__} {value!r}" if typed else repr(value)
+        raise SettingTypeError(f"{name} must be {rule}{_hint(hint)}, got {shown}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise ValueError(f"{name} must be {rule}{_hint(hint)}, got {value!r}")
     return int(value)
 
 
 def check_optional_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
-                       none_means: str) -> int | None:
-    """``None``, or ``value`` checked as :func:`check_int`; ``none_means`` says what ``None`` does, in the message."""
+                       hint: str = "", typed: bool = True) -> int | None:
+    """``None``, or ``value`` checked as :func:`check_int` (the message says "... or None")."""
     if value is None:
         return None
-    return check_int(name, value, minimum=minimum, maximum=maximum, hint=f"or None: {none_means}")
+    return check_int(name, value, minimum=minimum, maximum=maximum, hint=hint,
+                     rule=f"{_int_rule(minimum, maximum)} or None", typed=typed)
 
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, above: float | None = None,
-                 below: float | None = None, hint: str = "") -> float:
+                 below: float | None = None, hint: str = "", rule: str | None = None) -> float:
     """``value`` as a float if it is a finite real number (not a bool) with ``value >= minimum``, ``value > above``
-    and ``value < below`` (each bound when given); else an error naming ``name``."""
+    and ``value < below`` (each bound when given); else an error naming ``name`` (``rule`` replaces the ">= minimum"
+    of its message)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SettingTypeError(f"{name} must be a number{_hint(hint)}, got {type(value).__name__} {value!r}")
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite number{_hint(hint)}, got {value!r}")
     if minimum is not None and number < minimum:
-        raise ValueError(f"{name} must be >= {minimum:g}{_hint(hint)}, got {value!r}")
+        raise ValueError(f"{name} must be {rule or f'>= {minimum:g}'}{_hint(hint)}, got {value!r}")
     if above is not None and number <= above:
         raise ValueError(f"{name} must be > {above:g}{_hint(hint)}, got {value!r}")
     if below is not None and number >= below:

@@ -109,7 +109,7 @@ class _AtomicSharded:
         if fit or io.claim_on_load:
             found.root.resumed(found.entry)
             claim_now = io.claim_on_load if io.claim_on_load is not None else fit
-            if claim_now and rank == 0 and found.root.epoch is None:
+            if claim_now and rank == 0 and found.root.writer_epoch is None:
                 found.root.claim()
         if fit:
             _mark_resumed_step_saved(self.lightning_module.trainer, loaded.checkpoint)  # type: ignore[attr-defined]

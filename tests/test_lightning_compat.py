@@ -33,8 +33,8 @@ from lightning_resilient import (
     load_checkpoint,
     load_from_checkpoint,
 )
-from lightning_resilient.io.pointer import LEGACY_POINTER_NAME, POINTER_NAME, Pointer
 from lightning_resilient.io.fit_check import FitStartCheck
+from lightning_resilient.io.pointer import LEGACY_POINTER_NAME, POINTER_NAME, Pointer
 
 from .models import TinyModel
 
@@ -481,7 +481,8 @@ def _stock(path: Path, step: int) -> None:
 def test_a_stock_last_ckpt_replaced_by_a_save_that_never_commits_stays_resumable(tmp_path, monkeypatch, how):
     import time
 
-    from lightning_resilient.io.root import REPLACED_DIR, CheckpointRoot
+    from lightning_resilient.io.folders import REPLACED_DIR
+    from lightning_resilient.io.writer import RootWriter
 
     root = tmp_path / "ckpt"
     root.mkdir()
@@ -490,7 +491,7 @@ def test_a_stock_last_ckpt_replaced_by_a_save_that_never_commits_stays_resumable
     _stock(root / "last.ckpt", 8)
     io = AtomicCheckpointIO()
     if how == "fails":  # an upload failure after the stock file was moved out of the way: it goes back
-        monkeypatch.setattr(CheckpointRoot, "_check_stored", lambda *a: (_ for _ in ()).throw(OSError("5xx")))
+        monkeypatch.setattr(RootWriter, "_check_stored", lambda *a: (_ for _ in ()).throw(OSError("5xx")))
         with pytest.raises(OSError):
             io.save_checkpoint({"global_step": 12, "state_dict": {"w": torch.zeros(4)}}, str(root / "last.ckpt"))
         assert (root / "last.ckpt").is_file()

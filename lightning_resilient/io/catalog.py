@@ -18,11 +18,12 @@ from typing import Any
 
 from lightning_resilient.errors import BucketNotFoundError, CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths
+from lightning_resilient.io.folders import REPLACED_DIR, commit_epoch
 from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import REPLACED_DIR, CheckpointRoot, Loaded, RootSettings, commit_epoch
+from lightning_resilient.io.root import CheckpointRoot, Loaded, RootSettings
 from lightning_resilient.io.store import Store, open_store
 
 __all__ = ["NOT_FOUND", "Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved", "load_together",

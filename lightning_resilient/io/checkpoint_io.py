@@ -9,8 +9,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
+from lightning_resilient._checks import check_bool, check_int, check_optional_bool
 from lightning_resilient._namespaces import register_checkpoint_io
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
@@ -30,11 +31,11 @@ from lightning_resilient.io.catalog import (
     normalize,
     repair_pointer,
 )
+from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.node_cache import NodeCache
 from lightning_resilient.io.pointer import Entry
-from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, _int
+from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings
 from lightning_resilient.io.store import LocalStore, MemoryStore, open_store
 from lightning_resilient.io.tiered import (
     TieredResolved,
@@ -44,12 +45,12 @@ from lightning_resilient.io.tiered import (
     local_tier_url,
     resolve_tiered,
 )
+from lightning_resilient.io.writer import step_of
 
 __all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "repair_pointer"]
 
 log = logging.getLogger(__name__)
 
-_MAX_OBJECT = 5 * 2**30  # S3's limit for one PUT: every stored object goes up in one request
 
 
 class AtomicCheckpointIO(CheckpointIO):
@@ -151,46 +152,27 @@ class AtomicCheckpointIO(CheckpointIO):
         super().__init__()
         register_checkpoint_io(type(self))  # pytorch_lightning.Trainer accepts it too
         self.storage_options = _check_storage_options(storage_options, "storage_options")
-        if keep_last is not None and (not _is_int(keep_last) or keep_last < 1):
-            raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-        if not _is_int(shard_size) or not 1 <= shard_size <= _MAX_OBJECT:
-            raise ValueError(f"shard_size must be a number of bytes from 1 to 5 GiB (S3's single-PUT limit), got"
-                             f" {shard_size!r}")
-        if not _is_int(chunk_size) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of bytes, got {chunk_size!r}")
-        if not _is_int(max_concurrency) or max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
-        if isinstance(orphan_grace_seconds, bool) or not isinstance(orphan_grace_seconds, (int, float)) \
-                or orphan_grace_seconds < 0:
-            raise ValueError(f"orphan_grace_seconds must be a number >= 0, got {orphan_grace_seconds!r}")
-        for flag, value in (("fallback_on_corruption", fallback_on_corruption), ("async_save", async_save),
-                            ("node_cache", node_cache)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be True or False, got {value!r}")
-        if claim_on_load is not None and not isinstance(claim_on_load, bool):
-            raise TypeError(f"claim_on_load must be None (a resuming fit claims), True or False, got {claim_on_load!r}")
-        if pin_memory is not None and not isinstance(pin_memory, bool):
-            raise TypeError(f"pin_memory must be True, False or None (pin when CUDA is available), got {pin_memory!r}")
+        # Checked in the order of the signature, each by the object that keeps it.
+        self.settings = RootSettings(keep_last=keep_last, shard_size=shard_size, chunk_size=chunk_size,
+                                     max_concurrency=max_concurrency, orphan_grace_seconds=orphan_grace_seconds,
+                                     fallback_on_corruption=fallback_on_corruption)
+        check_bool("async_save", async_save)
+        check_bool("node_cache", node_cache)
+        check_optional_bool("claim_on_load", claim_on_load, none_means="a resuming fit claims", none_first=True)
+        check_optional_bool("pin_memory", pin_memory, none_means="pin when CUDA is available")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs a CUDA device, and this process sees none: use pin_memory=None"
                              " to pin only where CUDA is available")
         self.local_tier = _check_local_tier(local_tier)
-        if not _is_int(persist_every) or persist_every < 1:
-            raise ValueError(f"persist_every must be an int >= 1 (persist every N-th saved step), got {persist_every!r}")
-        if not _is_int(local_keep) or local_keep < 1:
-            raise ValueError(f"local_keep must be an int >= 1 (checkpoints kept in the local tier), got {local_keep!r}")
+        self.persist_every = check_int("persist_every", persist_every, minimum=1, typed=False,
+                                       hint="persist every N-th saved step")
+        self.local_keep = check_int("local_keep", local_keep, minimum=1, typed=False,
+                                    hint="checkpoints kept in the local tier")
         if self.local_tier is None and persist_every != 1:
             raise ValueError(f"persist_every={persist_every} needs local_tier: without a local tier every save goes to"
                              " the durable root. Pass local_tier='/local/nvme/ckpt' (a node-local folder).")
-        self.persist_every = persist_every
-        self.local_keep = local_keep
-        if not _is_int(retry_attempts) or retry_attempts < 1:
-            raise ValueError(f"retry_attempts must be an int >= 1, got {retry_attempts!r}")
+        check_int("retry_attempts", retry_attempts, minimum=1, typed=False)
         self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
-        self.settings = RootSettings(keep_last=keep_last, shard_size=int(shard_size),
-                                     orphan_grace_seconds=float(orphan_grace_seconds),
-                                     fallback_on_corruption=fallback_on_corruption, chunk_size=int(chunk_size),
-                                     parallelism=int(max_concurrency))
         self.max_concurrency = max_concurrency
         self.claim_on_load = claim_on_load
         self.async_save = async_save
@@ -325,7 +307,7 @@ class AtomicCheckpointIO(CheckpointIO):
         return fresh
 
     def save_stats_for(self, name: str, checkpoint: dict[str, Any]) -> SaveStats:
-        stats = SaveStats(name=name, step=_int(checkpoint.get("global_step")))
+        stats = SaveStats(name=name, step=step_of(checkpoint.get("global_step")))
         self.save_stats.append(stats)
         return stats
 
@@ -367,7 +349,7 @@ class AtomicCheckpointIO(CheckpointIO):
         """What loading ``entry`` of ``root`` means for writing it (``elsewhere``: only the local tier holds it);
         returns the root this process writes from now on."""
         fit = trainer is not None and _fn(trainer) == "fit"
-        if fit and root.epoch is not None:
+        if fit and root.writer_epoch is not None:
             # This plugin already wrote this root in an earlier fit (a notebook, an in-process retry); a fit that
             # resumes is a new job: it claims anew, with what it loaded as its origin (a rollback stays a rollback).
             root = self._reopen(root)
@@ -377,7 +359,7 @@ class AtomicCheckpointIO(CheckpointIO):
             # checkpoint; else at its first save). Any other load is read-only: it never fences anyone.
             root.resumed(entry, elsewhere=elsewhere)
             claim_now = self.claim_on_load if self.claim_on_load is not None else fit
-            if claim_now and _global_rank() == 0 and root.epoch is None:
+            if claim_now and _global_rank() == 0 and root.writer_epoch is None:
                 root.claim()
         return root
 
@@ -488,7 +470,7 @@ class AtomicCheckpointIO(CheckpointIO):
         if resumed:
             return
         with self._lock:
-            claimed = [root for root in self._roots.values() if root.epoch is not None]
+            claimed = [root for root in self._roots.values() if root.writer_epoch is not None]
         for root in claimed:
             self._reopen(root)
 
@@ -509,10 +491,6 @@ class AtomicCheckpointIO(CheckpointIO):
         saves of fenced writers, retired folders whose time has come and, with ``abandoned``, checkpoints of
         branches a rollback left behind. Returns the URLs."""
         return [url for url, _ in self.root(root).collect_garbage(dry_run=dry_run, abandoned=abandoned)]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_storage_options(value: Any, field: str) -> dict[str, Any]:

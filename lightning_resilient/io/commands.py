@@ -178,7 +178,7 @@ def _age(created: float) -> str:
 def _check(root: CheckpointRoot, entry: Entry, quick: bool) -> str:
     try:
         if quick:
-            root.check_sizes(entry.commit)
+            root.reader.check_sizes(entry.commit)
             return "sizes ok"
         root.verify(entry.commit)
         return "yes"
@@ -188,7 +188,8 @@ def _check(root: CheckpointRoot, entry: Entry, quick: bool) -> str:
 
 def _ls(args: argparse.Namespace) -> int:
     from lightning_resilient.io.catalog import stock_checkpoints
-    from lightning_resilient.io.root import RESUMED, commit_epoch
+    from lightning_resilient.io.fencing import RESUMED
+    from lightning_resilient.io.folders import commit_epoch
 
     root = _open(args)
     pointer = _pointer(root)
@@ -339,7 +340,7 @@ def _print_stock(root: CheckpointRoot, stock: list[tuple[str, float]]) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from lightning_resilient.io.catalog import was_retired
-    from lightning_resilient.io.root import commit_epoch
+    from lightning_resilient.io.folders import commit_epoch
 
     root = _open(args)
     if args.all:
@@ -385,7 +386,7 @@ def _target(root: CheckpointRoot, checkpoint: str | None) -> Entry:
     """The entry ``checkpoint`` names: a name (last.ckpt), a commit folder, either relative to the root or as a
     URL under it; the latest of the current run when None."""
     from lightning_resilient.io.catalog import normalize
-    from lightning_resilient.io.root import commit_epoch
+    from lightning_resilient.io.folders import commit_epoch
 
     pointer = _pointer(root)
     if checkpoint is None:

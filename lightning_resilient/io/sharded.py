@@ -30,7 +30,6 @@ from dataclasses import asdict, replace
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths, layout
@@ -128,7 +128,7 @@ class AtomicStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator names the commit folder (claiming the root if it has not) and tells every rank.
-        commit = self.root.new_commit(self.name, time.time())
+        commit = self.root.writer.new_commit_folder(self.name, time.time())
         return [replace(plan, storage_data={"commit": commit, "rank": i}) for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -147,7 +147,7 @@ class AtomicStorageWriter(StorageWriter):
             slots.append(layout.TensorSlot([["s", str(item.index.fqn)]], tensor, str(tensor.device)))
         total = layout.plan(slots)
         sources = layout.host_sources(slots)
-        objects = self.root.upload_stream(f"{self.commit}/r{rank:05d}-", total,
+        objects = self.root.writer.upload_stream(f"{self.commit}/r{rank:05d}-", total,
                                           lambda a, b: layout.gather(slots, sources, a, b))
         results = [WriteResult(index=item.index, size_in_bytes=slot.nbytes,
                                storage_data={"rank": rank, "offset": slot.offset, "nbytes": slot.nbytes,
@@ -175,7 +175,7 @@ class AtomicStorageWriter(StorageWriter):
                 storage[wr.index] = data
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        meta = self.root._put(f"{commit}/{METADATA_NAME}", [memoryview(pickle.dumps(metadata))], {})
+        meta = self.root.writer.put(f"{commit}/{METADATA_NAME}", [memoryview(pickle.dumps(metadata))], {})
         extra = [o for objs in rank_objects for o in objs] + [meta]
 
         def record(objects: list[ObjectEntry]) -> dict[str, Any]:
@@ -187,7 +187,7 @@ class AtomicStorageWriter(StorageWriter):
             return {"world_size": world_size, "metadata": i, "ranks": ranks}
 
         prepared = self.root.prepare(self.rest, self.name)
-        self.entry = self.root.commit(prepared, commit=commit, extra=extra, sharded=record)
+        self.entry = self.root.commit(prepared, folder=commit, extra=extra, sharded=record)
 
 
 class AtomicStorageReader(StorageReader):
@@ -221,7 +221,7 @@ class AtomicStorageReader(StorageReader):
         if manifest.sharded is None:
             raise CheckpointCorruptedError(f"{self.root.store.url(self.commit)} is not a sharded checkpoint",
                                            object=self.root.store.url(self.commit))
-        self.root.check_sizes(self.commit, manifest)  # declared sizes against the store before allocating
+        self.root.reader.check_sizes(self.commit, manifest)  # declared sizes against the store before allocating
         self.manifest = manifest
         index = manifest.sharded["metadata"]
         buf = bytearray(manifest.objects[index].size)
@@ -229,7 +229,7 @@ class AtomicStorageReader(StorageReader):
         def sink(offset: int, piece: memoryview) -> None:
             buf[offset : offset + len(piece)] = piece
 
-        self.root.run(self.root.read_chunks(manifest, index, sink))
+        self.root.reader.run(self.root.reader.read_chunks(manifest, index, sink))
         metadata = load_metadata(bytes(buf), self.root.store.url(manifest.objects[index].path))
         self.metadata = metadata
         return metadata
@@ -266,8 +266,8 @@ class AtomicStorageReader(StorageReader):
                     return any(o < start + b and start + a < o + n for o, n in extents if n)
 
                 sink = _shifted(scatter.write, start)
-                jobs += self.root.read_chunks(manifest, index, sink, only=wanted)
-        self.root.run(jobs)
+                jobs += self.root.reader.read_chunks(manifest, index, sink, only=wanted)
+        self.root.reader.run(jobs)
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             buffer = buffers[(info["rank"], info["offset"])]

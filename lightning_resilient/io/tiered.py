@@ -30,8 +30,8 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,10 +40,11 @@ from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths, layout
 from lightning_resilient.io.async_save import raise_from_background
 from lightning_resilient.io.catalog import NOT_FOUND, Together
+from lightning_resilient.io.folders import commit_epoch
 from lightning_resilient.io.lineage import Lineage
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
 from lightning_resilient.io.pointer import Entry, Pointer
-from lightning_resilient.io.root import CheckpointRoot, Loaded, Prepared, commit_epoch
+from lightning_resilient.io.root import CheckpointRoot, Loaded, Prepared
 
 __all__ = ["TIER_RECORD", "TierView", "TieredResolved", "TieredRoot", "durable_of", "find_latest_tiered", "load_tiered",
            "local_tier_url", "resolve_tiered"]
@@ -130,17 +131,17 @@ class TieredRoot:
     def _claim(self) -> None:
         """Claim the durable root (if this writer has not yet: that fences older jobs) and write the local tier
         as the claimed writer epoch, with the durable lineage."""
-        if self.durable.epoch is None:
+        if self.durable.writer_epoch is None:
             self.durable.claim()
-        if self.local.epoch != self.durable.epoch:
+        if self.local.writer_epoch != self.durable.writer_epoch:
             origin = self.durable.origin
-            assert self.durable.epoch is not None and origin is not None
+            assert self.durable.writer_epoch is not None and origin is not None
             pointer, _ = self.durable.read_pointer()
             root_id = pointer.root_id if pointer is not None else ""
             self._set_aside_if_foreign(root_id)
             # The record first: a local root holding commits always says which durable root it belongs to.
             _write_tier_record(self.local, self.durable.url, root_id)
-            self.local.adopt(self.durable.epoch, origin, dict(pointer.origins) if pointer else {})
+            self.local.adopt(self.durable.writer_epoch, origin, dict(pointer.origins) if pointer else {})
             if origin.commit is not None and not self.durable.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
                 # Resumed from a checkpoint only this node holds: the durable tier is behind by saves of earlier
                 # jobs, and a process that just failed may fail again before its N-th save. Its first save is
@@ -169,14 +170,12 @@ class TieredRoot:
         path = self.local.store.path("").rstrip("/")
         aside = f"{path}.set-aside-{int(time.time())}"
         os.rename(path, aside)
-        self.local.epoch = None
+        self.local.fence.writer_epoch = None  # set aside: the next save adopts again
         warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
                       " you no longer need it.", RuntimeWarning, stacklevel=4)
 
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
                 before_fill: Callable[[], None] | None = None) -> Prepared:
-        if before_fill is None:
-            return self.local.prepare(checkpoint, name, snapshot)
         return self.local.prepare(checkpoint, name, snapshot, before_fill)
 
     def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
@@ -212,7 +211,7 @@ class TieredRoot:
         self._submit(lambda: self.durable.remove(name), f"removal of {self.durable.store.url(name)}")
 
     def forget_stock(self, name: str) -> bool:
-        return self.durable.forget_stock(name)
+        return self.durable.writer.forget_stock(name)
 
     # -- persisting ----------------------------------------------------------------------------------------------
     def _enqueue(self, entry: Entry) -> None:
@@ -264,13 +263,13 @@ class TieredRoot:
                 log.info("not persisting %s (step %d): a newer save is queued after it", entry.commit, entry.step)
                 return
             manifest = self.local.read_manifest(entry.commit)
-            self.durable.make_room(manifest.name)  # a stock file of that name (a run from before the plugin)
+            self.durable.writer.make_room(manifest.name)  # a stock file of that name (a run from before the plugin)
             try:
                 manifest = self._copy(manifest)
                 self.durable.publish(manifest)
             except BaseException:
-                self.durable.abandon(manifest.commit)
-                self.durable.put_back(manifest.name)
+                self.durable.writer.abandon(manifest.commit)
+                self.durable.writer.put_back(manifest.name)
                 raise
             with self._lock:
                 self._persisted.add(entry.commit)

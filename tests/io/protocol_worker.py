@@ -44,7 +44,7 @@ def writer(lines: IO[str], out: IO[str]) -> None:
 
     root_url, options, keep_last, tag, *origin = lines.readline().split()
     settings = RootSettings(keep_last=int(keep_last), shard_size=4096, orphan_grace_seconds=0.0,
-                            fallback_on_corruption=True, chunk_size=2048, parallelism=4)
+                            fallback_on_corruption=True, chunk_size=2048, max_concurrency=4)
     root = CheckpointRoot(open_store(normalize(root_url), json.loads(options), RetryPolicy(3, 0.01, 0.1)), settings,
                           lambda: ThreadPoolExecutor(4))
     step = 0

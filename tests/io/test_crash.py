@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
-from lightning_resilient.io.root import commit_time
+from lightning_resilient.io.folders import commit_time
 
 from .helpers import read_pointer
 

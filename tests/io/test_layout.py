@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 
 import blake3
-
 import pytest
 import torch
 

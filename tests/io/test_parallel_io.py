@@ -13,7 +13,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.manifest import MANIFEST_NAME
-from lightning_resilient.io.root import READ_SPAN
+from lightning_resilient.io.reader import READ_SPAN
 from lightning_resilient.testing import StoreProxy
 
 from .helpers import assert_same, make_checkpoint, make_io, read_pointer

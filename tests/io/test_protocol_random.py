@@ -32,10 +32,10 @@ import torch
 
 from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, find_latest_checkpoint
 from lightning_resilient.io.catalog import reader
+from lightning_resilient.io.folders import commit_epoch
 from lightning_resilient.io.lineage import ORIGINS_DIR
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME
-from lightning_resilient.io.root import commit_epoch
 
 from .protocol_worker import content
 from .test_crash import _env
@@ -324,7 +324,7 @@ class Run:
         for ckpt in oracle.members():  # (a) nothing committed and not retired of the lineage is gone
             assert live is None or ckpt.commit in live, f"{ckpt.commit} is no longer referenced"
             if oracle.damaged.get(ckpt.commit) != "manifest":
-                self.root.check_sizes(ckpt.commit)  # raises naming the missing object
+                self.root.reader.check_sizes(ckpt.commit)  # raises naming the missing object
         self.check_resume()
 
     def check_resume(self) -> Ckpt | None:

@@ -9,8 +9,8 @@ import torch
 
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.retry import RetryPolicy, is_transient
-
 from lightning_resilient.testing import StoreProxy
+
 from .helpers import assert_same, make_checkpoint
 
 

@@ -20,7 +20,7 @@ import torch
 from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError
 from lightning_resilient.io._sealed import seal
 from lightning_resilient.io.manifest import MANIFEST_NAME, chunk_digests, object_digest
-from lightning_resilient.io.root import READ_SPAN
+from lightning_resilient.io.reader import READ_SPAN
 from lightning_resilient.io.store import PROTOCOL_DIR
 from lightning_resilient.testing import StoreProxy
 

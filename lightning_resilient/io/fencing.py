@@ -1,0 +1,336 @@
+"""Who may write a checkpoint root: the pointer's conditional updates, writer epochs (claims), lineage origins, holds.
+
+The pointer (``.lightning_resilient/pointer.json``) is the one mutable object of a root, and every change to it is a
+compare-and-swap loop here (:meth:`WriterFence.update`). A job becomes the root's writer by *claiming* it: a writer
+epoch higher than any before, so the job writing before it is fenced off (its next pointer update raises
+``StaleWriterError``). A claim also records where the new writer's training came from (its *origin*), which defines
+the lineage that resumes and retention follow. Folders that an update stops referencing are retired in the same write
+(deleted later by ``retention``); a missing pointer is rebuilt from the manifests before any update, so an update
+never forgets what is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable
+
+from lightning_resilient.errors import CheckpointError, StaleWriterError
+from lightning_resilient.io.folders import writer_identity
+from lightning_resilient.io.lineage import ORIGINS_DIR, Origin, origin_record_name
+from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
+from lightning_resilient.io.reader import RootReader
+from lightning_resilient.io.store import Store
+
+__all__ = ["RESUMED", "WriterFence", "is_resumed", "protect"]
+
+log = logging.getLogger(__name__)
+
+_CAS_ATTEMPTS = 50
+# The protection reason of the checkpoint a job resumed from starts with this (retention never drops it).
+RESUMED = "resumed from"
+_warned_fencing: set[str] = set()
+
+
+class WriterFence:
+    """One process's view of a root's pointer: reads it, updates it conditionally, claims the root as its writer."""
+
+    def __init__(self, store: Store, reader: RootReader) -> None:
+        self.store = store
+        self.reader = reader  # rebuilds a missing pointer from the manifests
+        self.writer = writer_identity()
+        self.writer_epoch: int | None = None  # the writer epoch this process claimed, once it did
+        self.origin: Origin | None = None  # where this writer's training came from, once it claimed
+        self.resumed_from: str | None = None
+        #: What this process last loaded from the root: a fit that resumed from it claims the root with it as
+        #: origin at its first save. A process that only reads never writes, so never claims (never fences).
+        self.pending_resume: Entry | None = None
+        self.pending_resume_elsewhere = False  # ``pending_resume`` is held by another tier (io/tiered.py), not here
+        self._resumed_entry: Entry | None = None  # what this writer claimed with as its origin
+        # Retired folders this process deleted: their records leave the pointer at its next update.
+        self._deleted: set[str] = set()
+
+    @property
+    def url(self) -> str:
+        return self.store.root_url
+
+    def deleted(self, folders: Iterable[str]) -> None:
+        """Retired folders this process has deleted: their records leave the pointer at its next update."""
+        self._deleted.update(folders)
+
+    @property
+    def has_deleted(self) -> bool:
+        return bool(self._deleted)
+
+    def read_pointer(self) -> tuple[Pointer | None, str | None]:
+        """The pointer and its version (None when there is none, or only a legacy one: the next update creates it)."""
+        pointer, version, _ = self._read_pointer()
+        return pointer, version
+
+    def _read_pointer(self) -> tuple[Pointer | None, str | None, bool]:
+        got = self.store.read_versioned(POINTER_NAME)
+        if got is not None:
+            data, version = got
+            return Pointer.from_bytes(data, where=self.store.url(POINTER_NAME)), version, False
+        legacy = self.store.read_versioned(LEGACY_POINTER_NAME)  # a root written by release 0.1
+        if legacy is None:
+            return None, None, False
+        pointer = Pointer.from_bytes(legacy[0], where=self.store.url(LEGACY_POINTER_NAME))
+        if self._newest_recorded_epoch() > pointer.writer_epoch:
+            # A leftover of a migration whose new pointer was lost since: older than what has been claimed, so
+            # the root is read by scanning (never a licence to delete) instead of resuming an old state.
+            return None, None, False
+        return pointer, None, True
+
+    def _newest_recorded_epoch(self) -> int:
+        epochs = [int(m.group(1)) for m in (re.fullmatch(r"e(\d+)\.json", r) for r in self.store.list_dir(ORIGINS_DIR))
+                  if m]
+        return max(epochs, default=0)
+
+    def _drop_legacy_pointer(self) -> None:
+        # The pointer now lives in the dot-folder and is read first: the old one is a stale copy. A reader that
+        # found no new pointer a moment ago and then no old one either reads the root by scanning (never deletes).
+        for name in sorted(LEGACY_NAMES):
+            try:
+                self.store.remove(name)
+            except OSError as exc:  # cosmetic: it is never read again once the new pointer exists
+                log.warning("could not remove the legacy %s: %s", self.store.url(name), exc)
+
+    def update(self, mutate: Callable[[Pointer], Pointer | None], *, fenced: bool,
+                retire_now: bool = False) -> tuple[Pointer, Pointer]:
+        """Apply ``mutate`` to the current pointer with a compare-and-swap loop; returns (new, old).
+
+        Folders the old pointer kept alive and the new one does not are retired in the same write (deletable
+        after the next commit, or at once with ``retire_now``: an operator's explicit retention). A missing
+        pointer is rebuilt from the manifests first, so an update never forgets what is committed.
+        """
+        for attempt in range(_CAS_ATTEMPTS):
+            current, version, legacy = self._read_pointer()
+            if current is None:
+                scan = self.reader.scan()
+                base = scan.pointer()
+                if scan.manifests or scan.max_epoch:
+                    log.warning("%s is missing: rebuilt it from the %d manifest(s) under %s",
+                                self.store.url(POINTER_NAME), len(scan.manifests), self.url)
+                if self._resumed_entry is not None and self.writer_epoch == base.writer_epoch:
+                    protect(base, self._resumed_entry, self.writer)  # this writer's own protection, lost with it
+            else:
+                base = current
+            if fenced and self.writer_epoch is not None and base.writer_epoch > self.writer_epoch:
+                raise StaleWriterError(self.url, self.writer_epoch, base.writer_epoch, base.writer)
+            new = base.copy()
+            for folder in self._deleted & set(new.retired):
+                del new.retired[folder]
+            if mutate(new) is None:
+                return base, base
+            live = new.live_folders()
+            for folder in base.live_folders() - live:
+                new.retired.setdefault(folder, -1 if retire_now else new.saves)
+            for folder in [f for f in new.retired if f in live]:  # referenced again (a rebuilt catalog): keep it
+                del new.retired[folder]
+            new.txn = uuid.uuid4().hex
+            new.root_id = new.root_id or uuid.uuid4().hex
+            if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
+                if legacy:
+                    self._drop_legacy_pointer()
+                self._deleted -= set(base.retired) - set(new.retired)
+                for folder in sorted(set(new.retired) - set(base.retired)):
+                    # A retired folder stops being a checkpoint at once (its manifest goes now; a reader already
+                    # reading it keeps its data until the next commit), so that a pointer rebuilt after a loss
+                    # never takes it for a live checkpoint again.
+                    self._remove_manifest(folder)
+                return new, base
+            time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
+        raise TimeoutError(f"could not update {self.store.url(POINTER_NAME)}: {_CAS_ATTEMPTS} conditional writes"
+                           " in a row lost to other writers")
+
+    def _remove_manifest(self, folder: str) -> None:
+        try:
+            self.store.remove(f"{folder}/{MANIFEST_NAME}")
+        except Exception as exc:  # retention deletes the folder, manifest first, when its time comes
+            log.warning("could not delete %s: %s", self.store.url(f"{folder}/{MANIFEST_NAME}"), exc)
+
+    def _landed(self, new: Pointer) -> bool:
+        # The swap failed: someone else wrote, or our own write landed and only its response was lost (the retried
+        # request then fails its precondition). The txn tells which.
+        try:
+            again, _ = self.read_pointer()
+        except CheckpointError:
+            return False
+        return again is not None and again.txn == new.txn
+
+    def claim(self, *, resumed_from: Entry | None = None) -> int:
+        """Become the writer of this root: a newer epoch than any before, so older jobs are fenced off.
+
+        ``resumed_from`` (default: what this process loaded from the root) is the origin of this writer's lineage:
+        it becomes the latest, and checkpoints of older epochs after it are an abandoned branch from now on. None
+        is a fresh start: every older checkpoint is then an abandoned branch (kept until ``gc --abandoned``).
+
+        An origin that only the node-local tier holds (see :mod:`~lightning_resilient.io.tiered`, where
+        ``pending_resume_elsewhere`` is set) is recorded as the lineage's origin all the same; this root cannot
+        protect or name it as latest, and its own checkpoints up to the origin's step stay the lineage's fallbacks.
+        """
+        elsewhere = resumed_from is None and self.pending_resume_elsewhere
+        if resumed_from is None:
+            resumed_from = self.pending_resume
+        self.check_fencing()
+        origin = Origin(None) if resumed_from is None else Origin(resumed_from.commit, resumed_from.writer_epoch,
+                                                                  resumed_from.step)
+        if resumed_from is not None and not elsewhere \
+                and not self.store.exists(f"{resumed_from.commit}/{MANIFEST_NAME}"):
+            raise self._origin_gone(resumed_from)
+
+        fresh_over: list[Entry] = []
+
+        def bump(p: Pointer) -> Pointer:
+            if resumed_from is not None and not elsewhere and resumed_from.commit in p.retired:
+                raise self._origin_gone(resumed_from)
+            fresh_over[:] = p.candidates()[:1] if resumed_from is None else []
+            p.writer_epoch += 1
+            p.writer = self.writer
+            p.origins[p.writer_epoch] = origin
+            # Protections belong to the job that set them; this job protects what it resumed from.
+            p.protected = {}
+            if resumed_from is not None and not elsewhere:
+                protect(p, resumed_from, self.writer)
+            # The newest checkpoint of the new lineage: what a restart of this job resumes until it saves (with an
+            # origin held elsewhere, this root's newest checkpoint of the lineage it continues).
+            p.latest = resumed_from if not elsewhere else next(iter(p.lineage().members(p.entries())), None)
+            _prune_origins(p)
+            return p
+
+        new, _ = self.update(bump, fenced=False)
+        if self.store.exists(LEGACY_POINTER_NAME):  # a migration that died before deleting it
+            self._drop_legacy_pointer()
+        self.writer_epoch = new.writer_epoch
+        self.origin = origin
+        self._resumed_entry = resumed_from if not elsewhere else None
+        # After the swap (a record is only ever written for an epoch that was claimed): a crash between the two loses
+        # nothing while the pointer lives (it holds the origin too); only a pointer lost as well makes a rebuild guess.
+        self._record_origin(self.writer_epoch, origin)
+
+        self.resumed_from = resumed_from.commit if resumed_from else None
+        self.pending_resume = None
+        self.pending_resume_elsewhere = False
+        if fresh_over:
+            # Legitimate (a new experiment in the same folder), but more often a resume that found nothing:
+            # ckpt_path="last" on S3/GCS (Lightning lists last*.ckpt without the protocol and finds none) or a
+            # forgotten ckpt_path. Nothing is lost: the old run stays, an abandoned branch, until gc --abandoned.
+            warnings.warn(
+                f"this job started from scratch (no checkpoint loaded) in {self.url}, which holds a run up to step"
+                f" {fresh_over[0].step}; that run is kept as an abandoned branch. To resume it instead, pass"
+                f" ckpt_path=find_latest_checkpoint({self.url!r}) (ckpt_path=\"last\" finds nothing on S3/GCS: Lightning"
+                " lists last.ckpt without its protocol).", RuntimeWarning, stacklevel=3)
+        log.info("claimed %s as writer epoch %d (%s), %s", self.url, self.writer_epoch, self.writer,
+                 f"resuming {resumed_from.commit}" if resumed_from else "starting fresh")
+        return self.writer_epoch
+
+    def _origin_gone(self, resumed: Entry) -> CheckpointError:
+        return CheckpointError(
+            f"{self.store.url(resumed.commit)}, the checkpoint this job resumed from, was deleted by the retention of the"
+            f" job still writing {self.url} before this job claimed the root, so this job's lineage cannot be"
+            " recorded: nothing of it was committed. Stop the old job, then run this one again: it resumes the newest"
+            " checkpoint. (A fit that resumes claims the root as soon as it loads, unless claim_on_load=False.)")
+
+    def _record_origin(self, epoch: int, origin: Origin) -> None:
+        """Store writer epoch ``epoch``'s origin beside the pointer, so that the lineage survives a lost pointer
+        even for a job that dies before its first commit (best effort: the manifests carry it too)."""
+        try:
+            self.store.write(origin_record_name(epoch), origin.record(epoch, self.writer))
+        except Exception as exc:
+            log.warning("could not record the origin of writer epoch %d under %s: %s", epoch, self.url, exc)
+
+    def check_fencing(self) -> None:
+        """Once per root and process, before the first write: warn when the store ignores conditional writes."""
+        if self.url in _warned_fencing or not self.store.supports_cas:  # a store without any says so itself
+            return
+        _warned_fencing.add(self.url)
+        reason = self.store.check_fencing()
+        if reason is not None:
+            warnings.warn(
+                f"writer fencing is OFF for {self.url}: {reason}, so two jobs writing this root at once can overwrite"
+                " each other's pointer (last writer wins). Checkpoints stay atomic and verified; make sure only one"
+                " job writes the root (stop the old one before starting its replacement), or use a store that"
+                " enforces conditional writes (AWS S3, GCS, local disk).", RuntimeWarning, stacklevel=5)
+
+    def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin]) -> Pointer:
+        """Write this root as writer epoch ``epoch`` of another root: the node-local tier of a durable root whose
+        claim gave ``epoch`` and ``origin`` (``origins``: that root's lineage). Commits here then carry the durable
+        writer epoch and lineage, so the two tiers order and compare their checkpoints alike.
+
+        A newer epoch already adopted here (a newer job on this node) makes this writer stale. Local checkpoints
+        outside the adopted lineage can never be resumed again (a lineage only grows): they are dropped.
+        """
+        def bump(p: Pointer) -> Pointer:
+            if p.writer_epoch > epoch:
+                raise StaleWriterError(self.url, epoch, p.writer_epoch, p.writer)
+            p.writer_epoch = epoch
+            p.writer = self.writer
+            p.origins.update(origins)
+            p.origins[epoch] = origin
+            p.protected = {}
+            for entry in p.lineage().outside(p.entries()):
+                p.checkpoints.pop(entry.name, None)
+            p.latest = next(iter(p.lineage().members(p.entries())), None)
+            _prune_origins(p)
+            return p
+
+        new, _ = self.update(bump, fenced=False)
+        self.writer_epoch, self.origin = epoch, origin
+        return new
+
+    def hold(self, folders: Iterable[str], why: str) -> None:
+        """Keep ``folders`` (of committed checkpoints) from retention until :meth:`release`: they are to be copied.
+        Recorded in the pointer, so a ``gc`` run by another process keeps them too; a writer's next claim or adopt
+        drops what a dead one held."""
+        folders = list(folders)
+
+        def add(p: Pointer) -> Pointer:
+            for folder in folders:
+                p.protected[folder] = why
+            return p
+
+        self.update(add, fenced=False)
+
+    def release(self, folders: Iterable[str]) -> Pointer:
+        """End :meth:`hold` of ``folders``; returns the new pointer (retention deletes what is now due)."""
+        folders = list(folders)
+
+        def drop(p: Pointer) -> Pointer | None:
+            dropped = [f for f in folders if p.protected.pop(f, None) is not None]
+            return p if dropped else None
+
+        new, _ = self.update(drop, fenced=False)
+        return new
+
+    def resumed(self, entry: Entry, *, elsewhere: bool = False) -> None:
+        """Record that this process loaded ``entry`` from the root (a fit's resume claims with it as origin);
+        ``elsewhere``: only the root's node-local tier holds it (see :meth:`claim`)."""
+        if self.writer_epoch is None:
+            self.pending_resume = entry
+            self.pending_resume_elsewhere = elsewhere
+
+
+def _prune_origins(p: Pointer) -> None:
+    """Forget the origins of epochs older than every checkpoint the pointer still names: no lineage reaches them."""
+    epochs = [e.writer_epoch for e in p.entries()] + [p.writer_epoch]
+    oldest = min(epochs)
+    p.origins = {k: v for k, v in p.origins.items() if k >= oldest}
+
+
+def protect(p: Pointer, resumed: Entry, writer: str) -> None:
+    """Keep what ``writer`` resumed from (and the folders its data lies in) from retention, in ``p``."""
+    p.protected.update({f: f"data of the checkpoint {writer} resumed from" for f in resumed.folders})
+    p.protected[resumed.commit] = f"{RESUMED} by {writer}"
+
+
+def is_resumed(p: Pointer, entry: Entry) -> bool:
+    """Whether ``entry`` is what the job writing ``p`` resumed from."""
+    return p.protected.get(entry.commit, "").startswith(RESUMED)
+
+

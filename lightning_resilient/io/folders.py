@@ -1,0 +1,43 @@
+"""The names of things inside a checkpoint root: commit folders, the objects in them, and the writer's identity.
+
+A *commit folder* is ``<name>/c<ms>-e<writer epoch>-<random>``: the folder one save of checkpoint ``<name>`` writes
+its objects and, last, its manifest into. Its name carries the writer epoch it was written under (which garbage
+collection reads without opening it) and when it was started (for display only; no decision depends on clocks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import uuid
+
+__all__ = ["REPLACED_DIR", "SKELETON_NAME", "commit_epoch", "commit_time", "new_commit_folder", "writer_identity"]
+
+_COMMIT_RE = re.compile(r"^c(\d{13})-e(\d+)-[0-9a-f]{8}$")
+# The non-tensor part of a checkpoint (torch.save of the checkpoint with its tensors replaced by slots).
+SKELETON_NAME = "skeleton.pt"
+# Stock checkpoint files a save of the same name replaces wait here until that save has committed.
+REPLACED_DIR = ".lightning_resilient/replaced"
+
+
+def writer_identity() -> str:
+    """Who writes: host, process and a random suffix (two plugins of one process are two writers)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def new_commit_folder(name: str, created: float, writer_epoch: int) -> str:
+    """The folder of a new commit of checkpoint ``name``, started at ``created`` by writer epoch ``writer_epoch``."""
+    return f"{name}/c{int(created * 1000):013d}-e{writer_epoch}-{uuid.uuid4().hex[:8]}"
+
+
+def commit_time(folder: str) -> float | None:
+    """When a commit folder was started, by its writer's clock (for display only: no decision depends on it)."""
+    match = _COMMIT_RE.match(folder.rsplit("/", 1)[-1])
+    return int(match.group(1)) / 1000 if match else None
+
+
+def commit_epoch(folder: str) -> int | None:
+    """The writer epoch a commit folder was written under (its name carries it), or None if it is not one."""
+    match = _COMMIT_RE.match(folder.rsplit("/", 1)[-1])
+    return int(match.group(2)) if match else None

@@ -1,0 +1,282 @@
+"""What may be deleted from a checkpoint root, and when: retention, the deletion of retired folders, garbage collection.
+
+Nothing else in the package deletes a committed checkpoint's data. The rules (each enforced here):
+
+- a folder the pointer no longer references (``keep_last``, Lightning's removals, a name saved again) is *retired*:
+  recorded in the pointer, its manifest deleted at once (it is no checkpoint any more, even for a pointer rebuilt
+  after a loss), and its data once a later commit has happened: a reader already reading it has a save interval to
+  finish;
+- a folder the pointer does not reference, written by a writer epoch older than the pointer's (a fenced writer,
+  which can never commit it): without a manifest (a crashed upload), or with one outside the current lineage (the
+  writer died between its manifest and the pointer update: never visible, never resumable). A save in progress
+  of the current writer is never touched, whatever its age or the clocks;
+- with ``gc --abandoned`` only: checkpoints the pointer catalogs outside the current lineage (a branch a rollback
+  left behind).
+
+A folder with a manifest is a committed checkpoint whatever the pointer says: a missing pointer makes nothing
+deletable (it is rebuilt from the manifests), a damaged one stops collection until it is repaired, and a commit the
+pointer does not reference is kept while it belongs to the current lineage. The latest checkpoint and the one a job
+resumed from are never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+
+from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
+from lightning_resilient.io.fencing import WriterFence, is_resumed
+from lightning_resilient.io.folders import commit_epoch
+from lightning_resilient.io.lineage import ORIGINS_DIR, Lineage
+from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
+from lightning_resilient.io.reader import RootReader
+from lightning_resilient.io.store import Store
+
+__all__ = ["Retention"]
+
+log = logging.getLogger(__name__)
+
+
+class Retention:
+    """Drops checkpoints from a root's catalog and deletes what no committed checkpoint needs."""
+
+    def __init__(self, store: Store, fence: WriterFence, reader: RootReader, *, keep_last: int | None,
+                 orphan_grace_seconds: float) -> None:
+        self.store = store
+        self.fence = fence
+        self.reader = reader
+        self.keep_last = keep_last
+        self.orphan_grace_seconds = orphan_grace_seconds
+
+    @property
+    def url(self) -> str:
+        return self.store.root_url
+
+    def apply_keep_last(self, p: Pointer) -> None:
+        """Inside a pointer update of a commit: drop what ``keep_last`` no longer keeps (retired by the update)."""
+        if self.keep_last is not None:
+            for entry in _beyond(p, self.keep_last):
+                del p.checkpoints[entry.name]
+
+    def retain(self, keep_last: int, *, dry_run: bool = False) -> list[Entry]:
+        """Drop all but the ``keep_last`` newest checkpoints of the current lineage now (an operator's retention).
+
+        The latest and what a job resumed from are kept; abandoned branches are not counted (``gc --abandoned``).
+        Does not claim the root: a job writing it is not fenced, and the conditional pointer update makes this
+        safe to run beside it. Returns what was (would be) dropped.
+        """
+        pointer, _ = self.fence.read_pointer()
+        if pointer is None or dry_run:
+            return _beyond(pointer, keep_last) if pointer is not None else []
+        dropped: list[Entry] = []
+
+        def drop(p: Pointer) -> Pointer | None:
+            dropped[:] = _beyond(p, keep_last)
+            for entry in dropped:
+                del p.checkpoints[entry.name]
+            return p if dropped else None
+
+        new, _ = self.fence.update(drop, fenced=False, retire_now=True)
+        self.delete_retired(new)
+        return dropped
+
+    def drop_abandoned(self, *, dry_run: bool = False) -> list[Entry]:
+        """Drop from the catalog every checkpoint outside the current lineage (an operator's ``gc --abandoned``)."""
+        pointer, _ = self.fence.read_pointer()
+        if pointer is None or dry_run:
+            return _abandoned(pointer) if pointer is not None else []
+        dropped: list[Entry] = []
+
+        def drop(p: Pointer) -> Pointer | None:
+            dropped[:] = _abandoned(p)
+            for entry in dropped:
+                del p.checkpoints[entry.name]
+            return p if dropped else None
+
+        new, _ = self.fence.update(drop, fenced=False, retire_now=True)
+        self.delete_retired(new)
+        return dropped
+
+    def drop(self, commits: set[str], *, dry_run: bool = False) -> list[Entry]:
+        """Drop the checkpoints ``commits`` from the catalog now and delete them (an operator's ``gc`` of a local
+        tier, for its checkpoints outside the durable lineage). Returns what was (would be) dropped."""
+        pointer, _ = self.fence.read_pointer()
+        if pointer is None:
+            return []
+        if dry_run:
+            return [e for e in pointer.entries() if e.commit in commits]
+        dropped: list[Entry] = []
+
+        def mutate(p: Pointer) -> Pointer | None:
+            dropped[:] = [e for e in p.entries() if e.commit in commits]
+            for entry in dropped:
+                p.checkpoints.pop(entry.name, None)
+                if p.latest is not None and p.latest.commit == entry.commit:
+                    p.latest = None
+            return p if dropped else None
+
+        new, _ = self.fence.update(mutate, fenced=False, retire_now=True)
+        self.delete_retired(new)
+        return dropped
+
+    def discard(self, commit: str) -> None:
+        """Delete an uncommitted folder (best effort)."""
+        try:
+            self.store.remove(commit)
+        except Exception as exc:
+            log.warning("could not delete uncommitted %s: %s", self.store.url(commit), exc)
+
+    def delete_committed(self, folder: str) -> bool:
+        """Delete a retired (or abandoned) committed folder: its manifest first, so that a deletion interrupted
+        half-way leaves a folder without a manifest (never a checkpoint with missing objects)."""
+        try:
+            self.store.remove(f"{folder}/{MANIFEST_NAME}")
+            self.store.remove(folder)
+        except Exception as exc:
+            log.warning("could not delete %s: %s", self.store.url(folder), exc)
+            return False
+        return True
+
+    def delete_retired(self, pointer: Pointer) -> list[str]:
+        """Delete the retired folders whose time has come (a commit happened since they were retired)."""
+        deleted = [f for f in sorted(pointer.retired_due()) if self.delete_committed(f)]
+        self.fence.deleted(deleted)
+        self.tidy_names({f.split("/", 1)[0] for f in deleted})
+        return deleted
+
+    def tidy_names(self, names: set[str]) -> None:
+        # Local disk keeps empty name folders after their last commit is deleted; object stores have none.
+        if not self.store.supports_read_into:  # i.e. not local disk
+            return
+        for name in names:
+            try:
+                os.rmdir(self.store.path(name))
+            except OSError:
+                pass
+
+    def collect_garbage(self, *, dry_run: bool = False, abandoned: bool = False) -> list[tuple[str, str]]:
+        """Delete what no committed checkpoint of the root needs; returns ``(url, why)`` of each folder deleted
+        (or, with ``dry_run``, that would be).
+
+        - retired folders whose time has come (a commit has happened since retention dropped them);
+        - folders the pointer does not reference, of a writer epoch older than the pointer's (their writer is
+          fenced, so it can never commit them): those without a manifest, and those whose manifest lies outside the
+          current lineage (the writer died between its manifest and the pointer update, so no resume can ever pick
+          them). A save in progress of the current writer is never touched, whatever its age or the clocks, nor is
+          an unreferenced commit inside the lineage. ``orphan_grace_seconds`` leaves such a folder a while longer,
+          measured with the store's own timestamps (its newest object against the pointer's last write), never
+          against this host's clock;
+        - with ``abandoned`` only: checkpoints the pointer catalogs outside the current lineage (a branch a
+          rollback left behind).
+
+        Also aborts incomplete multipart uploads and removes temp files of interrupted pointer writes. Without a
+        pointer nothing is deleted (a missing pointer is never a licence to delete); a damaged one raises.
+        """
+        pointer, _ = self.fence.read_pointer()
+        if pointer is None:
+            if self.reader.scan().manifests:
+                log.warning("%s is missing: nothing collected under %s (its checkpoints are found by scanning; the"
+                            " next save, or repair_pointer, rebuilds it)", self.store.url(POINTER_NAME), self.url)
+            return []
+        doomed: list[tuple[str, str]] = []
+        if abandoned:
+            for entry in self.drop_abandoned(dry_run=dry_run):
+                doomed += [(self.store.url(f), f"checkpoint {entry.name} (step {entry.step}) of an abandoned branch")
+                           for f in entry.folders]
+            pointer, _ = self.fence.read_pointer()
+            if pointer is None:
+                return doomed
+        head, live, due, lineage = pointer.writer_epoch, pointer.live_folders(), pointer.retired_due(), pointer.lineage()
+        reference = self.store.modified(POINTER_NAME) or self.store.modified(LEGACY_POINTER_NAME) or time.time()
+        grace = self.orphan_grace_seconds
+        partial: list[str] = []
+        committed: list[str] = []
+        for name in self.store.list_dir(""):
+            if name in LEGACY_NAMES or name.startswith("."):
+                continue
+            for child in self.store.list_dir(name):
+                epoch, folder = commit_epoch(child), f"{name}/{child}"
+                if epoch is None or folder in live:
+                    continue
+                if folder in pointer.retired:
+                    if folder in due:
+                        committed.append(folder)
+                        doomed.append((self.store.url(folder), "retired by retention"))
+                    continue
+                if epoch >= head:
+                    continue  # the current writer may still commit it: never collected, whatever its age
+                objects = self.store.list_detail(folder)
+                newest = max((o.modified for o in objects.values() if o.modified is not None), default=None)
+                if newest is not None and reference - newest < grace:
+                    continue
+                if MANIFEST_NAME not in objects:
+                    partial.append(folder)
+                    doomed.append((self.store.url(folder), f"no manifest, written by fenced writer epoch {epoch}"))
+                elif self._outside(lineage, folder):
+                    # Its writer died (or was fenced) between the manifest and the pointer update: never visible,
+                    # and outside the lineage, so no resume can ever pick it. One inside the lineage is kept.
+                    committed.append(folder)
+                    doomed.append((self.store.url(folder), f"manifest never referenced by the pointer, writer epoch"
+                                                           f" {epoch} fenced, outside the current lineage"))
+        if not dry_run:
+            for folder in partial:
+                self.discard(folder)
+            deleted = [f for f in committed if self.delete_committed(f)]
+            self.tidy_names({f.split("/", 1)[0] for f in partial + deleted})
+            self.fence.deleted(f for f in deleted if f in pointer.retired)
+            if self.fence.has_deleted and self.fence.writer_epoch is None:  # a writer prunes the records at its next commit; an operator
+                self.fence.update(lambda p: p, fenced=False)  # now
+            self._prune_origin_records(pointer)
+            for key in self.store.abort_stale_uploads(reference - grace):
+                log.info("aborted incomplete multipart upload %s", key)
+            for name in self.store.remove_stale_temp_files(POINTER_NAME):
+                log.info("removed %s, left by an interrupted pointer write", name)
+        if doomed:
+            log.info("%s %d folder(s) under %s", "would delete" if dry_run else "deleted", len(doomed), self.url)
+        return doomed
+
+    def _prune_origin_records(self, pointer: Pointer) -> None:
+        """Delete origin records of epochs older than every checkpoint the pointer names: no lineage reaches them."""
+        oldest = min([e.writer_epoch for e in pointer.entries()] + [pointer.writer_epoch])
+        for record in self.store.list_dir(ORIGINS_DIR):
+            match = re.fullmatch(r"e(\d+)\.json", record)
+            if match and int(match.group(1)) < oldest:
+                self.discard(f"{ORIGINS_DIR}/{record}")
+
+    def _outside(self, lineage: Lineage, folder: str) -> bool:
+        try:
+            return not lineage.contains(self.reader.read_manifest(folder))
+        except CheckpointCorruptedError:
+            return True  # a manifest that does not load makes nothing loadable
+        except UnsupportedFormatError:
+            return False  # a newer version wrote it: not ours to judge
+
+
+def _beyond(p: Pointer, keep: int) -> list[Entry]:
+    """Catalog entries of the current lineage past the ``keep`` newest checkpoints, except the latest and what a job
+    resumed from (what its restart would need). Abandoned branches are neither counted nor dropped here.
+
+    A checkpoint is a training state (writer epoch, step), not a name: ``last.ckpt`` saved at the step of a top-k
+    save is the same state under a second name, so it does not take one of the ``keep`` places."""
+    ordered = p.lineage().members(p.checkpoints.values())
+    kept: set[tuple[int, int] | str] = set()
+    beyond = []
+    for e in ordered:
+        # Saves that record no step (Fabric's, a plain save_checkpoint) are each a state of their own.
+        state: tuple[int, int] | str = (e.writer_epoch, e.step) if e.step > 0 else e.commit
+        if state in kept or len(kept) < keep:
+            kept.add(state)
+        else:
+            beyond.append(e)
+    return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit) and not is_resumed(p, e)]
+
+
+def _abandoned(p: Pointer) -> list[Entry]:
+    """Catalog entries outside the current lineage (never the latest or a resumed-from checkpoint)."""
+    return [e for e in p.lineage().outside(p.checkpoints.values())
+            if not (p.latest is not None and e.commit == p.latest.commit) and not is_resumed(p, e)]
+
+

@@ -1,0 +1,380 @@
+"""Saving into a checkpoint root: capture, upload, commit; and the stock Lightning files a save replaces.
+
+Save: shard objects -> skeleton -> check they are all stored -> manifest (last) -> conditional swap of the pointer
+(:class:`~lightning_resilient.io.fencing.WriterFence`). A crash before the swap leaves the previous pointer valid and
+the new folder uncommitted; a crash after it leaves at worst undeleted garbage (see ``retention``).
+
+A save of the same step whose objects are byte-identical to the previous commit's (``save_last`` right after a
+top-k save) references them instead of uploading them again: the writer remembers the last commit's objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_resilient.errors import CheckpointError, StaleWriterError
+from lightning_resilient.io import layout
+from lightning_resilient.io.fencing import WriterFence, is_resumed
+from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
+from lightning_resilient.io.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    chunk_digests,
+    object_digest,
+)
+from lightning_resilient.io.pointer import LEGACY_NAMES, Entry, Pointer
+from lightning_resilient.io.reader import RootReader
+from lightning_resilient.io.retention import Retention
+from lightning_resilient.io.store import LocalStore, Store
+
+__all__ = ["Prepared", "RootWriter", "step_of"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A checkpoint captured for saving: its skeleton, its tensors' layout, and how to read their bytes."""
+
+    name: str
+    step: int
+    epoch: int
+    created: float
+    skeleton: bytes
+    tensors: list[TensorEntry]
+    total: int  # bytes in the tensor stream
+    pieces: Callable[[int, int], list[memoryview]]  # the stream's bytes [start, end) as memoryviews
+    ready: Callable[[], None]  # waits until those bytes are on the host (device-to-host copies done)
+
+
+def _nothing() -> None:
+    pass
+
+
+def step_of(value: Any) -> int:
+    """A checkpoint's ``global_step`` (or ``epoch``) as an int: 0 when it has none (Fabric's, a plain save)."""
+    if isinstance(value, torch.Tensor):
+        return int(value.item())
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+class RootWriter:
+    """Uploads and commits the checkpoints of one writer into one root."""
+
+    def __init__(self, store: Store, *, chunk_size: int, shard_size: int, max_concurrency: int,
+                 executor: Callable[[], Executor], fence: WriterFence, reader: RootReader, retention: Retention,
+                 claim: Callable[[], int]) -> None:
+        """``claim`` makes this process the root's writer (a save claims the root unless a resume already did)."""
+        self.store = store
+        self.chunk_size = chunk_size
+        self.shard_size = shard_size
+        self.max_concurrency = max_concurrency  # a stream is cut into at least this many objects (object_size)
+        self._executor = executor
+        self.fence = fence
+        self.reader = reader
+        self.retention = retention
+        self._claim = claim
+        # (digest, size) -> root-relative path of the objects of the last commit, and its step. A save of the
+        # same step whose shard is byte-identical (ModelCheckpoint's save_last right after a top-k save)
+        # references the object instead of uploading it again. Only at the same step: checkpoints of
+        # different steps never share bytes, so one corrupted object can never take several of them down.
+        self._known: dict[tuple[str, int], str] = {}
+        self._known_step: int | None = None
+        # Files directly in the root (stock Lightning checkpoints), listed at this process's first save, and those
+        # a save moved aside until it commits.
+        self._stock: set[str] | None = None
+        self._aside: dict[str, str] = {}
+        self._leftover: dict[str, str] = {}  # name -> stock file a save that never committed moved aside
+
+    @property
+    def url(self) -> str:
+        return self.store.root_url
+
+    def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
+                before_fill: Callable[[], None] | None = None) -> Prepared:
+        """Everything a save needs from the live checkpoint: after this returns, training may change it.
+
+        Without a snapshot the upload reads the tensors in place (a synchronous save). With one (an async save),
+        the tensors are copied into the snapshot's reusable buffer, after ``before_fill`` (which waits for the
+        uploads still reading it) returns. A second save of the same state, as ``save_last`` makes right after a
+        top-k save, reuses what the buffer already holds: no wait, and only tensors that changed (a few small
+        ones, such as RNG states) are copied, into memory of their own.
+        """
+        skeleton, slots = layout.flatten(checkpoint)
+        total = layout.plan(slots)
+        step = step_of(checkpoint.get("global_step"))
+        tensors = [TensorEntry(slot.key, layout.dtype_name(slot.tensor.dtype), list(slot.tensor.shape),
+                               slot.offset, slot.nbytes, slot.device) for slot in slots]
+        skeleton_bytes = layout.save_skeleton(skeleton)
+        ready: Callable[[], None] = _nothing
+        if snapshot is None:
+            sources = layout.host_sources(slots)
+            pieces: Callable[[int, int], list[memoryview]] = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
+        else:
+            held = snapshot.match(slots, step)
+            changed = sum(s.nbytes for s, ok in zip(slots, held or []) if not ok)
+            if held is not None and changed <= max(2**20, total // 50):
+                own = layout.host_sources([s for s, ok in zip(slots, held) if not ok])
+                own_views = iter([bytes(v) for v in own])  # copies: the live tensors may change once we return
+                sources = [snapshot.slot_view(s.offset, s.nbytes) if ok else memoryview(next(own_views))
+                           for s, ok in zip(slots, held)]
+                pieces = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
+            else:
+                if before_fill is not None:
+                    before_fill()
+                snapshot.fill(slots, total, step)
+                view = snapshot.sources(total)
+                pieces = lambda a, b: [view[a:b]]  # noqa: E731
+            ready = snapshot.wait
+        return Prepared(name=name, step=step, epoch=step_of(checkpoint.get("epoch")),
+                        created=time.time(), skeleton=skeleton_bytes, tensors=tensors, total=total,
+                        pieces=pieces, ready=ready)
+
+    def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
+        return self.commit(self.prepare(checkpoint, name))
+
+    def new_commit_folder(self, name: str, created: float) -> str:
+        """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
+        epoch = self.fence.writer_epoch if self.fence.writer_epoch is not None else self._claim()
+        self._make_room(name)
+        return new_commit_folder(name, created, epoch)
+
+    def put(self, rel: str, pieces: list[memoryview], known: dict[tuple[str, int], str]) -> ObjectEntry:
+        """Write one object (or reference a byte-identical one of a save of the same step); returns its entry."""
+        chunks = chunk_digests(pieces, self.chunk_size)
+        digest, size = object_digest(chunks), sum(len(p) for p in pieces)
+        existing = known.get((digest, size))
+        if existing is not None:
+            return ObjectEntry(existing, size, digest, chunks)
+        self.store.write_pieces(rel, pieces)
+        return ObjectEntry(rel, size, digest, chunks)
+
+    def upload_stream(self, prefix: str, total: int, pieces: Callable[[int, int], list[memoryview]],
+                      step: int | None = None) -> list[ObjectEntry]:
+        """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel."""
+        known = self._known if step is not None and step == self._known_step else {}
+        spans = layout.windows(total, layout.object_size(total, self.shard_size, self.max_concurrency))
+        with self._executor() as pool:
+            return list(pool.map(lambda i: self.put(f"{prefix}shard-{i:05d}.bin", pieces(*spans[i]), known),
+                                 range(len(spans))))
+
+    def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
+               sharded: Callable[[list[ObjectEntry]], dict[str, Any]] | None = None) -> Entry:
+        """Upload a prepared checkpoint, write its manifest, then move the pointer to it.
+
+        A sharded save (``sharded.py``) passes the commit folder its ranks already wrote into, their objects
+        (``extra``), and a function giving the manifest's ``sharded`` record from the final object list.
+        """
+        commit = folder or self.new_commit_folder(prepared.name, prepared.created)
+        try:
+            prepared.ready()
+            return self._commit(prepared, commit, extra, sharded)
+        except BaseException:
+            # Not committed, so nothing refers to it: delete it now (a crash instead leaves it to gc). If the
+            # pointer may have moved to it after all (a lost response), it is left alone.
+            if not self._maybe_referenced(commit):
+                self.retention.discard(commit)
+                self._put_back(prepared.name)
+            raise
+
+    def make_room(self, name: str) -> None:
+        """Before a commit of ``name`` that did not come through :meth:`new_commit` (a persist from a local tier):
+        what stock Lightning left under that name goes aside until the commit is published (:meth:`put_back` on
+        failure)."""
+        self._make_room(name)
+
+    def put_back(self, name: str) -> None:
+        self._put_back(name)
+
+    def _make_room(self, name: str) -> None:
+        """Clear ``name`` of what stock Lightning left there, as stock Lightning would overwrite it.
+
+        A ``save_last="link"`` symlink holds no data: it goes. A stock checkpoint file of that name (a run from before
+        this plugin was added, whose ``last.ckpt`` is saved again now) stays a resumable checkpoint until the save that
+        replaces it has committed: on local disk, where a file and a folder cannot share a name, it waits in the
+        dot-folder (where ``find_latest_checkpoint`` still finds it, and from where a failed save puts it back); on an
+        object store the key and our prefix coexist, and the key is deleted after the commit. Stock files are found by
+        one listing of the root per process."""
+        if self.store.is_link(name):
+            self.store.remove_object(name)  # the link, never what it points to
+            return
+        if self._stock is None:
+            self._stock = self._list_stock()
+        if name in self._leftover:  # moved aside by a save that never committed: this one replaces it
+            self._aside[name] = self._leftover.pop(name)
+        if name not in self._stock:
+            return
+        self._stock.discard(name)
+        if isinstance(self.store, LocalStore):
+            aside = f"{REPLACED_DIR}/{name}"
+            self.store.move(name, aside)
+            log.info("moved the stock checkpoint %s aside until a committed save of the same name replaces it",
+                     self.store.url(name))
+            self._aside[name] = aside
+        else:
+            self._aside[name] = name
+
+    def _list_stock(self) -> set[str]:
+        names = {n for n in self.store.list_detail("") if not n.startswith(".") and n not in LEGACY_NAMES}
+        pointer, _ = self.fence.read_pointer()
+        committed = set(pointer.checkpoints) if pointer is not None else set()
+        for name in self.store.list_detail(REPLACED_DIR):
+            if name in committed:  # its replacement committed; the process died before deleting it
+                self.store.remove_object(f"{REPLACED_DIR}/{name}")
+            else:
+                self._leftover[name] = f"{REPLACED_DIR}/{name}"
+        return names
+
+    def _replaced(self, name: str) -> None:
+        aside = self._aside.pop(name, None)
+        if aside is not None:
+            self.store.remove_object(aside)
+
+    def _put_back(self, name: str) -> None:
+        """The save of ``name`` failed: a stock file moved aside for it goes back where it was."""
+        aside = self._aside.pop(name, None)
+        if aside is None or aside == name:
+            return
+        try:
+            self.retention.tidy_names({name})  # the failed save's now empty name folder, where the file goes back
+            self.store.move(aside, name)
+        except OSError as exc:  # still in the dot-folder, where find_latest_checkpoint finds it
+            log.warning("could not put the stock checkpoint %s back: %s", self.store.url(aside), exc)
+
+    def forget_stock(self, name: str) -> bool:
+        """Delete ``name`` when it is a stock Lightning file or link (``remove_checkpoint`` of a path this plugin did not
+        write, as stock Lightning deletes it): that one object only, never a checkpoint of ours of the same name."""
+        if self.store.is_link(name) or self.store.is_file(name):
+            self.store.remove_object(name)
+            if self._stock is not None:
+                self._stock.discard(name)
+            return True
+        return False
+
+    def abandon(self, commit: str) -> None:
+        """Delete the folder of a commit that failed before its pointer move, unless the pointer may name it after
+        all (a lost response): what a failed save does, and a failed persist into this root."""
+        if not self._maybe_referenced(commit):
+            self.retention.discard(commit)
+
+    def _maybe_referenced(self, commit: str) -> bool:
+        try:
+            pointer, _ = self.fence.read_pointer()
+        except Exception:
+            return True
+        return pointer is None or commit in pointer.live_folders()
+
+    def _commit(self, prepared: Prepared, commit: str, extra: list[ObjectEntry] | None,
+                sharded: Callable[[list[ObjectEntry]], dict[str, Any]] | None) -> Entry:
+        assert self.fence.writer_epoch is not None and self.fence.origin is not None
+        epoch, origin, name, step = self.fence.writer_epoch, self.fence.origin, prepared.name, prepared.step
+        objects = self.upload_stream(f"{commit}/", prepared.total, prepared.pieces, step)
+        stream = list(range(len(objects)))
+        objects.append(self.put(f"{commit}/{SKELETON_NAME}", [memoryview(prepared.skeleton)],
+                                 self._known if step == self._known_step else {}))
+        skeleton = len(objects) - 1
+        objects += extra or []
+        manifest = Manifest(name=name, commit=commit, step=step, epoch=prepared.epoch, created=prepared.created,
+                            writer_epoch=epoch, chunk_size=self.chunk_size, skeleton=skeleton,
+                            stream=stream, objects=objects, tensors=prepared.tensors,
+                            sharded=sharded(objects) if sharded is not None else None, origin=origin)
+        return self.publish(manifest)
+
+    def publish(self, manifest: Manifest) -> Entry:
+        """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer.
+
+        A save's last step, and the whole of persisting a node-local checkpoint to its durable tier (the objects
+        copied there first, the manifest the one the local tier committed: same commit, writer epoch and origin).
+        """
+        assert self.fence.writer_epoch is not None and manifest.writer_epoch == self.fence.writer_epoch
+        commit, name, step, epoch, origin = manifest.commit, manifest.name, manifest.step, self.fence.writer_epoch, manifest.origin
+        self.store.sync_folder(commit)  # the data is durable before the manifest names it
+        self._check_stored(manifest.objects, commit)
+        # The manifest goes last: until it exists, this folder is not a checkpoint.
+        self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
+        for folder in (commit, name, ""):  # and it, and the folders holding it, before the pointer names it
+            self.store.sync_folder(folder)
+        entry = Entry.from_manifest(manifest)
+        reused = set(entry.folders) - {commit}
+
+        def add(p: Pointer) -> Pointer:
+            if not reused <= p.live_folders():  # shared bytes of an earlier commit must still be kept alive
+                raise CheckpointError(f"{self.store.url(commit)} shares objects with {sorted(reused - p.live_folders())},"
+                                      " which were retired while it uploaded: the save was not committed")
+            if p.last_saved != [epoch, step]:  # save_last at the step of a top-k save is the same save
+                p.saves += 1
+                p.last_saved = [epoch, step]
+            p.writer_epoch = max(p.writer_epoch, epoch)  # a rebuilt pointer may not have seen this writer yet
+            if origin is not None:  # this writer knows its origin (a rebuilt pointer may only have guessed it)
+                p.origins[epoch] = origin
+            p.writer = p.writer or self.fence.writer
+            p.checkpoints[name] = entry
+            # Within one writer the pointer never moves to a lower step.
+            if p.latest is None or entry.order >= p.latest.order:
+                p.latest = entry
+            self.retention.apply_keep_last(p)
+            return p
+
+        new, _ = self.fence.update(add, fenced=True)
+        self._remember(manifest, new)
+        log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(commit), entry.step,
+                 len(manifest.objects), entry.size)
+        self.retention.delete_retired(new)
+        self._replaced(name)
+        return entry
+
+    def _check_stored(self, objects: list[ObjectEntry], commit: str) -> None:
+        """Every object the manifest will name is stored with its size: a commit never references what is gone."""
+        found = self.reader.stored_sizes({o.path for o in objects})
+        for obj in objects:
+            size = found.get(obj.path)
+            if size == obj.size:
+                continue
+            pointer, _ = self.fence.read_pointer()
+            if pointer is not None and self.fence.writer_epoch is not None and pointer.writer_epoch > self.fence.writer_epoch:
+                raise StaleWriterError(self.url, self.fence.writer_epoch, pointer.writer_epoch, pointer.writer)
+            what = "is missing" if size is None else f"has {size} bytes, not {obj.size}"
+            raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(commit)} was to be"
+                                  " committed (something deleted or replaced it): the save was not committed")
+
+    def _remember(self, manifest: Manifest, pointer: Pointer | None = None) -> None:
+        if manifest.step != self._known_step:
+            self._known = {}
+        self._known_step = manifest.step
+        live = pointer.live_folders() if pointer is not None else None
+        self._known = {k: v for k, v in self._known.items() if live is None or v.rsplit("/", 1)[0] in live}
+        for obj in manifest.objects:
+            self._known[(obj.digest, obj.size)] = obj.path
+
+    # -- remove ------------------------------------------------------------------------------------------------
+    def remove(self, name: str) -> None:
+        def drop(p: Pointer) -> Pointer | None:
+            entry = p.checkpoints.get(name)
+            if entry is None:
+                return None
+            if is_resumed(p, entry):
+                log.info("not removing %s: this job resumed from it", self.store.url(name))
+                return None
+            del p.checkpoints[name]
+            return p
+
+        pointer, _ = self.fence.read_pointer()
+        if pointer is not None and name not in pointer.checkpoints:
+            return  # not a name of ours (nothing to remove, and no reason to claim the root or write its pointer)
+        if self.fence.writer_epoch is None:
+            self._claim()
+        self.fence.update(drop, fenced=True)
+
+    def remember_loaded(self, manifest: Manifest) -> None:
+        """A loaded checkpoint's objects: a save of the same step that holds identical bytes references them."""
+        self._remember(manifest)
+
