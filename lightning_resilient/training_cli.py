@@ -28,7 +28,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.store import check_default_client
 
-__all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "main", "redact_storage_options"]
+__all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "main", "redact_storage_options", "resume_path"]
 
 log = logging.getLogger(__name__)
 

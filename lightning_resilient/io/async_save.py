@@ -14,6 +14,7 @@ it failed: the checkpoint being replaced is only deleted once its replacement is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from lightning_resilient.io import layout
 from lightning_resilient.io.root import CheckpointRoot
 
-__all__ = ["AsyncSaver", "SaveStats"]
+__all__ = ["AsyncSaver", "SaveStats", "raise_from_background"]
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +131,8 @@ class AsyncSaver:
         """Block until nothing is in flight (errors are kept for :meth:`raise_error`)."""
         pending = self._pending
         if pending is not None:
-            try:
+            with contextlib.suppress(BaseException):  # recorded by the job itself
                 pending.result()
-            except BaseException:
-                pass  # recorded by the job itself
             self._pending = None
 
     def raise_error(self) -> None:

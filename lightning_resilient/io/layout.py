@@ -24,12 +24,21 @@ import torch
 
 __all__ = [
     "ALIGN",
+    "MIN_PARALLEL_OBJECT",
     "Scatter",
     "Snapshot",
     "TensorSlot",
+    "dtype_name",
     "flatten",
     "gather",
+    "host_sources",
+    "key_id",
+    "load_skeleton",
+    "object_size",
+    "parse_dtype",
     "plan",
+    "save_skeleton",
+    "tensor_view",
     "unflatten",
     "windows",
 ]
@@ -239,7 +248,7 @@ class Snapshot:
         if self._step != step or len(slots) != len(self._held):
             return None
         out = []
-        for slot, (tensor, offset, nbytes, version) in zip(slots, self._held):
+        for slot, (tensor, offset, nbytes, version) in zip(slots, self._held, strict=True):
             if slot.offset != offset or slot.nbytes != nbytes:
                 return None
             t = slot.tensor
@@ -300,10 +309,6 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
-
-
-def snapshot_gather(view: memoryview, start: int, end: int) -> Pieces:
-    return [view[start:end]]
 
 
 # -- reading ------------------------------------------------------------------------------------------------------

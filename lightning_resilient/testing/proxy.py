@@ -20,6 +20,7 @@ Run it as a process (``python -m lightning_resilient.testing UPSTREAM --latency 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import random
 import socket
@@ -30,7 +31,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-__all__ = ["StoreProxy"]
+__all__ = ["StoreProxy", "main"]
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
@@ -198,10 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     proxy = StoreProxy(args.upstream, fail_rate=args.fail_rate, latency=args.latency, bandwidth=args.bandwidth,
                        seed=args.seed)
     print(proxy.url, flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         proxy.server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
