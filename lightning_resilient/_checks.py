@@ -42,35 +42,45 @@ def check_optional_bool(name: str, value: Any, *, none_means: str) -> bool | Non
     return value
 
 
-def _int_rule(minimum: int | None, maximum: int | None) -> str:
+def _int_rule(minimum: int | None, maximum: int | None, what: str = "an int") -> str:
     if minimum is not None and maximum is not None:
-        return f"an int from {minimum} to {maximum}"
+        return f"{what} from {minimum} to {maximum}"
     if minimum is not None:
-        return f"an int >= {minimum}"
+        return f"{what} >= {minimum}"
     if maximum is not None:
-        return f"an int <= {maximum}"
-    return "an int"
+        return f"{what} <= {maximum}"
+    return what
+
+
+def _checked_int(name: str, value: Any, minimum: int | None, maximum: int | None, rule: str) -> int:
+    # bool is an int subclass: True steps or True bytes is a bug at the call site, not a number.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SettingTypeError(f"{name} must be {rule}, got {type(value).__name__} {value!r}")
+    number = int(value)
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return number
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
-              hint: str = "") -> int:
+              hint: str = "", what: str = "an int") -> int:
     """``value`` if it is an int (not a bool, not a float) within ``[minimum, maximum]``; else an error naming
-    ``name``: :class:`SettingTypeError` for another type, ``ValueError`` for an int out of range."""
-    rule = _int_rule(minimum, maximum)
-    # bool is an int subclass: True steps or True bytes is a bug at the call site, not a number.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise SettingTypeError(f"{name} must be {rule}{_hint(hint)}, got {type(value).__name__} {value!r}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be {rule}{_hint(hint)}, got {value!r}")
-    return int(value)
+    ``name``: :class:`SettingTypeError` for another type, ``ValueError`` for an int out of range.
+
+    ``what`` names the kind of int in the message: ``check_int("exit_code", 300, minimum=0, maximum=255,
+    what="an exit status")`` says "exit_code must be an exit status from 0 to 255, got 300".
+    """
+    return _checked_int(name, value, minimum, maximum, f"{_int_rule(minimum, maximum, what)}{_hint(hint)}")
 
 
 def check_optional_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
                        none_means: str) -> int | None:
-    """``None``, or ``value`` checked as :func:`check_int`; ``none_means`` says what ``None`` does, in the message."""
+    """``None``, or ``value`` checked as :func:`check_int`; ``none_means`` says what ``None`` does, in the message
+    (``"keep must be an int >= 1 or None (None: keep all), got 0"``)."""
     if value is None:
         return None
-    return check_int(name, value, minimum=minimum, maximum=maximum, hint=f"or None: {none_means}")
+    return _checked_int(name, value, minimum, maximum,
+                        f"{_int_rule(minimum, maximum)} or None{_hint(f'None: {none_means}')}")
 
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, above: float | None = None,

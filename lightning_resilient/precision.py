@@ -45,7 +45,10 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-__all__ = ["AutoPrecision", "PrecisionChoice", "choose_for_device", "detect_facts", "select_precision"]
+from lightning_resilient._checks import check_number
+
+__all__ = ["AutoPrecision", "CHOICES", "PrecisionChoice", "PrecisionName", "choose_for_device", "detect_facts",
+           "select_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +247,10 @@ class AutoPrecision(Precision):
         if precision is not None and precision not in CHOICES:
             raise ValueError(f"precision must be one of {list(CHOICES)} or None, got {precision!r}")
         self.allow = _check_allow(allow)
-        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or init_scale <= 0:
+        self.init_scale = check_number("init_scale", init_scale, hint="the GradScaler's initial scale")
+        if self.init_scale <= 0:
             raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
         self.override = precision
-        self.init_scale = float(init_scale)
         self.choice: PrecisionChoice | None = None
         self._device_type = "cpu"
         self._inner: Precision = Precision()
