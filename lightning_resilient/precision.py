@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities import rank_zero_info
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from lightning_resilient._checks import check_number
@@ -287,8 +287,9 @@ class AutoPrecision(Precision):
 
         return HalfPrecision(precision)  # type: ignore[arg-type]
 
-    @property
-    def precision(self) -> str:  # type: ignore[override]
+    # The base declares a Literal of every Lightning precision; ours is always one of CHOICES, held as a str.
+    @property  # type: ignore[override]
+    def precision(self) -> str:
         return self.choice.precision if self.choice is not None else "32-true"
 
     @precision.setter

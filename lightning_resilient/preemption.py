@@ -26,9 +26,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -260,7 +260,7 @@ class PreemptionCheckpoint(Callback):
                   " previous committed checkpoint stays the latest (an unfinished save is never loadable)",
                   notice.deadline, notice.what)
 
-    def _exit(self, trainer: Trainer, code: int) -> None:
+    def _exit(self, trainer: Trainer, code: int) -> NoReturn:
         if self.requeue_slurm and os.environ.get("SLURM_JOB_ID") and trainer.is_global_zero:
             job = os.environ["SLURM_JOB_ID"]
             done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
@@ -292,7 +292,7 @@ def _estimate_save_seconds(io: Any) -> float | None:
     stats = [s for s in list(getattr(io, "save_stats", []))[-5:] if s.committed and s.upload is not None]
     if not stats:
         return None
-    return statistics.median(max(s.blocked, s.upload or 0.0) for s in stats)
+    return float(statistics.median(max(s.blocked, s.upload or 0.0) for s in stats))
 
 
 def _first_dirpath(trainer: Trainer) -> str | None:

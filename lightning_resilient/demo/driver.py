@@ -195,7 +195,9 @@ def _plot(path: str, uninterrupted: Losses, run: Losses, kill_step: int, resumed
 
     def xy(points: list[tuple[int, int, float]]) -> tuple[list[float], list[float]]:
         # x in optimizer steps; the micro-batches of one step sit at step + k / ACCUMULATE
-        xs, ys, seen = [], [], {}
+        xs: list[float] = []
+        ys: list[float] = []
+        seen: dict[int, int] = {}
         for step, _, loss in points:
             seen[step] = seen.get(step, -1) + 1
             xs.append(step + seen[step] / ACCUMULATE)

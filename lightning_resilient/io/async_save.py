@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_resilient.io import layout
 from lightning_resilient.io.root import CheckpointRoot
@@ -70,7 +71,7 @@ class AsyncSaver:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lightning_resilient-async")
         return self._pool
 
-    def save(self, root: CheckpointRoot, checkpoint: dict, name: str, stats: SaveStats) -> None:
+    def save(self, root: CheckpointRoot, checkpoint: dict[str, Any], name: str, stats: SaveStats) -> None:
         """Snapshot ``checkpoint`` and commit it in the background; returns once training may go on."""
         started = time.perf_counter()
         self.raise_error()

@@ -116,7 +116,8 @@ class Store:
 
     # -- plain objects -----------------------------------------------------------------------------------------
     def read(self, rel: str) -> bytes:
-        return self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+        data: bytes = self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+        return data
 
     def read_range(self, rel: str, start: int, end: int, consume: Consume[T]) -> T:
         """Read bytes ``[start, end)`` of ``rel`` and pass them, as consecutive pieces, to ``consume``.
@@ -563,7 +564,8 @@ class S3Store(Store):
             async with response["Body"] as body:
                 return bytes(await body.read())
 
-        return self._call("read", rel, lambda: sync(self.fs.loop, get))
+        data: bytes = self._call("read", rel, lambda: sync(self.fs.loop, get))
+        return data
 
     def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
         path = self.path(rel)
@@ -580,7 +582,8 @@ class S3Store(Store):
                 data = await body.read()
             return data, response["ETag"]
 
-        return self._call("read", rel, lambda: sync(self.fs.loop, get))
+        versioned: tuple[bytes, str] | None = self._call("read", rel, lambda: sync(self.fs.loop, get))
+        return versioned
 
     def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
         path = self.path(rel)

@@ -169,7 +169,8 @@ class StoreProxy:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        name = host.decode() if isinstance(host, (bytes, bytearray)) else host
+        return f"http://{name}:{port}"
 
     def start(self) -> StoreProxy:
         self.thread.start()
