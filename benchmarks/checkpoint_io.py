@@ -466,8 +466,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], dict[str
 
 def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -> str:
     lines = [f"Machine: {machine}", "",
-             "| size | store | method | save s | blocked s | load s | save MB/s | save vs stock | save vs raw |"
-             " load vs stock | load vs raw | save RSS (x ckpt) | load RSS (x ckpt) |",
+             ("| size | store | method | save s | blocked s | load s | save MB/s | save vs stock | save vs raw |"
+              " load vs stock | load vs raw | save RSS (x ckpt) | load RSS (x ckpt) |"),
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (size_mb, store, method), m in sorted(summary.items(), key=lambda kv: (kv[0][0], STORES.index(kv[0][1]),
                                                                                METHODS.index(kv[0][2]))):
@@ -475,7 +475,7 @@ def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -
         raw = summary.get((size_mb, store, "raw"))
         mb = m["bytes"] / MB
 
-        def ratio(ref: dict[str, float] | None, key: str) -> str:
+        def ratio(ref: dict[str, float] | None, key: str, m: dict[str, float] = m) -> str:
             # "x faster": the reference's time over this one's (above 1: faster than the reference)
             return f"{ref[key] / m[key]:.2f}x" if ref and m[key] > 0 else "-"
 
@@ -484,9 +484,9 @@ def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -
                      f" {ratio(raw, 'load')} | {m['save_rss'] * 2**20 / MB / mb:.2f} |"
                      f" {m['load_rss'] * 2**20 / MB / mb:.2f} |")
     lines += ["", "Ratios are speed-ups: reference time / this method's time (1.00x = as fast; below 1 = slower).",
-              "RSS: peak resident memory during the save or load above the process's memory before it, over the"
-              " checkpoint size (ours-async: at least its snapshot buffer, which stays allocated between saves);"
-              " a load creates the tensors it returns, so 1.0x is its floor."]
+              ("RSS: peak resident memory during the save or load above the process's memory before it, over the"
+               " checkpoint size (ours-async: at least its snapshot buffer, which stays allocated between saves);"
+               " a load creates the tensors it returns, so 1.0x is its floor.")]
     return "\n".join(lines)
 
 
@@ -525,8 +525,8 @@ def tiered(summary: dict[tuple[int, str, str], dict[str, float]], cadence_minute
     if not rows:
         return ""
     saves_per_hour = 60.0 / cadence_minutes
-    lines = ["| size | store | blocked s (async save: s) | local commit s | durable s | resume local s |"
-             " resume store s | local vs store | store GB/h, every save | store GB/h, tiered |",
+    lines = [("| size | store | blocked s (async save: s) | local commit s | durable s | resume local s |"
+              " resume store s | local vs store | store GB/h, every save | store GB/h, tiered |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (size_mb, store, _), m in rows:
         asynchronous = summary.get((size_mb, store, "ours-async"))
@@ -535,10 +535,10 @@ def tiered(summary: dict[tuple[int, str, str], dict[str, float]], cadence_minute
         lines.append(f"| {size_mb} MB | {store} | {blocked} | {m['local_commit']:.3f} | {m['save']:.3f} |"
                      f" {m['load']:.3f} | {m['durable_load']:.3f} | {m['durable_load'] / m['load']:.1f}x |"
                      f" {per_save * saves_per_hour:.3g} | {per_save * saves_per_hour / persist_every:.3g} |")
-    lines += ["", f"Store bytes per hour: a save every {cadence_minutes:g} min; tiered persists every"
+    lines += ["", (f"Store bytes per hour: a save every {cadence_minutes:g} min; tiered persists every"
               f" {persist_every}-th (persist_every={persist_every}), the other saves stay on local disk. The bytes per"
               " save are those a persist wrote (measured); the benchmark itself persists every save"
-              " (persist_every=1), so 'durable s' is the lag of each save behind it."]
+              " (persist_every=1), so 'durable s' is the lag of each save behind it.")]
     return "\n".join(lines)
 
 
@@ -612,7 +612,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--pause", type=float, default=2.0,
                         help="seconds between one run's load and the next run's save (default 2: saves in training are"
-                             " minutes apart, and a save right after a persist's I/O copies its snapshot on a busy node)")
+                             " minutes apart, and a save right after a persist's I/O copies its snapshot on a busy"
+                             " node)")
     parser.add_argument("--cadence-minutes", type=float, default=10.0,
                         help="tiered rows: minutes between saves, for the store bytes per hour")
     parser.add_argument("--persist-every", type=int, default=6,
@@ -636,7 +637,8 @@ def main(argv: list[str] | None = None) -> str:
                     started = time.perf_counter()
                     results = measure(spec, args.timeout)
                     rows += [{**r, "size_mb": size_mb, "store": store, "method": method} for r in results]
-                    print(f"{size_mb} MB {store:10s} {method:16s} save {statistics.median(r['save'] for r in results):7.3f} s"
+                    print(f"{size_mb} MB {store:10s} {method:16s}"
+                          f" save {statistics.median(r['save'] for r in results):7.3f} s"
                           f"  load {statistics.median(r['load'] for r in results):7.3f} s"
                           f"  ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     finally:

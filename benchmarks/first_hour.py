@@ -34,9 +34,8 @@ def machine_description() -> str:
     import torch
 
     cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
     return (f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {gpu}, Python {platform.python_version()},"
             f" torch {torch.__version__}, lightning {lightning.__version__}")
@@ -45,7 +44,8 @@ def machine_description() -> str:
 def script() -> str:
     found = shutil.which("lightning-resilient", path=os.path.dirname(sys.executable))
     if not found:
-        raise SystemExit("the lightning-resilient console script is not installed next to this Python: pip install -e .")
+        raise SystemExit("the lightning-resilient console script is not installed next to this Python:"
+                         " pip install -e .")
     return found
 
 
@@ -58,8 +58,8 @@ def time_help(command: str, runs: int) -> dict[str, Any]:
         times.append(time.perf_counter() - started)
         if proc.returncode != 0:
             raise SystemExit(f"lightning-resilient {command} --help failed ({proc.returncode}): {proc.stderr}")
-    return {"command": f"lightning-resilient {command + ' ' if command else ''}--help", "median_s": statistics.median(times),
-            "max_s": max(times), "runs": runs}
+    return {"command": f"lightning-resilient {command + ' ' if command else ''}--help",
+            "median_s": statistics.median(times), "max_s": max(times), "runs": runs}
 
 
 def time_demo() -> dict[str, Any]:
@@ -70,7 +70,8 @@ def time_demo() -> dict[str, Any]:
             status = subprocess.run([script(), "demo"], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     timeout=900).returncode
             seconds = time.perf_counter() - started
-        tail = open(os.path.join(folder, "demo.log")).read().rstrip().splitlines()[-1:]
+        with open(os.path.join(folder, "demo.log")) as log:
+            tail = log.read().rstrip().splitlines()[-1:]
     return {"command": "lightning-resilient demo", "seconds": seconds, "exit_status": status,
             "verdict": tail[0] if tail else ""}
 
@@ -82,9 +83,8 @@ def _clock(seconds: float) -> str:
 def report(result: dict[str, Any]) -> str:
     lines = ["# The first hour: how long a new user waits", "", f"Machine: {result['machine']}", "",
              "| what | time | how measured |", "|---|---:|---|"]
-    for row in result["help"]:
-        lines.append(f"| `{row['command']}` | {row['median_s']:.2f} s (slowest {row['max_s']:.2f} s) |"
-                     f" median of {row['runs']} fresh processes |")
+    lines += [f"| `{row['command']}` | {row['median_s']:.2f} s (slowest {row['max_s']:.2f} s) |"
+              f" median of {row['runs']} fresh processes |" for row in result["help"]]
     if result.get("demo"):
         demo = result["demo"]
         lines.append(f"| `{demo['command']}` (= `make demo` after the install) | {_clock(demo['seconds'])} |"

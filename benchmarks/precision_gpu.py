@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> str:
     choice = choose_for_device(device)
     shown = {k: v for k, v in facts.items() if k != "cpu_flags"}
     lines = [f"device: {device} {shown}", f"AutoPrecision chooses: {choice.precision} ({choice.reason})", "",
-             f"TransformerEncoderLayer d_model={args.d_model}, heads={args.heads}, batch={args.batch}x{args.seq},"
-             f" AdamW; median of {args.steps} steps after {args.warmup}", "",
+             (f"TransformerEncoderLayer d_model={args.d_model}, heads={args.heads}, batch={args.batch}x{args.seq},"
+              f" AdamW; median of {args.steps} steps after {args.warmup}"), "",
              "| precision | step ms | vs 32-true | peak MiB |", "|---|---:|---:|---:|"]
     results = [run(p, device, args) for p in ("bf16-mixed", "16-mixed", "32-true")]
     base = next(r for r in results if r["precision"] == "32-true")["step_ms"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -40,7 +41,8 @@ STORES = ["local", "s3", "s3-latency"]
 
 
 def _sibling(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(os.path.dirname(__file__), f"{name}.py"))
+    path = os.path.join(os.path.dirname(__file__), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -104,7 +106,7 @@ def one_run(size: int, root: str, endpoint: str | None, env: dict[str, str]) -> 
     found = _COMMITTED.search(err)
     if status != 143 or found is None:
         raise RuntimeError(f"the run did not end with a committed emergency save (status {status}): {err[-2000:]}")
-    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(steps)]
     return {"save_s": float(found.group(1)), "to_commit_s": float(found.group(2)), "to_exit_s": exited,
             "step_s": statistics.median(gaps) if gaps else 0.0}
 
@@ -152,8 +154,8 @@ def table(rows: list[dict[str, Any]], machine: str, args: argparse.Namespace) ->
     lines = [
         "# Preemption: notice to committed emergency checkpoint, and to exit",
         "",
-        f"Machine: {machine}. s3-latency: {args.latency * 1000:.0f} ms per request, {args.bandwidth / MB:.0f} MB/s"
-        f" per connection. Medians of {args.runs} run(s), each a fresh process; times from the SIGTERM.",
+        (f"Machine: {machine}. s3-latency: {args.latency * 1000:.0f} ms per request, {args.bandwidth / MB:.0f} MB/s"
+         f" per connection. Medians of {args.runs} run(s), each a fresh process; times from the SIGTERM."),
         "",
         "| state | store | step s | save s | to commit s | to exit s | effective MB/s | fits 30 s | fits 120 s |",
         "|---:|---|---:|---:|---:|---:|---:|---|---|",
@@ -166,9 +168,9 @@ def table(rows: list[dict[str, Any]], machine: str, args: argparse.Namespace) ->
         lines.append(f"| {size_mb} MB | {store} | {med['step_s']:.2f} | {med['save_s']:.2f} | {med['to_commit_s']:.2f}"
                      f" | {med['to_exit_s']:.2f} | {rate:.0f} | {'yes' if med['to_exit_s'] < 30 else 'no'}"
                      f" | {'yes' if med['to_exit_s'] < 120 else 'no'} |")
-    lines += ["", "Estimate for your job: to exit ~ step + state / effective rate + the fixed part seen here"
-                  " (process teardown); keep it below the notice window (GCE and Kubernetes' default: 30 s; AWS Spot:"
-                  " 120 s) less a margin.", ""]
+    lines += ["", ("Estimate for your job: to exit ~ step + state / effective rate + the fixed part seen here"
+                   " (process teardown); keep it below the notice window (GCE and Kubernetes' default: 30 s; AWS Spot:"
+                   " 120 s) less a margin."), ""]
     return "\n".join(lines)
 
 

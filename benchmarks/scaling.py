@@ -170,9 +170,8 @@ def machine_description() -> str:
     import torch
 
     cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names: dict[str, int] = {}
     for i in range(count):
@@ -439,22 +438,22 @@ def table(rows: list[dict[str, Any]], model: str, machine: str, every: int) -> s
     against = "" if base == 1 else f" (efficiency against world size {base}, the smallest measured)"
     asynchronous = any(r.get("async_save") for r in rows)
     lines = [f"Model: {model}", "", f"Machine: {machine}", "",
-             f"A checkpoint every {every} steps, {'async' if asynchronous else 'synchronous'} AtomicCheckpointIO"
-             f" saves{against}.", "",
-             "| world size | global batch | samples/s | efficiency | step s | save s (blocked) / upload s | load s |"
-             " overhead % |",
+             (f"A checkpoint every {every} steps, {'async' if asynchronous else 'synchronous'} AtomicCheckpointIO"
+              f" saves{against}."), "",
+             ("| world size | global batch | samples/s | efficiency | step s | save s (blocked) / upload s | load s |"
+              " overhead % |"),
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         upload = "-" if r.get("upload_seconds") is None else f"{r['upload_seconds']:.3f}"
         lines.append(f"| {r['world_size']} | {r['global_batch']} | {r['throughput_samples_per_s']:,.1f} |"
                      f" {r['scaling_efficiency']:.2f} | {r['step_seconds']:.4f} | {r['save_seconds']:.3f} / {upload} |"
                      f" {r['load_seconds']:.3f} | {100 * r['checkpoint_overhead_fraction']:.2f} |")
-    lines += ["", "samples/s excludes checkpoint time; save s is what the loop is blocked per save"
+    lines += ["", ("samples/s excludes checkpoint time; save s is what the loop is blocked per save"
               " (trainer.save_checkpoint); upload s is the plugin's time until the save is committed; load s is the"
-              " slowest rank's io.load_checkpoint; overhead = save / (save + every_n_steps x step s)."]
+              " slowest rank's io.load_checkpoint; overhead = save / (save + every_n_steps x step s).")]
     if any(r.get("device") == "cpu" for r in rows):
-        lines += ["", "CPU (the reduced form): the ranks share this machine's cores (cores / N threads each) over gloo,"
-                  " so the efficiency shows the script works, not how GPUs scale."]
+        lines += ["", ("CPU (the reduced form): the ranks share this machine's cores (cores / N threads each) over"
+                       " gloo, so the efficiency shows the script works, not how GPUs scale.")]
     return "\n".join(lines)
 
 
@@ -482,7 +481,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
                 bbox_to_anchor=(0.5, -0.15), ncol=3)
     left.set_title("throughput and efficiency", fontsize=10)
     right.plot(sizes, [r["save_seconds"] for r in rows], "o-", label="save (blocked)")
-    uploads = [(n, r["upload_seconds"]) for n, r in zip(sizes, rows) if r.get("upload_seconds") is not None]
+    uploads = [(n, r["upload_seconds"]) for n, r in zip(sizes, rows, strict=True)
+               if r.get("upload_seconds") is not None]
     if uploads:
         right.plot([u[0] for u in uploads], [u[1] for u in uploads], "^--", label="upload")
     right.plot(sizes, [r["load_seconds"] for r in rows], "s-", label="load (slowest rank)")
@@ -602,10 +602,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if any(n < 1 for n in args.world_sizes):
         parser.error(f"--world-sizes must all be >= 1, got {args.world_sizes}")
     args.world_sizes = sorted(set(args.world_sizes))
-    if args.device == "cuda":
-        if max(args.world_sizes) > have:
-            parser.error(f"--world-sizes {args.world_sizes} asks for {max(args.world_sizes)} GPUs on one node, but"
-                         f" {have} are visible; more nodes: --launcher external under torchrun or srun")
+    if args.device == "cuda" and max(args.world_sizes) > have:
+        parser.error(f"--world-sizes {args.world_sizes} asks for {max(args.world_sizes)} GPUs on one node, but"
+                     f" {have} are visible; more nodes: --launcher external under torchrun or srun")
     return args
 
 

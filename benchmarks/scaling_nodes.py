@@ -1,4 +1,5 @@
-"""``scaling.py --nodes N``: an N-node DDP job simulated on this machine, resumed; per node, store reads and resume time.
+"""``scaling.py --nodes N``: an N-node DDP job simulated on this machine, resumed; per node, store reads and resume
+time.
 
     python benchmarks/scaling.py --nodes 2                          # 2 nodes x 2 processes, 3 resumes each way
     python benchmarks/scaling.py --nodes 2 --procs-per-node 4 --runs 5 --width 2048 --out /tmp/nodes
@@ -120,26 +121,25 @@ def table(doc: Mapping[str, Any]) -> str:
     mb = doc["checkpoint_bytes"] / 1e6
     p = doc["procs_per_node"]
     lines = [f"Model: {doc['model']}", "", f"Machine: {doc['machine']}", "",
-             f"{doc['nodes']} nodes x {p} processes (gloo on CPU, loopback), one moto S3 server, one counting proxy"
-             f" per node. Checkpoint: {mb:.2f} MB ({doc['commit']}). Median of {doc['runs']} resume(s) per row,"
-             " each a fresh job with a cold node cache.", "",
+             (f"{doc['nodes']} nodes x {p} processes (gloo on CPU, loopback), one moto S3 server, one counting proxy"
+              f" per node. Checkpoint: {mb:.2f} MB ({doc['commit']}). Median of {doc['runs']} resume(s) per row,"
+              " each a fresh job with a cold node cache."), "",
              "| node cache | node | store reads | MB read | x checkpoint | load s | resume s |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in doc["results"]:
-        lines.append(f"| {'on' if r['node_cache'] else 'off'} | {r['node']} | {r['store_reads']:g} |"
-                     f" {r['store_bytes_read'] / 1e6:.2f} | {r['bytes_read_ratio']:.2f} | {r['load_seconds']:.2f} |"
-                     f" {r['resume_seconds']:.2f} |")
-    lines += ["", "store reads: GET/HEAD requests through the node's proxy during the whole resume job; MB read: their"
+    lines += [f"| {'on' if r['node_cache'] else 'off'} | {r['node']} | {r['store_reads']:g} |"
+              f" {r['store_bytes_read'] / 1e6:.2f} | {r['bytes_read_ratio']:.2f} | {r['load_seconds']:.2f} |"
+              f" {r['resume_seconds']:.2f} |" for r in doc["results"]]
+    lines += ["", ("store reads: GET/HEAD requests through the node's proxy during the whole resume job; MB read: their"
               " response bodies; x checkpoint: MB read / checkpoint size (about 1 per node with the node cache, about"
               f" {p} = processes per node without). {LOAD_DEFINITION}; {RESUME_DEFINITION}. Node 0 holds global rank"
               " 0, which also resolves the checkpoint for the job and claims the root (the claim's writes are counted"
-              " apart, in the JSON): more requests and a longer load there.", "",
-              "What this shows on one machine: every process of the job resumes the one commit rank 0 chose, and each"
-              " node reads it from the store once with the node cache, once per process without, over real TCP (gloo)"
-              " and a real S3 API. What it cannot: separate kernels and disks (here both node caches share one disk"
-              " and one page cache), NCCL, a real network between nodes, and a store whose bandwidth and latency"
-              " differ per node (here every node shares one moto process and this machine's cores, so resume s is"
-              " mostly the start-up of every process on those cores, not a cluster's load time)."]
+              " apart, in the JSON): more requests and a longer load there."), "",
+              ("What this shows on one machine: every process of the job resumes the one commit rank 0 chose, and each"
+               " node reads it from the store once with the node cache, once per process without, over real TCP (gloo)"
+               " and a real S3 API. What it cannot: separate kernels and disks (here both node caches share one disk"
+               " and one page cache), NCCL, a real network between nodes, and a store whose bandwidth and latency"
+               " differ per node (here every node shares one moto process and this machine's cores, so resume s is"
+               " mostly the start-up of every process on those cores, not a cluster's load time).")]
     return "\n".join(lines)
 
 
@@ -306,35 +306,33 @@ def run_job(spec: Mapping[str, Any], proxies: list[Any], work: str, timeout: flo
     out_dir = os.path.join(job, "records")
     os.makedirs(out_dir)
     port = _free_port()
-    procs, launched, logs = [], [], []
-    try:
-        for node, proxy in enumerate(proxies):
-            tmp = os.path.join(job, f"node{node}")
-            os.makedirs(tmp)
-            node_spec = {**spec, "endpoint": proxy.url, "out_dir": out_dir}
-            env = _node_env(scaling._repo_env(), node, port, proxy.url, tmp)
-            log = open(os.path.join(job, f"node{node}.log"), "w")
-            logs.append(log)
-            launched.append(time.time())
-            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--node-worker",
-                                           json.dumps(node_spec)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True, cwd=job))
-        deadline = time.monotonic() + timeout
-        codes = []
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-    finally:
-        for proc in procs:  # a node that failed leaves the others waiting in a collective: end them all
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            scaling._stop_group(proc.pid, grace=30)  # the node's other processes write their record, then exit
-            proc.wait()
-        for log in logs:
-            log.close()
+    procs, launched = [], []
+    with contextlib.ExitStack() as logs:  # every node's log stays open until its processes have ended
+        try:
+            for node, proxy in enumerate(proxies):
+                tmp = os.path.join(job, f"node{node}")
+                os.makedirs(tmp)
+                node_spec = {**spec, "endpoint": proxy.url, "out_dir": out_dir}
+                env = _node_env(scaling._repo_env(), node, port, proxy.url, tmp)
+                log = logs.enter_context(open(os.path.join(job, f"node{node}.log"), "w"))
+                launched.append(time.time())
+                procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--node-worker",
+                                               json.dumps(node_spec)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True, cwd=job))
+            deadline = time.monotonic() + timeout
+            codes = []
+            for proc in procs:
+                try:
+                    codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    codes.append(None)
+        finally:
+            for proc in procs:  # a node that failed leaves the others waiting in a collective: end them all
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                scaling._stop_group(proc.pid, grace=30)  # the node's other processes write their record, then exit
+                proc.wait()
     world = spec["nodes"] * spec["procs_per_node"]
     records = []
     for name in sorted(os.listdir(out_dir)):

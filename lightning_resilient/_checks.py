@@ -45,41 +45,50 @@ def check_optional_bool(name: str, value: Any, *, none_means: str, none_first: b
     return value
 
 
-def _int_rule(minimum: int | None, maximum: int | None) -> str:
+def _int_rule(minimum: int | None, maximum: int | None, what: str = "an int") -> str:
     if minimum is not None and maximum is not None:
-        return f"an int from {minimum} to {maximum}"
+        return f"{what} from {minimum} to {maximum}"
     if minimum is not None:
-        return f"an int >= {minimum}"
+        return f"{what} >= {minimum}"
     if maximum is not None:
-        return f"an int <= {maximum}"
-    return "an int"
+        return f"{what} <= {maximum}"
+    return what
 
 
-def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
-              hint: str = "", rule: str | None = None, typed: bool = True) -> int:
-    """``value`` if it is an int (not a bool, not a float) within ``[minimum, maximum]``; else an error naming
-    ``name``: :class:`SettingTypeError` for another type, ``ValueError`` for an int out of range.
-
-    ``rule`` replaces the generated "an int >= 1" in the message (say it in the caller's words: "a number of bytes
-    from 1 to 5 GiB"); ``typed=False`` leaves the wrong value's type name out of it ("got 2.5", not "got float 2.5").
-    """
-    rule = rule or _int_rule(minimum, maximum)
+def _checked_int(name: str, value: Any, minimum: int | None, maximum: int | None, rule: str, typed: bool) -> int:
     # bool is an int subclass: True steps or True bytes is a bug at the call site, not a number.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         shown = f"{type(value).__name__} {value!r}" if typed else repr(value)
-        raise SettingTypeError(f"{name} must be {rule}{_hint(hint)}, got {shown}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be {rule}{_hint(hint)}, got {value!r}")
-    return int(value)
+        raise SettingTypeError(f"{name} must be {rule}, got {shown}")
+    number = int(value)
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return number
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+              hint: str = "", what: str = "an int", rule: str | None = None, typed: bool = True) -> int:
+    """``value`` if it is an int (not a bool, not a float) within ``[minimum, maximum]``; else an error naming
+    ``name``: :class:`SettingTypeError` for another type, ``ValueError`` for an int out of range.
+
+    ``what`` names the kind of int in the message: ``check_int("exit_code", 300, minimum=0, maximum=255,
+    what="an exit status")`` says "exit_code must be an exit status from 0 to 255, got 300". ``rule`` replaces the
+    whole rule in the caller's words ("a number of bytes from 1 to 5 GiB"); ``typed=False`` leaves the wrong value's
+    type name out ("got 2.5", not "got float 2.5").
+    """
+    return _checked_int(name, value, minimum, maximum, f"{rule or _int_rule(minimum, maximum, what)}{_hint(hint)}",
+                        typed)
 
 
 def check_optional_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
-                       hint: str = "", typed: bool = True) -> int | None:
-    """``None``, or ``value`` checked as :func:`check_int` (the message says "... or None")."""
+                       none_means: str = "", typed: bool = True) -> int | None:
+    """``None``, or ``value`` checked as :func:`check_int`; ``none_means`` says what ``None`` does, in the message
+    (``"keep must be an int >= 1 or None (None: keep all), got 0"``)."""
     if value is None:
         return None
-    return check_int(name, value, minimum=minimum, maximum=maximum, hint=hint,
-                     rule=f"{_int_rule(minimum, maximum)} or None", typed=typed)
+    return _checked_int(name, value, minimum, maximum,
+                        f"{_int_rule(minimum, maximum)} or None{_hint(f'None: {none_means}' if none_means else '')}",
+                        typed)
 
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, above: float | None = None,

@@ -50,7 +50,7 @@ class CheckpointCorruptedError(CheckpointError):
     ``object`` names the first bad object found.
     """
 
-    def __init__(self, message: str, *, object: str | None = None) -> None:  # noqa: A002 - the natural name
+    def __init__(self, message: str, *, object: str | None = None) -> None:  # shadows the builtin: the natural name
         self.object = object
         super().__init__(message)
 

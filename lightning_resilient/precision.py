@@ -42,10 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities import rank_zero_info
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-__all__ = ["AutoPrecision", "PrecisionChoice", "choose_for_device", "detect_facts", "select_precision"]
+from lightning_resilient._checks import check_number
+
+__all__ = ["AutoPrecision", "CHOICES", "PrecisionChoice", "PrecisionName", "choose_for_device", "detect_facts",
+           "select_precision"]
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +247,10 @@ class AutoPrecision(Precision):
         if precision is not None and precision not in CHOICES:
             raise ValueError(f"precision must be one of {list(CHOICES)} or None, got {precision!r}")
         self.allow = _check_allow(allow)
-        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or init_scale <= 0:
+        self.init_scale = check_number("init_scale", init_scale, hint="the GradScaler's initial scale")
+        if self.init_scale <= 0:
             raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
         self.override = precision
-        self.init_scale = float(init_scale)
         self.choice: PrecisionChoice | None = None
         self._device_type = "cpu"
         self._inner: Precision = Precision()
@@ -284,8 +287,9 @@ class AutoPrecision(Precision):
 
         return HalfPrecision(precision)  # type: ignore[arg-type]
 
-    @property
-    def precision(self) -> str:  # type: ignore[override]
+    # The base declares a Literal of every Lightning precision; ours is always one of CHOICES, held as a str.
+    @property  # type: ignore[override]
+    def precision(self) -> str:
         return self.choice.precision if self.choice is not None else "32-true"
 
     @precision.setter

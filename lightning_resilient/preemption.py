@@ -26,12 +26,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_resilient._checks import check_bool, check_int, check_number
 from lightning_resilient._namespaces import require_lightning_pytorch
 
 __all__ = ["AWS_SPOT_URL", "GCE_PREEMPTED_URL", "Notice", "PreemptedExit", "PreemptionCheckpoint"]
@@ -102,25 +103,20 @@ class PreemptionCheckpoint(Callback):
         if notice_file is not None and not isinstance(notice_file, str):
             raise TypeError(f"notice_file must be a path or None, got {notice_file!r}")
         self.notice_file = notice_file
-        for field, value in (("poll_seconds", poll_seconds), ("deadline_seconds", deadline_seconds)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{field} must be a number of seconds > 0, got {value!r}")
-        self.poll_seconds = float(poll_seconds)
-        self.deadline_seconds = None if deadline_seconds is None else float(deadline_seconds)
+        self.poll_seconds = check_number("poll_seconds", poll_seconds, above=0, hint="seconds")
+        self.deadline_seconds = (None if deadline_seconds is None else
+                                 check_number("deadline_seconds", deadline_seconds, above=0,
+                                              hint="seconds, or None: no deadline"))
         if dirpath is not None and not isinstance(dirpath, str):
             raise TypeError(f"dirpath must be a checkpoint root URL or None, got {dirpath!r}")
         if not isinstance(filename, str) or not filename or "/" in filename:
             raise ValueError(f"filename must be a checkpoint name without '/', got {filename!r}")
-        for field, value in (("exit_code", exit_code), ("unsaved_exit_code", unsaved_exit_code)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
-                raise ValueError(f"{field} must be an exit status from 0 to 255, got {value!r}")
-        if not isinstance(requeue_slurm, bool):
-            raise TypeError(f"requeue_slurm must be True or False, got {requeue_slurm!r}")
         self.dirpath = dirpath
         self.filename = filename
-        self.exit_code = exit_code
-        self.unsaved_exit_code = unsaved_exit_code
-        self.requeue_slurm = requeue_slurm
+        self.exit_code = check_int("exit_code", exit_code, minimum=0, maximum=255, what="an exit status")
+        self.unsaved_exit_code = check_int("unsaved_exit_code", unsaved_exit_code, minimum=0, maximum=255,
+                                           what="an exit status")
+        self.requeue_slurm = check_bool("requeue_slurm", requeue_slurm)
         #: The notice this process received (None until one arrives).
         self.notice: Notice | None = None
         #: What the emergency save did: {"step", "path", "seconds", "committed"} (None until it ran).
@@ -205,7 +201,7 @@ class PreemptionCheckpoint(Callback):
         self.__dict__.update(state)
         self._stop = threading.Event()
 
-    # -- the safe point --------------------------------------------------------------------------------------------------
+    # -- the safe point ------------------------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         stepped = trainer.global_step != self._last_step
@@ -264,7 +260,7 @@ class PreemptionCheckpoint(Callback):
                   " previous committed checkpoint stays the latest (an unfinished save is never loadable)",
                   notice.deadline, notice.what)
 
-    def _exit(self, trainer: Trainer, code: int) -> None:
+    def _exit(self, trainer: Trainer, code: int) -> NoReturn:
         if self.requeue_slurm and os.environ.get("SLURM_JOB_ID") and trainer.is_global_zero:
             job = os.environ["SLURM_JOB_ID"]
             done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
@@ -296,7 +292,7 @@ def _estimate_save_seconds(io: Any) -> float | None:
     stats = [s for s in list(getattr(io, "save_stats", []))[-5:] if s.committed and s.upload is not None]
     if not stats:
         return None
-    return statistics.median(max(s.blocked, s.upload or 0.0) for s in stats)
+    return float(statistics.median(max(s.blocked, s.upload or 0.0) for s in stats))
 
 
 def _first_dirpath(trainer: Trainer) -> str | None:
@@ -307,12 +303,15 @@ def _first_dirpath(trainer: Trainer) -> str | None:
 
 
 def _signal_number(value: str | int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"signals must be names or numbers, got {value!r}")
+    if isinstance(value, str):
+        try:
+            return int(signal.Signals[value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"])
+        except KeyError:
+            raise ValueError(f"signals: {value!r} is not a signal of this platform") from None
+    number = check_int("signals", value, what="signal names or numbers")
     try:
-        return int(signal.Signals[value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"]) \
-            if isinstance(value, str) else int(signal.Signals(value))
-    except (KeyError, ValueError):
+        return int(signal.Signals(number))
+    except ValueError:
         raise ValueError(f"signals: {value!r} is not a signal of this platform") from None
 
 
@@ -329,7 +328,7 @@ def _endpoint(value: bool | str, default: str, field: str) -> str | None:
 def _get(url: str, headers: dict[str, str], method: str = "GET") -> tuple[int, str]:
     request = urllib.request.Request(url, headers=headers, method=method)
     try:
-        with urllib.request.urlopen(request, timeout=2) as response:  # noqa: S310 (a configured metadata URL)
+        with urllib.request.urlopen(request, timeout=2) as response:  # a configured metadata URL, never user input
             return response.status, response.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
         return exc.code, ""

@@ -19,7 +19,9 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
-__all__ = ["AccumulationAwareScheduler", "warmup_schedule"]
+from lightning_resilient._checks import check_bool, check_choice, check_int, check_number, check_optional_int
+
+__all__ = ["AccumulationAwareScheduler", "ScheduleKind", "warmup_schedule"]
 
 ScheduleKind = Literal["linear", "cosine", "onecycle", "constant"]
 
@@ -72,15 +74,12 @@ class AccumulationAwareScheduler(LRScheduler):
                             f" {type(scheduler).__name__}")
         if isinstance(scheduler, AccumulationAwareScheduler):
             raise TypeError("scheduler is already an AccumulationAwareScheduler: wrap the inner scheduler once")
-        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
-            raise ValueError(f"frequency must be an int >= 1 (optimizer steps), got {frequency!r}")
-        if not isinstance(count_skipped_steps, bool):
-            raise TypeError(f"count_skipped_steps must be True or False, got {count_skipped_steps!r}")
+        frequency = check_int("frequency", frequency, minimum=1, hint="optimizer steps")
+        count_skipped_steps = check_bool("count_skipped_steps", count_skipped_steps)
         if count_skipped_steps and scaler is None:
             raise ValueError("count_skipped_steps=True needs scaler=<the GradScaler>, whose step() calls are counted")
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                        or total_steps < 1):
-            raise ValueError(f"total_steps must be an int >= 1 or None, got {total_steps!r}")
+        total_steps = check_optional_int("total_steps", total_steps, minimum=1,
+                                         none_means="no warning when training runs past the schedule")
         # LRScheduler.__init__ is deliberately not called: it would take an initial step and patch
         # optimizer.step a second time. The wrapped scheduler already did both.
         self.optimizer = optimizer
@@ -98,10 +97,10 @@ class AccumulationAwareScheduler(LRScheduler):
             self._hook = None
             inner_step = scaler.step
 
-            def counting_step(opt: Optimizer, *args: Any, **kwargs: Any) -> Any:
-                if opt is self.optimizer:
+            def counting_step(optimizer: Optimizer, *args: Any, **kwargs: Any) -> float | None:
+                if optimizer is self.optimizer:
                     self.optimizer_steps += 1
-                return inner_step(opt, *args, **kwargs)
+                return inner_step(optimizer, *args, **kwargs)
 
             scaler.step = counting_step  # type: ignore[method-assign]
         else:
@@ -111,14 +110,14 @@ class AccumulationAwareScheduler(LRScheduler):
         self.optimizer_steps += 1
 
     @property
-    def last_epoch(self) -> int:  # type: ignore[override]
+    def last_epoch(self) -> int:
         return int(getattr(self.scheduler, "last_epoch", self.advances))
 
     @last_epoch.setter
     def last_epoch(self, value: int) -> None:
         pass  # owned by the wrapped scheduler
 
-    def step(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the wrapped scheduler if ``frequency`` real optimizer steps happened since the last advance.
 
         Arguments (e.g. ``metrics`` for ``ReduceLROnPlateau``) are passed through.
@@ -138,7 +137,7 @@ class AccumulationAwareScheduler(LRScheduler):
                 stacklevel=2,
             )
 
-    def get_last_lr(self) -> list[float]:
+    def get_last_lr(self) -> list[float | torch.Tensor]:
         last = getattr(self.scheduler, "get_last_lr", None)
         if callable(last):
             try:
@@ -147,7 +146,7 @@ class AccumulationAwareScheduler(LRScheduler):
                 pass
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         return self.get_last_lr()
 
     def state_dict(self) -> dict[str, Any]:
@@ -208,13 +207,10 @@ def warmup_schedule(
             sched = warmup_schedule(opt, "cosine", trainer=self.trainer, warmup_steps=0.05)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
     """
-    if kind not in ("linear", "cosine", "onecycle", "constant"):
-        raise ValueError(f"kind must be 'linear', 'cosine', 'onecycle' or 'constant', got {kind!r}")
+    check_choice("kind", kind, ("linear", "cosine", "onecycle", "constant"))
     if trainer is None and total_steps is None:
         raise ValueError("pass trainer=... (its estimated_stepping_batches sizes the schedule) or total_steps=...")
-    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                    or total_steps < 1):
-        raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+    total_steps = check_optional_int("total_steps", total_steps, minimum=1, none_means="the trainer's count")
     if trainer is not None:
         planned = _steps_from_trainer(trainer)
         if total_steps is None:
@@ -226,13 +222,13 @@ def warmup_schedule(
             warnings.warn(f"training ends after {planned} optimizer steps, far before the LR schedule's"
                           f" {total_steps}: it will never decay fully", RuntimeWarning, stacklevel=2)
     assert total_steps is not None
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be a number of steps >= 0 or a fraction in [0, 1), got {warmup_steps!r}")
-    warmup = int(round(warmup_steps * total_steps)) if isinstance(warmup_steps, float) and warmup_steps < 1 \
+    check_number("warmup_steps", warmup_steps, minimum=0, hint="a number of steps, or a fraction of them below 1")
+    # a float below 1 is a fraction of the schedule; anything else (5, 5.0) a number of steps
+    warmup = round(float(warmup_steps) * total_steps) if isinstance(warmup_steps, float) and warmup_steps < 1 \
         else int(warmup_steps)
     if warmup >= total_steps and kind != "constant":
         raise ValueError(f"warmup_steps ({warmup}) must be shorter than the schedule ({total_steps} steps)")
-    if not 0.0 <= min_lr_ratio <= 1.0:
+    if not 0.0 <= check_number("min_lr_ratio", min_lr_ratio) <= 1.0:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
 
     inner: LRScheduler

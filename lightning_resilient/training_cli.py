@@ -20,7 +20,7 @@ import warnings
 from typing import Any
 
 from jsonargparse import Namespace
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -28,7 +28,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.store import check_default_client
 
-__all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "main", "redact_storage_options"]
+__all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "main", "redact_storage_options", "resume_path"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def redact_storage_options(config: Any, *, inside: bool = False) -> Any:
     every credential-like key in them (``key``, ``secret``, ``token``, ``aws_secret_access_key``, ...) maps to
     :data:`REDACTED`. Everything else is kept as it is."""
     if isinstance(config, Namespace):
-        out = Namespace()
+        out = Namespace()  # type: ignore[no-untyped-call]  # jsonargparse leaves Namespace.__init__ unannotated
         for key, value in vars(config).items():
             setattr(out, key, _redacted(key, value, inside))
         return out
@@ -90,7 +90,8 @@ class ResilientCLI(LightningCLI):
         if len(args) < 3:  # save_config_callback is LightningCLI's third positional argument
             kwargs.setdefault("save_config_callback", RedactingSaveConfigCallback)
         # A rerun after a kill writes the same config into the same folder: that is the point, not a mistake.
-        super().__init__(*args, save_config_kwargs={"overwrite": True, **(save_config_kwargs or {})}, **kwargs)
+        kwargs["save_config_kwargs"] = {"overwrite": True, **(save_config_kwargs or {})}
+        super().__init__(*args, **kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         if isinstance(args, list) and args and sys.argv[-len(args):] == args:
@@ -109,7 +110,7 @@ class ResilientCLI(LightningCLI):
                  " --ckpt_path is given (lightning_resilient.AtomicCheckpointIO); start fresh when there is none")
 
     def before_fit(self) -> None:
-        for callback in self.trainer.callbacks:
+        for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
                 check_default_client(str(callback.dirpath))  # before ModelCheckpoint's bare NoCredentialsError
         config = self.config_init["fit"]

@@ -50,7 +50,8 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help="where configs, records, report and plot go (default demo_output; emptied first)")
     parser.add_argument("--preempt", action="store_true",
                         help="instead of a SIGKILL mid-upload, a preemption notice (SIGTERM) after the checkpoint of"
-                             " --kill-step: PreemptionCheckpoint saves the step in progress, the restart recomputes none")
+                             " --kill-step: PreemptionCheckpoint saves the step in progress, the restart recomputes"
+                             " none")
 
 
 def _run(args: argparse.Namespace) -> int:

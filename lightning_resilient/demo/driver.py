@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "scenario_error"]
 
 BUCKET = "lightning-resilient-demo"
 ACCUMULATE = 2  # the demo config's accumulate_grad_batches
@@ -174,7 +174,8 @@ class Losses:
     def read(cls, folder: str) -> Losses:
         out = cls()
         try:
-            lines = open(os.path.join(folder, "losses.txt")).read().splitlines()
+            with open(os.path.join(folder, "losses.txt")) as f:
+                lines = f.read().splitlines()
         except FileNotFoundError:
             return out
         for line in lines:
@@ -194,7 +195,9 @@ def _plot(path: str, uninterrupted: Losses, run: Losses, kill_step: int, resumed
 
     def xy(points: list[tuple[int, int, float]]) -> tuple[list[float], list[float]]:
         # x in optimizer steps; the micro-batches of one step sit at step + k / ACCUMULATE
-        xs, ys, seen = [], [], {}
+        xs: list[float] = []
+        ys: list[float] = []
+        seen: dict[int, int] = {}
         for step, _, loss in points:
             seen[step] = seen.get(step, -1) + 1
             xs.append(step + seen[step] / ACCUMULATE)
@@ -203,8 +206,10 @@ def _plot(path: str, uninterrupted: Losses, run: Losses, kill_step: int, resumed
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.plot(*xy(uninterrupted.attempts[0]), color="#bbbbbb", linewidth=5, label="uninterrupted run")
-    styles = [("#1f77b4", "-", "attempt 1 (SIGKILLed mid-upload)"), ("#ff7f0e", "--", "attempt 2 (same command: resumed)")]
-    for points, (color, dash, label) in zip(run.attempts, styles):
+    styles = [("#1f77b4", "-", "attempt 1 (SIGKILLed mid-upload)"),
+              ("#ff7f0e", "--", "attempt 2 (same command: resumed)")]
+    # a run that never restarted has one attempt: the second style goes unused
+    for points, (color, dash, label) in zip(run.attempts, styles, strict=False):
         ax.plot(*xy(points), color=color, linestyle=dash, linewidth=1.4, label=label)
     ax.axvline(kill_step, color="red", linewidth=0.8)
     ax.text(kill_step, ax.get_ylim()[1], " SIGKILL", color="red", va="top", fontsize=8)
@@ -363,19 +368,20 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
 
     report = [
         "Post-mortem",
-        f"  what the kill hit:        training step {killed_at}, during the background upload of the checkpoint of step"
-        f" {kill_step} ({_objects(stored)} stored; {'committed' if committed else 'never committed: no manifest'})",
+        (f"  what the kill hit:        training step {killed_at}, during the background upload of the checkpoint of"
+         f" step {kill_step} ({_objects(stored)} stored;"
+         f" {'committed' if committed else 'never committed: no manifest'})"),
         f"  partial folders it left:  {len(partial)}" + (f" ({', '.join(partial)})" if partial else ""),
         f"  restart resumed from:     {resumed_url} (step {resumed_step}), found by the same command",
         f"  steps recomputed:         {max(0, killed_at - resumed_step)} (step {resumed_step} to step {killed_at})",
         f"  resumed run finished at:  step {final_step} of {max_steps}",
-        f"  partial folders collected when the restart claimed the root: {sum(1 for f in partial if f not in after)}"
-        f" of {len(partial)}",
-        f"  time spent checkpointing: {blocked_first + blocked_second:.2f} s blocked in the training loop over both"
-        f" attempts ({saves_second} saves in attempt 2: {blocked_second:.2f} s blocked, {upload_second:.2f} s of"
-        f" uploads in the background, out of {wall_second:.1f} s of wall time)",
-        f"  killed + resumed vs uninterrupted: {'bit-identical' if same else 'DIFFERENT'} final weights (torch.equal on"
-        f" all {tensors} tensors); per-step losses after the resume {'identical' if same_losses else 'DIFFER'}",
+        (f"  partial folders collected when the restart claimed the root: {sum(1 for f in partial if f not in after)}"
+         f" of {len(partial)}"),
+        (f"  time spent checkpointing: {blocked_first + blocked_second:.2f} s blocked in the training loop over both"
+         f" attempts ({saves_second} saves in attempt 2: {blocked_second:.2f} s blocked, {upload_second:.2f} s of"
+         f" uploads in the background, out of {wall_second:.1f} s of wall time)"),
+        (f"  killed + resumed vs uninterrupted: {'bit-identical' if same else 'DIFFERENT'} final weights (torch.equal"
+         f" on all {tensors} tensors); per-step losses after the resume {'identical' if same_losses else 'DIFFER'}"),
         f"  loss curves:              {png}",
     ]
     with open(os.path.join(out_dir, "report.txt"), "w") as f:
@@ -424,14 +430,15 @@ def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str
     _plot(png, reference, run, trained, resumed_step)
     report = [
         "Post-mortem (preemption)",
-        f"  the notice:               SIGTERM after step {kill_step}'s checkpoint; the job had trained to step {trained}",
+        (f"  the notice:               SIGTERM after step {kill_step}'s checkpoint; the job had trained to step"
+         f" {trained}"),
         "  emergency checkpoint:     " + (f"step {saved_step}, committed {took:.2f} s after the notice; exit status"
                                            f" {status}" if emergency else f"none (exit status {status})"),
         f"  restart resumed from:     {resumed_url} (step {resumed_step}), found by the same command",
         f"  steps recomputed:         {max(0, trained - resumed_step)}",
         f"  resumed run finished at:  step {final_step} of {max_steps}",
-        f"  preempted + resumed vs uninterrupted: {'bit-identical' if same else 'DIFFERENT'} final weights;"
-        f" per-step losses after the resume {'identical' if same_losses else 'DIFFER'}",
+        (f"  preempted + resumed vs uninterrupted: {'bit-identical' if same else 'DIFFERENT'} final weights;"
+         f" per-step losses after the resume {'identical' if same_losses else 'DIFFER'}"),
         f"  loss curves:              {png}",
     ]
     with open(os.path.join(out_dir, "report.txt"), "w") as f:

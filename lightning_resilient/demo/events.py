@@ -15,7 +15,8 @@ from typing import Any, TextIO
 from typing_extensions import override
 
 from lightning_resilient.io import AtomicCheckpointIO
-from lightning_resilient.io.root import CheckpointRoot
+from lightning_resilient.io.pointer import Entry
+from lightning_resilient.io.root import CheckpointRoot, Prepared
 
 __all__ = ["AnnouncingCheckpointIO", "announce"]
 
@@ -53,9 +54,9 @@ class AnnouncingCheckpointIO(AtomicCheckpointIO):
                 write_pieces(rel, pieces)
                 announce("object", rel)
 
-            def announced_commit(prepared: Any) -> Any:
+            def announced_commit(prepared: Prepared, **options: Any) -> Entry:
                 started = time.perf_counter()
-                entry = commit(prepared)
+                entry = commit(prepared, **options)
                 announce("commit", prepared.step, prepared.name, f"{time.perf_counter() - started:.4f}")
                 return entry
 

@@ -65,10 +65,10 @@ class DemoModel(LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        opt = torch.optim.Adam(self.parameters(), lr=hp.lr)
+        opt = torch.optim.Adam(self.parameters(), lr=hp["lr"])
         # Sized from the trainer's optimizer-step count: with accumulation it ends exactly at the last step.
-        sched = warmup_schedule(opt, hp.schedule, trainer=self.trainer, warmup_steps=hp.warmup_steps,
-                                min_lr_ratio=hp.min_lr_ratio)
+        sched = warmup_schedule(opt, hp["schedule"], trainer=self.trainer, warmup_steps=hp["warmup_steps"],
+                                min_lr_ratio=hp["min_lr_ratio"])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -85,7 +85,7 @@ class DemoData(LightningDataModule):
         super().__init__()
         self.samples, self.batch_size, self.seed = samples, batch_size, seed
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
         g = torch.Generator().manual_seed(self.seed)
         x = torch.randn(self.samples, 16, generator=g)
         return DataLoader(TensorDataset(x, x.sin().sum(1, keepdim=True)), batch_size=self.batch_size, shuffle=True)

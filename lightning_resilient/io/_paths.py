@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import posixpath
 
-__all__ = ["basename", "check_relative", "dirname", "join", "split_protocol"]
+__all__ = ["basename", "check_relative", "dirname", "join", "split_protocol", "strip_trailing"]
 
 
 def split_protocol(url: str) -> tuple[str | None, str]:

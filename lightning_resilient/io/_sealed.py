@@ -32,4 +32,5 @@ def unseal(data: bytes, *, what: str, where: str, hint: str = "") -> dict[str, A
     if hashlib.sha256(_canonical(raw["body"])).hexdigest() != raw["sha256"]:
         raise CheckpointCorruptedError(f"{what} {where} fails its SHA-256 check: its bytes were altered.{hint}",
                                        object=where)
-    return raw["body"]
+    body: dict[str, Any] = raw["body"]
+    return body

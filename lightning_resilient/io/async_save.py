@@ -14,17 +14,19 @@ it failed: the checkpoint being replaced is only deleted once its replacement is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_resilient.io import layout
 from lightning_resilient.io.root import CheckpointRoot
 
-__all__ = ["AsyncSaver", "SaveStats"]
+__all__ = ["AsyncSaver", "SaveStats", "raise_from_background"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class AsyncSaver:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lightning_resilient-async")
         return self._pool
 
-    def save(self, root: CheckpointRoot, checkpoint: dict, name: str, stats: SaveStats) -> None:
+    def save(self, root: CheckpointRoot, checkpoint: dict[str, Any], name: str, stats: SaveStats) -> None:
         """Snapshot ``checkpoint`` and commit it in the background; returns once training may go on."""
         started = time.perf_counter()
         self.raise_error()
@@ -130,10 +132,8 @@ class AsyncSaver:
         """Block until nothing is in flight (errors are kept for :meth:`raise_error`)."""
         pending = self._pending
         if pending is not None:
-            try:
+            with contextlib.suppress(BaseException):  # recorded by the job itself
                 pending.result()
-            except BaseException:
-                pass  # recorded by the job itself
             self._pending = None
 
     def raise_error(self) -> None:

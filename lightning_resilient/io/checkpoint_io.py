@@ -171,8 +171,7 @@ class AtomicCheckpointIO(CheckpointIO):
         if self.local_tier is None and persist_every != 1:
             raise ValueError(f"persist_every={persist_every} needs local_tier: without a local tier every save goes to"
                              " the durable root. Pass local_tier='/local/nvme/ckpt' (a node-local folder).")
-        check_int("retry_attempts", retry_attempts, minimum=1, typed=False)
-        self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
+        self.retry = RetryPolicy(retry_attempts, retry_base_delay, retry_max_delay)
         self.max_concurrency = max_concurrency
         self.claim_on_load = claim_on_load
         self.async_save = async_save

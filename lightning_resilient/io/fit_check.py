@@ -75,11 +75,14 @@ def _callback_class(namespace: str) -> type:
     entry point imports nothing the Trainer has not imported already."""
     cached = _CLASSES.get(namespace)
     if cached is None:
+        base: type
         if namespace == "lightning.pytorch":
             from lightning.pytorch import Callback
+
+            base = Callback
         else:
-            Callback = sys.modules["pytorch_lightning"].Callback  # the Trainer asking for it has imported it
-        cached = _CLASSES[namespace] = type("FitStartCheck", (_Check, Callback), {
+            base = sys.modules["pytorch_lightning"].Callback  # the Trainer asking for it has imported it
+        cached = _CLASSES[namespace] = type("FitStartCheck", (_Check, base), {
             "__module__": __name__,
             "__doc__": "Checks the checkpoint folders of ``AtomicCheckpointIO`` when ``fit`` starts (see module).",
             "__reduce__": lambda self: (_rebuild, (namespace,)),

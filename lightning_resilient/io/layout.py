@@ -24,12 +24,21 @@ import torch
 
 __all__ = [
     "ALIGN",
+    "MIN_PARALLEL_OBJECT",
     "Scatter",
     "Snapshot",
     "TensorSlot",
+    "dtype_name",
     "flatten",
     "gather",
+    "host_sources",
+    "key_id",
+    "load_skeleton",
+    "object_size",
+    "parse_dtype",
     "plan",
+    "save_skeleton",
+    "tensor_view",
     "unflatten",
     "windows",
 ]
@@ -38,7 +47,7 @@ __all__ = [
 ALIGN = 64
 _ZEROS = memoryview(bytes(ALIGN))
 
-PathElem = list  # ["s", "key"] | ["i", 3] | ["l", 0] | ["t", 0]
+PathElem = list[str | int]  # ["s", "key"] | ["i", 3] | ["l", 0] | ["t", 0]
 Pieces = list[memoryview]
 
 
@@ -66,7 +75,7 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def flatten(obj: Any) -> tuple[Any, list[TensorSlot]]:
@@ -239,7 +248,7 @@ class Snapshot:
         if self._step != step or len(slots) != len(self._held):
             return None
         out = []
-        for slot, (tensor, offset, nbytes, version) in zip(slots, self._held):
+        for slot, (tensor, offset, nbytes, version) in zip(slots, self._held, strict=True):
             if slot.offset != offset or slot.nbytes != nbytes:
                 return None
             t = slot.tensor
@@ -253,7 +262,7 @@ class Snapshot:
 
     def slot_view(self, offset: int, nbytes: int) -> memoryview:
         assert self._buffer is not None
-        return memoryview(self._buffer.numpy())[offset : offset + nbytes]
+        return self._buffer.numpy().data[offset : offset + nbytes]
 
     def fill(self, slots: list[TensorSlot], total: int, step: int | None = None) -> None:
         if self._buffer is None or self._buffer.numel() < total:
@@ -285,7 +294,7 @@ class Snapshot:
         if on_cuda:
             # Training kernels queued after these copies on the same stream run after them, so the loop may go
             # on at once; the uploader waits for this event before it reads the buffer.
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__init__ unannotated
             self._event.record()
 
     def wait(self) -> None:
@@ -295,15 +304,11 @@ class Snapshot:
 
     def sources(self, total: int) -> memoryview:
         assert self._buffer is not None
-        return memoryview(self._buffer.numpy())[:total]
+        return self._buffer.numpy().data[:total]
 
     @property
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
-
-
-def snapshot_gather(view: memoryview, start: int, end: int) -> Pieces:
-    return [view[start:end]]
 
 
 # -- reading ------------------------------------------------------------------------------------------------------
@@ -318,7 +323,7 @@ class Scatter:
 
     def __init__(self, extents: list[tuple[int, int]], *, allocate: Callable[[int], torch.Tensor]) -> None:
         self.buffers = [allocate(nbytes) if nbytes else torch.empty(0, dtype=torch.uint8) for _, nbytes in extents]
-        self._views = [memoryview(b.numpy()) if b.numel() else memoryview(b"") for b in self.buffers]
+        self._views = [b.numpy().data if b.numel() else memoryview(b"") for b in self.buffers]
         self._extents = _Extents(extents)
 
     def views(self, stream_offset: int, length: int) -> list[memoryview]:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from lightning_resilient.errors import CheckpointCorruptedError
 from lightning_resilient.io._sealed import seal, unseal
 
-__all__ = ["ORIGINS_DIR", "Lineage", "Origin", "origin_record_name"]
+__all__ = ["Lineage", "ORIGINS_DIR", "Ordered", "Origin", "order", "origin_record_name"]
 
 #: Under the root: one small immutable record per writer epoch, written when a job claims the root, so that the
 #: lineage survives the loss of the pointer even for a job that died before its first commit.
@@ -73,11 +73,17 @@ class Origin:
 
 
 class Ordered(Protocol):
-    """What lineage needs of a checkpoint record (a pointer ``Entry`` or a ``Manifest``)."""
+    """What lineage needs of a checkpoint record (a pointer ``Entry`` or a ``Manifest``): read-only, so frozen
+    records qualify."""
 
-    writer_epoch: int
-    step: int
-    created: float
+    @property
+    def writer_epoch(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def created(self) -> float: ...
 
 
 def order(record: Ordered) -> tuple[int, int, float]:

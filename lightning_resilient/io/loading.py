@@ -66,7 +66,8 @@ def load_from_checkpoint(cls: type[T], checkpoint_path: str | os.PathLike[str], 
                         " LightningDataModule class, or use lightning_resilient.load_checkpoint for the dict")
     if weights_only is not None:  # Lightning < 2.5 has no such argument (it would become a hyperparameter)
         kwargs["weights_only"] = weights_only
-    return loader(buffer, map_location=map_location, hparams_file=hparams_file, strict=strict, **kwargs)
+    loaded: T = loader(buffer, map_location=map_location, hparams_file=hparams_file, strict=strict, **kwargs)
+    return loaded
 
 
 def export_checkpoint(checkpoint_path: str | os.PathLike[str], out: str | os.PathLike[str], *,
@@ -82,6 +83,8 @@ def export_checkpoint(checkpoint_path: str | os.PathLike[str], out: str | os.Pat
 
     checkpoint = load_checkpoint(checkpoint_path, map_location="cpu", storage_options=storage_options)
     target = os.fspath(out)
+    fs: Any
+    path: str
     fs, path = url_to_fs(target, **(out_storage_options or {}))
     if fs.isdir(path):
         raise IsADirectoryError(f"export target {target} is a folder: name the .ckpt file to write")

@@ -28,7 +28,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from lightning_resilient.errors import CheckpointCorruptedError
@@ -58,10 +58,8 @@ def job_identity() -> str:
 
 def _private_dir(path: str) -> str:
     """Create (mode 0700) or check ``path``: a real folder of this user that no one else can read or write."""
-    try:
+    with suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         raise RuntimeError(f"node cache folder {path} is a symlink or not a folder: refusing to use it (someone may"

@@ -5,8 +5,8 @@ fencing, where each writer epoch's training came from (its origin: the lineage),
 retention that are still waiting to be deleted. It is replaced only by a conditional write against the version
 that was read, so two writers can never both believe they moved it.
 
-Fields added after the first release (``origins``, ``saves``, ``last_saved``, ``retired``) are optional on read, so pointers
-written before them still load (their epochs have no known origin: see :mod:`~lightning_resilient.io.lineage`).
+Fields added after the first release (``origins``, ``saves``, ``last_saved``, ``retired``) are optional on read, so
+pointers written before them still load (their epochs have no known origin: see :mod:`~lightning_resilient.io.lineage`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning_resilient.io._sealed import seal, unseal
 from lightning_resilient.io.lineage import Lineage, Origin, order
 from lightning_resilient.io.manifest import Manifest
 
-__all__ = ["LEGACY_NAMES", "LEGACY_POINTER_NAME", "POINTER_NAME", "Entry", "Pointer"]
+__all__ = ["Entry", "LEGACY_NAMES", "LEGACY_POINTER_NAME", "POINTER_NAME", "Pointer"]
 
 # The pointer lives in the root's dot-folder, beside the origin records: a listing of the checkpoint folder shows
 # checkpoint names only, to people and to Lightning (its version counter and "directory is not empty" checks).

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from lightning_resilient._checks import check_int, check_number
+
 __all__ = ["RetryPolicy", "is_transient"]
 
 log = logging.getLogger(__name__)
@@ -81,8 +83,10 @@ class RetryPolicy:
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
-            raise ValueError(f"retry attempts must be an int >= 1, got {self.attempts!r}")
+        # Named as the setting users give (AtomicCheckpointIO(retry_attempts=...)), which is checked here only.
+        check_int("retry_attempts", self.attempts, minimum=1, typed=False)
+        check_number("base_delay", self.base_delay)
+        check_number("max_delay", self.max_delay)
         if self.base_delay < 0 or self.max_delay < 0:
             raise ValueError(f"retry delays must be >= 0, got base_delay={self.base_delay}, max_delay={self.max_delay}")
 

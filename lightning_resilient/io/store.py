@@ -28,7 +28,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -41,7 +41,8 @@ from lightning_resilient.errors import BucketNotFoundError, StoreCredentialsErro
 from lightning_resilient.io._paths import join, split_protocol
 from lightning_resilient.io.retry import RetryPolicy
 
-__all__ = ["PROTOCOL_DIR", "GatherReader", "ObjectInfo", "Store", "open_store"]
+__all__ = ["GCSStore", "GatherReader", "LocalStore", "MemoryStore", "ObjectInfo", "PROTOCOL_DIR", "S3Store", "Store",
+           "check_default_client", "open_store"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,7 +116,8 @@ class Store:
 
     # -- plain objects -----------------------------------------------------------------------------------------
     def read(self, rel: str) -> bytes:
-        return self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+        data: bytes = self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+        return data
 
     def read_range(self, rel: str, start: int, end: int, consume: Consume[T]) -> T:
         """Read bytes ``[start, end)`` of ``rel`` and pass them, as consecutive pieces, to ``consume``.
@@ -160,10 +162,8 @@ class Store:
         def rm() -> None:
             path = self.path(rel)
             self.fs.invalidate_cache(path)
-            try:
+            with suppress(FileNotFoundError):
                 self.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
 
         self._call("delete", rel, rm)
 
@@ -257,10 +257,8 @@ class Store:
         def rm() -> None:
             path = self.path(rel)
             self.fs.invalidate_cache(path)
-            try:
+            with suppress(FileNotFoundError):
                 self.fs.rm(path, recursive=True)
-            except FileNotFoundError:
-                pass
 
         self._call("delete", rel, rm)
 
@@ -442,10 +440,8 @@ def _atomic_local_write(path: str, pieces: Pieces) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
@@ -568,7 +564,8 @@ class S3Store(Store):
             async with response["Body"] as body:
                 return bytes(await body.read())
 
-        return self._call("read", rel, lambda: sync(self.fs.loop, get))
+        data: bytes = self._call("read", rel, lambda: sync(self.fs.loop, get))
+        return data
 
     def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
         path = self.path(rel)
@@ -585,7 +582,8 @@ class S3Store(Store):
                 data = await body.read()
             return data, response["ETag"]
 
-        return self._call("read", rel, lambda: sync(self.fs.loop, get))
+        versioned: tuple[bytes, str] | None = self._call("read", rel, lambda: sync(self.fs.loop, get))
+        return versioned
 
     def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
         path = self.path(rel)
@@ -652,10 +650,8 @@ class GCSStore(Store):
             path = self.path(rel)
             self.fs.invalidate_cache(path)
             for obj in self.fs.find(path):
-                try:
+                with suppress(FileNotFoundError):
                     self.fs.rm_file(obj)
-                except FileNotFoundError:
-                    pass
             self.fs.invalidate_cache(path)
 
         self._call("delete", rel, rm)
@@ -770,8 +766,8 @@ _CREDENTIALS = {
     "s3": ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
            "storage_options={'profile': ...} (or {'key': ..., 'secret': ...})",
            """--storage-options '{"profile": "NAME"}'"""),
-    "gs": ("GOOGLE_APPLICATION_CREDENTIALS (a service-account key file; or run `gcloud auth application-default"
-           " login`)", "storage_options={'token': '/path/to/key.json'}",
+    "gs": (("GOOGLE_APPLICATION_CREDENTIALS (a service-account key file; or run `gcloud auth application-default"
+            " login`)"), "storage_options={'token': '/path/to/key.json'}",
            """--storage-options '{"token": "/path/to/key.json"}'"""),
 }
 _CLOUD = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs"}
@@ -823,11 +819,11 @@ def _translate(exc: Exception, url: str, what: str) -> Exception:
         return credentials_error(url, what)
     if _refused(exc, protocol):
         return credentials_error(url, what, detail=" ".join(text.split()) or type(exc).__name__)
-    if isinstance(exc, FileNotFoundError) and protocol in _CLOUD:
-        if "bucket" in text.lower() or "NoSuchBucket" in text:
-            bucket = split_protocol(url)[1].split("/", 1)[0]
-            return BucketNotFoundError(f"bucket {bucket!r} does not exist ({what} {url}): create it or fix the"
-                                       " checkpoint dirpath")
+    names_bucket = "bucket" in text.lower() or "NoSuchBucket" in text
+    if isinstance(exc, FileNotFoundError) and protocol in _CLOUD and names_bucket:
+        bucket = split_protocol(url)[1].split("/", 1)[0]
+        return BucketNotFoundError(f"bucket {bucket!r} does not exist ({what} {url}): create it or fix the"
+                                   " checkpoint dirpath")
     return exc
 
 

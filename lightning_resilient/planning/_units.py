@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["format_duration", "format_hours", "format_hours_pair", "format_money", "format_money_pair", "format_percent",
-           "plural"]
+__all__ = ["format_duration", "format_hours", "format_hours_pair", "format_money", "format_money_pair",
+           "format_percent", "plural"]
 
 
 def format_duration(seconds: float) -> str:

@@ -30,11 +30,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_resilient._checks import check_bool, check_positive_int
 from lightning_resilient._namespaces import require_lightning_pytorch
-from lightning_resilient._checks import check_positive_int
 from lightning_resilient.planning._units import plural
 
-__all__ = ["TransferAudit", "TransferAuditWarning"]
+__all__ = ["KINDS", "SYNC_MESSAGE", "TransferAudit", "TransferAuditWarning", "TransferKind"]
 
 TransferKind = Literal["pageable", "blocking_copy", "sync"]
 KINDS: tuple[TransferKind, ...] = ("pageable", "blocking_copy", "sync")
@@ -122,8 +122,8 @@ class _CopyWatcher(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             return func(*args, **kwargs)
         if _classify_copy(*blocking_args, device_type=self.device_type):
-            self.events.append(("blocking_copy", f"aten.{op} of {_describe_tensor(src)} cpu -> {blocking_args[2]}"
-                                                 " without non_blocking=True"))
+            self.events.append(("blocking_copy", (f"aten.{op} of {_describe_tensor(src)} cpu -> {blocking_args[2]}"
+                                                  " without non_blocking=True")))
         return func(*args, **kwargs)
 
 
@@ -132,7 +132,7 @@ class _Auditor:
 
     def __init__(self, emit: Callable[[str], None]) -> None:
         self._emit = emit
-        self.counts: Counter[str] = Counter({kind: 0 for kind in KINDS})
+        self.counts: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
         self.sites: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
 
     def record(self, kind: TransferKind, detail: str) -> None:
@@ -230,12 +230,8 @@ class TransferAudit(Callback):
 
     def __init__(self, *, syncs: bool = True, max_batches: int | None = None) -> None:
         super().__init__()
-        if not isinstance(syncs, bool):
-            raise TypeError(f"syncs must be True or False, got {syncs!r}")
-        if max_batches is not None:
-            check_positive_int("max_batches", max_batches)
-        self.syncs = syncs
-        self.max_batches = max_batches
+        self.syncs = check_bool("syncs", syncs)
+        self.max_batches = None if max_batches is None else check_positive_int("max_batches", max_batches)
         self.active = False  # True while hooked into a CUDA run
         self.batches = 0  # training batches audited
         self._auditor = _Auditor(emit=self._emit)

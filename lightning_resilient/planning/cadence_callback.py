@@ -21,12 +21,12 @@ from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_resilient._checks import check_bool, check_non_negative, check_positive, check_positive_int
 from lightning_resilient._namespaces import require_lightning_pytorch
-from lightning_resilient._checks import check_non_negative, check_positive, check_positive_int
 from lightning_resilient.planning._units import format_duration, format_percent, plural
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
 
-__all__ = ["CadenceDecision", "CheckpointCadence", "SaveMeasurement"]
+__all__ = ["CadenceDecision", "CheckpointCadence", "Method", "SaveMeasurement"]
 
 Method = Literal["daly", "young"]
 _FORMULAS: dict[str, Callable[[float, float], float]] = {"daly": daly_interval, "young": young_interval}
@@ -136,9 +136,8 @@ class CheckpointCadence(Callback):
         self.restart_seconds = check_non_negative("restart_seconds", restart_seconds)
         if method not in _FORMULAS:
             raise ValueError(f"method must be 'daly' or 'young', got {method!r}")
-        for name, flag in (("adapt", adapt), ("log_metrics", log_metrics)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        adapt = check_bool("adapt", adapt)
+        log_metrics = check_bool("log_metrics", log_metrics)
         for name, bound in (("min_steps", min_steps), ("max_steps", max_steps)):
             if bound is not None:
                 check_positive_int(name, bound)
@@ -274,10 +273,7 @@ class CheckpointCadence(Callback):
         interval_steps = steps_for_interval(interval, step_s) if step_s else None
         every_n = [cb._every_n_train_steps for cb in self._step_checkpoints(trainer)]
         current: float | None
-        if every_n and step_s:
-            current = min(every_n) * step_s
-        else:
-            current = self._observed_interval or None
+        current = min(every_n) * step_s if every_n and step_s else self._observed_interval or None
         current_waste = (expected_waste(current, c, self.mtbf_seconds, self.restart_seconds)
                          if current else None)
         m = SaveMeasurement(global_step=step, seconds=seconds, checkpoint_seconds=c, step_seconds=step_s,

@@ -29,6 +29,7 @@ from typing import Any
 import fsspec
 
 from lightning_resilient._checks import (
+    check_bool,
     check_fraction,
     check_non_negative,
     check_positive,
@@ -202,9 +203,9 @@ class Comparison:
         """The comparison as a markdown table followed by the verdict line."""
         lines = ["| option | GPUs | $/GPU-h | time | cost | cost incl. time value |",
                  "|---|---:|---:|---:|---:|---:|"]
-        for row in self.rows:
-            lines.append(f"| {row.name} | {row.option.gpus} | {row.option.price_per_gpu_hour:,.2f} |"
-                         f" {format_hours(row.hours)} | {format_money(row.cost)} | {format_money(row.total_cost)} |")
+        lines += [f"| {row.name} | {row.option.gpus} | {row.option.price_per_gpu_hour:,.2f} |"
+                  f" {format_hours(row.hours)} | {format_money(row.cost)} | {format_money(row.total_cost)} |"
+                  for row in self.rows]
         lines.append("")
         lines.append(f"winner: {self.winner.name} ({self.reason})")
         return "\n".join(lines)
@@ -360,8 +361,7 @@ def load_scaling(
     path = os.fspath(path)
     check_non_negative("price_per_gpu_hour", price_per_gpu_hour)
     check_non_negative("value_per_hour", value_per_hour)
-    if not isinstance(include_checkpoint_overhead, bool):
-        raise TypeError(f"include_checkpoint_overhead must be True or False, got {include_checkpoint_overhead!r}")
+    check_bool("include_checkpoint_overhead", include_checkpoint_overhead)
     if (steps_to_target is None) == (samples_to_target is None):
         raise ValueError("give exactly one of steps_to_target=... (a number, or a mapping global_batch -> steps) or"
                          " samples_to_target=...")

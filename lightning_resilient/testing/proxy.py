@@ -20,6 +20,7 @@ Run it as a process (``python -m lightning_resilient.testing UPSTREAM --latency 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import random
 import socket
@@ -30,7 +31,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-__all__ = ["StoreProxy"]
+__all__ = ["StoreProxy", "main"]
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
@@ -168,7 +169,8 @@ class StoreProxy:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        name = host.decode() if isinstance(host, (bytes, bytearray)) else host
+        return f"http://{name}:{port}"
 
     def start(self) -> StoreProxy:
         self.thread.start()
@@ -198,10 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     proxy = StoreProxy(args.upstream, fail_rate=args.fail_rate, latency=args.latency, bandwidth=args.bandwidth,
                        seed=args.seed)
     print(proxy.url, flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         proxy.server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
