@@ -3,14 +3,6 @@
 from __future__ import annotations
 
 import os
-
-# Must be set before gcsfs is imported, or every call probes the emulator over gRPC/TLS for 30-80 s.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-# Test credentials and no instance-metadata lookups, before any S3 client exists (subprocesses inherit them).
-for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
-    os.environ.setdefault(_k, _v)
-
 import platform
 import threading
 import uuid
@@ -20,6 +12,13 @@ from typing import Any
 
 import fsspec
 import pytest
+
+# Must be set before gcsfs is imported, or every call probes the emulator over gRPC/TLS for 30-80 s.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# Test credentials and no instance-metadata lookups, before any S3 client exists (subprocesses inherit them).
+for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    os.environ.setdefault(_k, _v)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

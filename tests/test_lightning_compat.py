@@ -33,8 +33,8 @@ from lightning_resilient import (
     load_checkpoint,
     load_from_checkpoint,
 )
-from lightning_resilient.io.pointer import LEGACY_POINTER_NAME, POINTER_NAME, Pointer
 from lightning_resilient.io.fit_check import FitStartCheck
+from lightning_resilient.io.pointer import LEGACY_POINTER_NAME, POINTER_NAME, Pointer
 
 from .models import TinyModel
 
@@ -96,13 +96,13 @@ def assert_equal_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 # -- flows compared with stock ---------------------------------------------------------------------------------------
 FLOWS = {
-    "top-k rotation by val_loss": dict(max_epochs=4, monitor="val_loss", save_top_k=2),
-    "monitor mode=max": dict(max_epochs=4, monitor="val_score", mode="max", save_top_k=2, save_last=True),
-    "every_n_epochs=2": dict(max_epochs=5, every_n_epochs=2, save_top_k=-1),
-    "save_on_train_epoch_end": dict(max_epochs=3, save_on_train_epoch_end=True, save_top_k=-1),
-    "every_n_train_steps + save_last": dict(max_steps=20, every_n_train_steps=6, save_top_k=2, monitor="step",
-                                            mode="max", save_last=True),
-    "save_weights_only": dict(max_epochs=2, save_weights_only=True, save_top_k=-1, save_last=True),
+    "top-k rotation by val_loss": {"max_epochs": 4, "monitor": "val_loss", "save_top_k": 2},
+    "monitor mode=max": {"max_epochs": 4, "monitor": "val_score", "mode": "max", "save_top_k": 2, "save_last": True},
+    "every_n_epochs=2": {"max_epochs": 5, "every_n_epochs": 2, "save_top_k": -1},
+    "save_on_train_epoch_end": {"max_epochs": 3, "save_on_train_epoch_end": True, "save_top_k": -1},
+    "every_n_train_steps + save_last": {"max_steps": 20, "every_n_train_steps": 6, "save_top_k": 2, "monitor": "step",
+                                        "mode": "max", "save_last": True},
+    "save_weights_only": {"max_epochs": 2, "save_weights_only": True, "save_top_k": -1, "save_last": True},
 }
 
 
@@ -158,7 +158,7 @@ def test_every_load_route_reads_the_committed_checkpoint_and_none_fences_the_job
 
     model = load_from_checkpoint(ValModel, best)  # the route for LightningModule.load_from_checkpoint
     assert isinstance(model, ValModel) and model.hparams.width == 16
-    assert_equal_state(model.state_dict(), {k: v for k, v in weights(expected).items()})
+    assert_equal_state(model.state_dict(), dict(weights(expected)))
     assert load_from_checkpoint(ValModel, best, width=16).hparams.width == 16  # keyword overrides as stock
     for url in (root, find_latest_checkpoint(root), f"{root}/last.ckpt"):  # the root's latest, its commit, a name
         assert load_checkpoint(url)["global_step"] == trainer.global_step
@@ -178,7 +178,8 @@ def test_every_load_route_reads_the_committed_checkpoint_and_none_fences_the_job
     assert_equal_state(weights(stock), weights(expected))
     assert_equal_state(ValModel.load_from_checkpoint(out).state_dict(), weights(expected))
 
-    with pytest.raises(IsADirectoryError):  # the stock route that cannot work (docs/compatibility.md names the replacement)
+    # The stock route that cannot work (docs/compatibility.md names the replacement).
+    with pytest.raises(IsADirectoryError):
         torch.load(best)
 
 
@@ -267,7 +268,7 @@ def test_keep_last_counts_training_states_not_the_last_ckpt_name(tmp_path):
 
 # -- a folder that already holds stock checkpoints -----------------------------------------------------------------
 def test_a_root_of_stock_checkpoints_resumes_from_the_newest_and_rotates_them_as_stock(tmp_path, caplog):
-    options = dict(every_n_train_steps=4, save_top_k=2, monitor="step", mode="max", save_last=True)
+    options = {"every_n_train_steps": 4, "save_top_k": 2, "monitor": "step", "mode": "max", "save_last": True}
     for folder in ("stock", "ours"):
         fit(str(tmp_path / folder), ours=False, max_steps=8, **options)
     with caplog.at_level("INFO"):
@@ -401,11 +402,11 @@ def test_pytorch_lightning_trainer_takes_the_plugin_and_names_the_import_for_cal
     for callback in (ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()):
         trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[callback])
-        with pytest.raises(TypeError, match="from `lightning.pytorch`"):
+        with pytest.raises(TypeError, match=r"from `lightning\.pytorch`"):
             trainer.fit(PLModel(), loader())
 
 
-# -- pickling, deepcopy, ddp_spawn ---------------------------------------------------------------------------------------
+# -- pickling, deepcopy, ddp_spawn ------------------------------------------------------------------------------------
 def test_plugin_and_callbacks_pickle_and_deepcopy_before_and_after_fit_and_the_loader_is_given_back(tmp_path):
     io = AtomicCheckpointIO(async_save=True, keep_last=2)
     callbacks = [ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()]
@@ -593,5 +594,5 @@ def test_a_failed_fit_gives_the_loader_back_too(tmp_path):
 
 
 def test_a_checkpoint_name_starting_with_a_dot_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="starts with '.'"):
+    with pytest.raises(ValueError, match=r"starts with '\.'"):
         AtomicCheckpointIO().save_checkpoint({"global_step": 1}, str(tmp_path / ".hidden.ckpt"))

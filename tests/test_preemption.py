@@ -98,7 +98,7 @@ def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bi
         assert "| preemption.ckpt (latest) (emergency save: preemption) |" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_signal  # handlers given back
     _, resumed = run(root, accumulate=accumulate, ckpt_path=find_latest_checkpoint(root))
-    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -153,11 +153,11 @@ class Metadata(http.server.ThreadingHTTPServer):
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_PUT(self) -> None:  # noqa: N802
+            def do_PUT(self) -> None:
                 outer.requests.append(("PUT", self.path, dict(self.headers)))
                 self._answer(200 if self.path == "/latest/api/token" else 404, "token-123")
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 outer.requests.append(("GET", self.path, dict(self.headers)))
                 if self.path == "/latest/meta-data/spot/instance-action":
                     if outer.preempted and self.headers.get("X-aws-ec2-metadata-token") == "token-123":
@@ -200,7 +200,8 @@ def test_a_metadata_endpoint_notice_from_a_loopback_server(tmp_path, kind):
     try:
         url = server.url + ("/latest/meta-data/spot/instance-action" if kind == "aws"
                             else "/computeMetadata/v1/instance/preempted")
-        preemption = PreemptionCheckpoint(signals=[], poll_seconds=0.02, **{"aws_spot" if kind == "aws" else "gce": url})
+        notice = {"aws_spot" if kind == "aws" else "gce": url}
+        preemption = PreemptionCheckpoint(signals=[], poll_seconds=0.02, **notice)
         with pytest.raises(PreemptedExit) as exited:
             run(str(tmp_path / "ckpt"), preemption=preemption, extra=[Flip(server, preemption, 5)])
     finally:
@@ -209,7 +210,7 @@ def test_a_metadata_endpoint_notice_from_a_loopback_server(tmp_path, kind):
     assert preemption.notice.kind == kind and preemption.notice.deadline == (100.0 if kind == "aws" else 25.0)
     assert preemption.saved["step"] == 6 and preemption.saved["committed"]
     if kind == "aws":
-        assert ("PUT", "/latest/api/token", ) == server.requests[0][:2]  # IMDSv2: a session token first
+        assert server.requests[0][:2] == ("PUT", "/latest/api/token", )  # IMDSv2: a session token first
     assert all(h.get("Host", "").startswith("127.0.0.1") for _, _, h in server.requests)
 
 

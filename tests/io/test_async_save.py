@@ -29,7 +29,7 @@ def proxied_io(proxy: StoreProxy, root: str, **kwargs: Any) -> AtomicCheckpointI
     return io
 
 
-def direct_latest(backend) -> str | None:  # noqa: ANN001 - a conftest Backend
+def direct_latest(backend) -> str | None:  # backend: a conftest Backend
     return find_latest_checkpoint(backend.root, backend.storage_options)
 
 

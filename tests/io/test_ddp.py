@@ -12,8 +12,8 @@ import os
 import re
 import subprocess
 import sys
-from urllib.parse import unquote
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 

@@ -102,7 +102,7 @@ def test_a_commit_never_names_an_object_that_is_gone(backend):
         sync(rel)
 
     root.store.sync_folder = delete_a_shard_first  # type: ignore[method-assign]
-    with pytest.raises(CheckpointError, match="is missing just before .* was to be committed"):
+    with pytest.raises(CheckpointError, match=r"is missing just before .* was to be committed"):
         io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
     after = read_pointer(backend)
     assert after.latest == before.latest and "b.ckpt" not in after.checkpoints
@@ -159,8 +159,8 @@ def test_gc_and_readers_in_a_loop_beside_a_running_job(request, kind):
     backend = request.getfixturevalue(f"{kind}_backend")
     env = _env(AWS_ENDPOINT_URL=backend.endpoint) if backend.endpoint else _env()
     job = subprocess.Popen([sys.executable, str(CHILD), backend.root, json.dumps(backend.storage_options),
-                            "--max-steps", "25" if kind == "local" else "14", "--keep-last", "1"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            "--max-steps", "25" if kind == "local" else "14", "--keep-last", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     options = _options(backend)
     reader = make_io(backend)
     problems: list[str] = []
@@ -179,10 +179,10 @@ def test_gc_and_readers_in_a_loop_beside_a_running_job(request, kind):
                         problems.append("verify failed")
                     try:
                         reader.load_checkpoint(backend.root)
-                    except Exception as exc:  # noqa: BLE001 - any failure of a read-only load is a finding
+                    except Exception as exc:  # any failure of a read-only load is a finding
                         problems.append(f"load: {exc!r}")
             problems += [str(w.message) for w in seen if "corrupted" in str(w.message)]
-        out, err = job.communicate(timeout=60)
+        _, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             job.kill()

@@ -109,7 +109,7 @@ def test_scan_and_repair_follow_the_lineage_recorded_in_the_manifests(backend):
 
 
 def test_ls_marks_the_abandoned_branch_and_gc_abandoned_deletes_it(backend, capsys):
-    b, commits = _rollback(backend)
+    b, _ = _rollback(backend)
     b.teardown()
     options = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
     assert main(["ls", backend.root, "--quick", *options]) == 0
@@ -148,7 +148,7 @@ def test_every_manifest_damaged_is_an_error_not_a_fresh_start(backend):
     for entry in read_pointer(backend).candidates():
         backend.fs().pipe_file(backend.path(f"{entry.commit}/{MANIFEST_NAME}"), b"not a manifest")
     with pytest.warns(RuntimeWarning, match="skipping"), \
-            pytest.raises(CheckpointCorruptedError, match="no committed checkpoint .* has a valid manifest"):
+            pytest.raises(CheckpointCorruptedError, match=r"no committed checkpoint .* has a valid manifest"):
         find_latest_checkpoint(backend.root, backend.storage_options)
     backend.fs().rm(backend.path(POINTER_NAME))  # the same through the scan of a root without a pointer
     with pytest.raises(CheckpointCorruptedError, match="has a valid manifest"):

@@ -56,7 +56,7 @@ def test_tensors_are_raw_bytes_not_pickles(backend):
     io = make_io(backend, shard_size=1 << 20)
     ckpt = make_checkpoint(1, size=4096)
     io.save_checkpoint(ckpt, backend.url("a.ckpt"))
-    manifest_path = [p for p in backend.fs().find(backend.path()) if p.endswith(MANIFEST_NAME)][0]
+    manifest_path = next(p for p in backend.fs().find(backend.path()) if p.endswith(MANIFEST_NAME))
     manifest = json.loads(backend.fs().cat_file(manifest_path))["body"]
     skeleton = manifest["objects"][manifest["skeleton"]]
     weight = next(t for t in manifest["tensors"] if t["key"] == [["s", "state_dict"], ["s", "layer.weight"]])
@@ -120,7 +120,7 @@ def test_save_last_does_not_upload_the_same_state_twice(backend):
     io.save_checkpoint(ckpt, backend.url("last.ckpt"))
     pointer = read_pointer(backend)
     last = pointer.checkpoints["last.ckpt"]
-    files = [p for p in backend.fs().find(backend.path(last.commit))]
+    files = list(backend.fs().find(backend.path(last.commit)))
     assert "shard" not in " ".join(f.rsplit("/", 1)[-1] for f in files), files
     assert pointer.checkpoints["epoch=0-step=7.ckpt"].commit in last.folders
     assert commits_on_store(backend) == read_pointer(backend).live_folders()
@@ -308,7 +308,7 @@ def test_corruption_with_no_valid_fallback_raises_naming_the_object(backend):
     io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
     io.teardown()
     commit = read_pointer(backend).latest.commit
-    shard = [p for p in _objects(backend, commit) if "shard-" in p][0]
+    shard = next(p for p in _objects(backend, commit) if "shard-" in p)
     _damage(backend.fs(), shard, "bitflip")
     with pytest.warns(RuntimeWarning), pytest.raises(CheckpointCorruptedError, match="blake3 checksum") as info:
         make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
@@ -390,7 +390,7 @@ def test_manifest_of_a_newer_format_is_refused_not_skipped(backend):
     io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
     io.teardown()
     _rewrite_manifest(backend, lambda m: m.update(format=99))
-    with pytest.raises(UnsupportedFormatError, match="format 99.*Upgrade lightning_resilient"):
+    with pytest.raises(UnsupportedFormatError, match=r"format 99.*Upgrade lightning_resilient"):
         make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
 
 
@@ -414,7 +414,8 @@ def test_load_of_a_missing_path_says_what_it_looked_for(backend):
     with pytest.raises(FileNotFoundError, match="not a checkpoint root"):
         io.load_checkpoint(backend.url("nothing-here"))
     io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
-    with pytest.raises(FileNotFoundError, match=r"^Checkpoint file not found: .*No committed checkpoint is named 'typo.ckpt'.*'a.ckpt'"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"^Checkpoint file not found: .*No committed checkpoint is named 'typo.ckpt'.*'a.ckpt'"):
         io.load_checkpoint(backend.url("typo.ckpt"))
     io.teardown()
 

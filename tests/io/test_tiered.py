@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from lightning_resilient import AtomicCheckpointIO, StaleWriterError, find_latest_checkpoint
+from lightning_resilient.cli import main
 from lightning_resilient.io.catalog import reader
 from lightning_resilient.io.manifest import MANIFEST_NAME
-from lightning_resilient.cli import main
 from lightning_resilient.io.tiered import TierView, local_tier_url
 
 from .helpers import assert_same, make_checkpoint

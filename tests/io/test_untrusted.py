@@ -61,7 +61,7 @@ def test_declared_sizes_are_checked_against_the_store_before_anything_is_allocat
 
     _reseal(backend, lie)
     strict = make_io(backend, fallback_on_corruption=False)
-    with pytest.raises(CheckpointCorruptedError, match="the manifest says|declares shape"):
+    with pytest.raises(CheckpointCorruptedError, match=r"the manifest says|declares shape"):
         strict.load_checkpoint(backend.root)
     with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):  # and the fallback applies
         assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 1
@@ -86,7 +86,7 @@ def test_a_huge_declared_size_is_refused_before_anything_is_allocated(local_back
             body["tensors"][-1].update(offset=0, nbytes=huge, shape=[huge // 8], dtype="float64")
 
     _reseal(backend, lie)
-    with pytest.raises(CheckpointCorruptedError, match="has \\d+ bytes, the manifest says 1000000000000000"):
+    with pytest.raises(CheckpointCorruptedError, match=r"has \d+ bytes, the manifest says 1000000000000000"):
         make_io(backend, fallback_on_corruption=False).load_checkpoint(backend.root)
 
 

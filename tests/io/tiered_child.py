@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_resilient import AtomicCheckpointIO, ResumeStateCallback, find_latest_checkpoint
 from lightning_resilient.io import tiered
 
-
 _SAY = threading.Lock()
 
 
