@@ -183,18 +183,17 @@ def test_every_load_route_reads_the_committed_checkpoint_and_none_fences_the_job
         torch.load(best)
 
 
-def test_load_routes_on_s3_and_gcs(s3_backend, gcs_backend, tmp_path, monkeypatch):
+def test_load_routes_on_s3_and_gcs(s3_backend, gcs_backend, tmp_path, monkeypatch, plugins):
     for backend in (s3_backend, gcs_backend):
         if backend.kind == "s3":
             monkeypatch.setenv("AWS_ENDPOINT_URL", backend.endpoint)
-        io = AtomicCheckpointIO(storage_options=backend.storage_options)
+        io = plugins.track(AtomicCheckpointIO(storage_options=backend.storage_options))
         plugins_root = backend.root
         seed_everything(0)
         trainer = Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
                           enable_model_summary=False, plugins=[io], enable_checkpointing=False)
         trainer.fit(ValModel(), loader())
         trainer.save_checkpoint(f"{plugins_root}/last.ckpt")
-        io.teardown()
         options = backend.storage_options
         expected = weights(load_checkpoint(f"{plugins_root}/last.ckpt", storage_options=options))
         model = load_from_checkpoint(ValModel, plugins_root, storage_options=options)
@@ -407,8 +406,8 @@ def test_pytorch_lightning_trainer_takes_the_plugin_and_names_the_import_for_cal
 
 
 # -- pickling, deepcopy, ddp_spawn ------------------------------------------------------------------------------------
-def test_plugin_and_callbacks_pickle_and_deepcopy_before_and_after_fit_and_the_loader_is_given_back(tmp_path):
-    io = AtomicCheckpointIO(async_save=True, keep_last=2)
+def test_plugin_and_callbacks_pickle_and_deepcopy_before_and_after_fit_and_the_loader_is_given_back(tmp_path, plugins):
+    io = plugins.track(AtomicCheckpointIO(async_save=True, keep_last=2))
     callbacks = [ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()]
     data = loader(shuffle=True)
     batch_sampler = data.batch_sampler
@@ -424,10 +423,10 @@ def test_plugin_and_callbacks_pickle_and_deepcopy_before_and_after_fit_and_the_l
     for obj in (io, *callbacks, data, trainer):
         pickle.loads(pickle.dumps(obj))
         copy.deepcopy(obj)
-    clone = pickle.loads(pickle.dumps(io))
+    clone = plugins.track(pickle.loads(pickle.dumps(io)))
     assert clone.settings == io.settings and clone._roots == {} and clone._async is not None
     clone.save_checkpoint({"global_step": 7, "w": torch.ones(3)}, str(tmp_path / "clone" / "x.ckpt"))
-    clone.teardown()  # a copy saves on its own
+    clone.teardown()  # a copy saves on its own: its end waits for that save, read next
     assert load_checkpoint(str(tmp_path / "clone" / "x.ckpt"))["global_step"] == 7
 
 
@@ -553,13 +552,12 @@ def test_one_plugin_object_reused_for_a_rollback_claims_anew(tmp_path):
     assert load_checkpoint(find_latest_checkpoint(root))["global_step"] == 6
 
 
-def test_removing_a_stock_object_beside_our_checkpoint_of_the_same_name_on_s3(s3_backend):
-    io = AtomicCheckpointIO(storage_options=s3_backend.storage_options)
+def test_removing_a_stock_object_beside_our_checkpoint_of_the_same_name_on_s3(s3_backend, plugins):
+    io = plugins.track(AtomicCheckpointIO(storage_options=s3_backend.storage_options))
     io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.ones(4)}}, s3_backend.url("best.ckpt"))
     io.save_checkpoint({"global_step": 8, "state_dict": {"w": torch.ones(4)}}, s3_backend.url("other.ckpt"))
     s3_backend.fs().pipe_file(s3_backend.path("best.ckpt"), b"stock bytes")  # a key beside our prefix
     io.remove_checkpoint(s3_backend.url("best.ckpt"))
-    io.teardown()
     fs = s3_backend.fs()
     assert not fs.isfile(s3_backend.path("best.ckpt"))  # the stock object went, alone
     pointer = Pointer.from_bytes(fs.cat_file(s3_backend.path(POINTER_NAME)), where="test")

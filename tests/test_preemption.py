@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,15 @@ class Metadata(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
+@pytest.fixture
+def metadata() -> Iterator[Metadata]:
+    """A metadata server for one test, stopped (and its port closed) after it whatever its outcome."""
+    server = Metadata()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
 class Flip(Callback):
     """Flips the metadata server to 'preempted' at batch ``batch`` and waits until the poller has seen it."""
 
@@ -195,17 +205,13 @@ class Flip(Callback):
 
 
 @pytest.mark.parametrize("kind", ["aws", "gce"])
-def test_a_metadata_endpoint_notice_from_a_loopback_server(tmp_path, kind):
-    server = Metadata()
-    try:
-        url = server.url + ("/latest/meta-data/spot/instance-action" if kind == "aws"
-                            else "/computeMetadata/v1/instance/preempted")
-        notice = {"aws_spot" if kind == "aws" else "gce": url}
-        preemption = PreemptionCheckpoint(signals=[], poll_seconds=0.02, **notice)
-        with pytest.raises(PreemptedExit) as exited:
-            run(str(tmp_path / "ckpt"), preemption=preemption, extra=[Flip(server, preemption, 5)])
-    finally:
-        server.shutdown()
+def test_a_metadata_endpoint_notice_from_a_loopback_server(tmp_path, kind, metadata):
+    server = metadata
+    url = server.url + ("/latest/meta-data/spot/instance-action" if kind == "aws"
+                        else "/computeMetadata/v1/instance/preempted")
+    preemption = PreemptionCheckpoint(signals=[], poll_seconds=0.02, **{"aws_spot" if kind == "aws" else "gce": url})
+    with pytest.raises(PreemptedExit) as exited:
+        run(str(tmp_path / "ckpt"), preemption=preemption, extra=[Flip(server, preemption, 5)])
     assert exited.value.code == 143
     assert preemption.notice.kind == kind and preemption.notice.deadline == (100.0 if kind == "aws" else 25.0)
     assert preemption.saved["step"] == 6 and preemption.saved["committed"]
