@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import fsspec
+import pytest
 
 # Must be set before gcsfs is imported, or every call probes the emulator over gRPC/TLS for 30-80 s.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -11,15 +21,8 @@ for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
     os.environ.setdefault(_k, _v)
 
-import platform
-import threading
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
-import fsspec
-import pytest
+log = logging.getLogger(__name__)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -139,3 +142,68 @@ def _no_leaked_threads() -> Iterator[None]:
         t.join(timeout=5)
     still = [t.name for t in leaked if t.is_alive()]
     assert not still, f"threads left running: {still}"
+
+
+class _Teardown(Protocol):  # AtomicCheckpointIO, or a test's subclass or stand-in of it
+    def teardown(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+P = TypeVar("P", bound=_Teardown)
+
+
+class Plugins:
+    """Every checkpoint plugin a test builds, torn down after the test whatever its outcome: a failed assertion
+    must not leave an async save or a persist thread running into the next test (nor fail that one instead).
+
+    ``AtomicCheckpointIO.teardown`` is idempotent once it has succeeded (nothing in flight, nothing to persist), so
+    a plugin the test tore down itself, or that ``Trainer.fit`` tore down, costs nothing here. One whose teardown
+    failed is different: a failed persist is retried by the next teardown and may fail the same way again.
+    """
+
+    def __init__(self) -> None:
+        self._built: list[_Teardown] = []
+        self._asserted: dict[int, tuple[type[BaseException], ...]] = {}
+        self._abandoned: set[int] = set()
+
+    def track(self, plugin: P) -> P:
+        self._built.append(plugin)
+        return plugin
+
+    def asserted(self, plugin: _Teardown, *errors: type[BaseException]) -> None:
+        """The test asserted that ``plugin``'s teardown raises ``errors``: the same errors from the release are
+        logged, not reported a second time as a teardown error of the test. Any other error still is."""
+        self._asserted[id(plugin)] = errors
+
+    def abandoned(self, plugin: _Teardown) -> None:
+        """``plugin``'s job never ends in the test's story (it is killed, fenced off, or its node is lost): at release
+        its queued work is waited for, but no end-of-fit persist is started, which could fail for reasons the story
+        made (a fenced writer, a deleted local tier) or change the store after the test's last look. Only for plugins
+        without ``async_save`` (whose save thread only ``teardown`` stops)."""
+        assert not getattr(plugin, "async_save", False), "an async plugin's save thread is stopped by teardown only"
+        self._abandoned.add(id(plugin))
+
+    def release(self) -> None:
+        errors: list[BaseException] = []
+        for plugin in reversed(self._built):  # the newest first, as a job's plugins end in reverse order
+            try:
+                if id(plugin) in self._abandoned:
+                    plugin.wait()
+                else:
+                    plugin.teardown()
+            except self._asserted.get(id(plugin), ()) as exc:
+                log.info("teardown of %r raised again what the test asserted: %r", plugin, exc)
+            except BaseException as exc:
+                errors.append(exc)
+        self._built.clear()
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture
+def plugins() -> Iterator[Plugins]:
+    """``plugins.track(AtomicCheckpointIO(...))``: the plugin, torn down after the test even if the test failed."""
+    built = Plugins()
+    yield built
+    built.release()

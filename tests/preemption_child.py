@@ -17,13 +17,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_resilient import (  # noqa: E402
+from lightning_resilient import (
     AtomicCheckpointIO,
     PreemptionCheckpoint,
     ResumeStateCallback,
     find_latest_checkpoint,
 )
-from tests.test_preemption import DropoutModel, loader  # noqa: E402
+from tests.test_preemption import DropoutModel, loader
 
 
 def _say(line: str) -> None:

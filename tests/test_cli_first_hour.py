@@ -183,7 +183,8 @@ def test_train_whose_model_checkpoint_has_no_credentials_says_where_to_set_them(
     store = (CONFIGS / "s3.yaml").read_text().replace("s3://lightning-resilient-example/", "s3://first-hour-creds/")
     options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
                "skip_instance_cache": True}
-    (tmp_path / "store.yaml").write_text(store.replace("storage_options: {}", f"storage_options: {json.dumps(options)}"))
+    (tmp_path / "store.yaml").write_text(store.replace("storage_options: {}",
+                                                       f"storage_options: {json.dumps(options)}"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
     monkeypatch.chdir(tmp_path)
     status, err = run(capsys, "train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(tmp_path / "store.yaml"),

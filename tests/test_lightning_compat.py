@@ -96,13 +96,13 @@ def assert_equal_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 # -- flows compared with stock ---------------------------------------------------------------------------------------
 FLOWS = {
-    "top-k rotation by val_loss": dict(max_epochs=4, monitor="val_loss", save_top_k=2),
-    "monitor mode=max": dict(max_epochs=4, monitor="val_score", mode="max", save_top_k=2, save_last=True),
-    "every_n_epochs=2": dict(max_epochs=5, every_n_epochs=2, save_top_k=-1),
-    "save_on_train_epoch_end": dict(max_epochs=3, save_on_train_epoch_end=True, save_top_k=-1),
-    "every_n_train_steps + save_last": dict(max_steps=20, every_n_train_steps=6, save_top_k=2, monitor="step",
-                                            mode="max", save_last=True),
-    "save_weights_only": dict(max_epochs=2, save_weights_only=True, save_top_k=-1, save_last=True),
+    "top-k rotation by val_loss": {"max_epochs": 4, "monitor": "val_loss", "save_top_k": 2},
+    "monitor mode=max": {"max_epochs": 4, "monitor": "val_score", "mode": "max", "save_top_k": 2, "save_last": True},
+    "every_n_epochs=2": {"max_epochs": 5, "every_n_epochs": 2, "save_top_k": -1},
+    "save_on_train_epoch_end": {"max_epochs": 3, "save_on_train_epoch_end": True, "save_top_k": -1},
+    "every_n_train_steps + save_last": {"max_steps": 20, "every_n_train_steps": 6, "save_top_k": 2, "monitor": "step",
+                                        "mode": "max", "save_last": True},
+    "save_weights_only": {"max_epochs": 2, "save_weights_only": True, "save_top_k": -1, "save_last": True},
 }
 
 
@@ -158,7 +158,7 @@ def test_every_load_route_reads_the_committed_checkpoint_and_none_fences_the_job
 
     model = load_from_checkpoint(ValModel, best)  # the route for LightningModule.load_from_checkpoint
     assert isinstance(model, ValModel) and model.hparams.width == 16
-    assert_equal_state(model.state_dict(), {k: v for k, v in weights(expected).items()})
+    assert_equal_state(model.state_dict(), dict(weights(expected)))
     assert load_from_checkpoint(ValModel, best, width=16).hparams.width == 16  # keyword overrides as stock
     for url in (root, find_latest_checkpoint(root), f"{root}/last.ckpt"):  # the root's latest, its commit, a name
         assert load_checkpoint(url)["global_step"] == trainer.global_step
@@ -178,22 +178,22 @@ def test_every_load_route_reads_the_committed_checkpoint_and_none_fences_the_job
     assert_equal_state(weights(stock), weights(expected))
     assert_equal_state(ValModel.load_from_checkpoint(out).state_dict(), weights(expected))
 
-    with pytest.raises(IsADirectoryError):  # the stock route that cannot work (docs/compatibility.md names the replacement)
+    # The stock route that cannot work (docs/compatibility.md names the replacement).
+    with pytest.raises(IsADirectoryError):
         torch.load(best)
 
 
-def test_load_routes_on_s3_and_gcs(s3_backend, gcs_backend, tmp_path, monkeypatch):
+def test_load_routes_on_s3_and_gcs(s3_backend, gcs_backend, tmp_path, monkeypatch, plugins):
     for backend in (s3_backend, gcs_backend):
         if backend.kind == "s3":
             monkeypatch.setenv("AWS_ENDPOINT_URL", backend.endpoint)
-        io = AtomicCheckpointIO(storage_options=backend.storage_options)
+        io = plugins.track(AtomicCheckpointIO(storage_options=backend.storage_options))
         plugins_root = backend.root
         seed_everything(0)
         trainer = Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
                           enable_model_summary=False, plugins=[io], enable_checkpointing=False)
         trainer.fit(ValModel(), loader())
         trainer.save_checkpoint(f"{plugins_root}/last.ckpt")
-        io.teardown()
         options = backend.storage_options
         expected = weights(load_checkpoint(f"{plugins_root}/last.ckpt", storage_options=options))
         model = load_from_checkpoint(ValModel, plugins_root, storage_options=options)
@@ -267,7 +267,7 @@ def test_keep_last_counts_training_states_not_the_last_ckpt_name(tmp_path):
 
 # -- a folder that already holds stock checkpoints -----------------------------------------------------------------
 def test_a_root_of_stock_checkpoints_resumes_from_the_newest_and_rotates_them_as_stock(tmp_path, caplog):
-    options = dict(every_n_train_steps=4, save_top_k=2, monitor="step", mode="max", save_last=True)
+    options = {"every_n_train_steps": 4, "save_top_k": 2, "monitor": "step", "mode": "max", "save_last": True}
     for folder in ("stock", "ours"):
         fit(str(tmp_path / folder), ours=False, max_steps=8, **options)
     with caplog.at_level("INFO"):
@@ -401,13 +401,13 @@ def test_pytorch_lightning_trainer_takes_the_plugin_and_names_the_import_for_cal
     for callback in (ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()):
         trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[callback])
-        with pytest.raises(TypeError, match="from `lightning.pytorch`"):
+        with pytest.raises(TypeError, match=r"from `lightning\.pytorch`"):
             trainer.fit(PLModel(), loader())
 
 
-# -- pickling, deepcopy, ddp_spawn ---------------------------------------------------------------------------------------
-def test_plugin_and_callbacks_pickle_and_deepcopy_before_and_after_fit_and_the_loader_is_given_back(tmp_path):
-    io = AtomicCheckpointIO(async_save=True, keep_last=2)
+# -- pickling, deepcopy, ddp_spawn ------------------------------------------------------------------------------------
+def test_plugin_and_callbacks_pickle_and_deepcopy_before_and_after_fit_and_the_loader_is_given_back(tmp_path, plugins):
+    io = plugins.track(AtomicCheckpointIO(async_save=True, keep_last=2))
     callbacks = [ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()]
     data = loader(shuffle=True)
     batch_sampler = data.batch_sampler
@@ -423,10 +423,10 @@ def test_plugin_and_callbacks_pickle_and_deepcopy_before_and_after_fit_and_the_l
     for obj in (io, *callbacks, data, trainer):
         pickle.loads(pickle.dumps(obj))
         copy.deepcopy(obj)
-    clone = pickle.loads(pickle.dumps(io))
+    clone = plugins.track(pickle.loads(pickle.dumps(io)))
     assert clone.settings == io.settings and clone._roots == {} and clone._async is not None
     clone.save_checkpoint({"global_step": 7, "w": torch.ones(3)}, str(tmp_path / "clone" / "x.ckpt"))
-    clone.teardown()  # a copy saves on its own
+    clone.teardown()  # a copy saves on its own: its end waits for that save, read next
     assert load_checkpoint(str(tmp_path / "clone" / "x.ckpt"))["global_step"] == 7
 
 
@@ -553,13 +553,12 @@ def test_one_plugin_object_reused_for_a_rollback_claims_anew(tmp_path):
     assert load_checkpoint(find_latest_checkpoint(root))["global_step"] == 6
 
 
-def test_removing_a_stock_object_beside_our_checkpoint_of_the_same_name_on_s3(s3_backend):
-    io = AtomicCheckpointIO(storage_options=s3_backend.storage_options)
+def test_removing_a_stock_object_beside_our_checkpoint_of_the_same_name_on_s3(s3_backend, plugins):
+    io = plugins.track(AtomicCheckpointIO(storage_options=s3_backend.storage_options))
     io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.ones(4)}}, s3_backend.url("best.ckpt"))
     io.save_checkpoint({"global_step": 8, "state_dict": {"w": torch.ones(4)}}, s3_backend.url("other.ckpt"))
     s3_backend.fs().pipe_file(s3_backend.path("best.ckpt"), b"stock bytes")  # a key beside our prefix
     io.remove_checkpoint(s3_backend.url("best.ckpt"))
-    io.teardown()
     fs = s3_backend.fs()
     assert not fs.isfile(s3_backend.path("best.ckpt"))  # the stock object went, alone
     pointer = Pointer.from_bytes(fs.cat_file(s3_backend.path(POINTER_NAME)), where="test")
@@ -594,5 +593,5 @@ def test_a_failed_fit_gives_the_loader_back_too(tmp_path):
 
 
 def test_a_checkpoint_name_starting_with_a_dot_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="starts with '.'"):
+    with pytest.raises(ValueError, match=r"starts with '\.'"):
         AtomicCheckpointIO().save_checkpoint({"global_step": 1}, str(tmp_path / ".hidden.ckpt"))

@@ -99,7 +99,7 @@ def test_plugin_applies_the_choice_and_logs_one_line(caplog):
 
 
 def test_precision_argument_and_plugin_together_is_lightnings_error():
-    with pytest.raises(ValueError, match="Received both `precision=.*` and `plugins="):
+    with pytest.raises(ValueError, match=r"Received both `precision=.*` and `plugins="):
         trainer(precision="bf16-mixed", plugins=[AutoPrecision()])
 
 
@@ -154,7 +154,8 @@ def test_resume_across_a_precision_switch(memory_backend, first, second, message
     t.fit(TinyModel(), tiny_loader())
     plugin = AutoPrecision(precision=second, init_scale=1024.0)
     t2 = trainer(max_steps=4, plugins=[plugin, AtomicCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=root)])
-    with pytest.warns(RuntimeWarning, match=f"resuming a {first} checkpoint under {second}: .*" + message.split(".*")[-1]):
+    expected = f"resuming a {first} checkpoint under {second}: .*" + message.split(".*")[-1]
+    with pytest.warns(RuntimeWarning, match=expected):
         t2.fit(TinyModel(), tiny_loader(), ckpt_path=root)
     assert t2.global_step == 4 and plugin.precision == second
 

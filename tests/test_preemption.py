@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bi
         assert "| preemption.ckpt (latest) (emergency save: preemption) |" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_signal  # handlers given back
     _, resumed = run(root, accumulate=accumulate, ckpt_path=find_latest_checkpoint(root))
-    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values()):
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -153,11 +154,11 @@ class Metadata(http.server.ThreadingHTTPServer):
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_PUT(self) -> None:  # noqa: N802
+            def do_PUT(self) -> None:
                 outer.requests.append(("PUT", self.path, dict(self.headers)))
                 self._answer(200 if self.path == "/latest/api/token" else 404, "token-123")
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 outer.requests.append(("GET", self.path, dict(self.headers)))
                 if self.path == "/latest/meta-data/spot/instance-action":
                     if outer.preempted and self.headers.get("X-aws-ec2-metadata-token") == "token-123":
@@ -178,6 +179,15 @@ class Metadata(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
+@pytest.fixture
+def metadata() -> Iterator[Metadata]:
+    """A metadata server for one test, stopped (and its port closed) after it whatever its outcome."""
+    server = Metadata()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
 class Flip(Callback):
     """Flips the metadata server to 'preempted' at batch ``batch`` and waits until the poller has seen it."""
 
@@ -195,21 +205,18 @@ class Flip(Callback):
 
 
 @pytest.mark.parametrize("kind", ["aws", "gce"])
-def test_a_metadata_endpoint_notice_from_a_loopback_server(tmp_path, kind):
-    server = Metadata()
-    try:
-        url = server.url + ("/latest/meta-data/spot/instance-action" if kind == "aws"
-                            else "/computeMetadata/v1/instance/preempted")
-        preemption = PreemptionCheckpoint(signals=[], poll_seconds=0.02, **{"aws_spot" if kind == "aws" else "gce": url})
-        with pytest.raises(PreemptedExit) as exited:
-            run(str(tmp_path / "ckpt"), preemption=preemption, extra=[Flip(server, preemption, 5)])
-    finally:
-        server.shutdown()
+def test_a_metadata_endpoint_notice_from_a_loopback_server(tmp_path, kind, metadata):
+    server = metadata
+    url = server.url + ("/latest/meta-data/spot/instance-action" if kind == "aws"
+                        else "/computeMetadata/v1/instance/preempted")
+    preemption = PreemptionCheckpoint(signals=[], poll_seconds=0.02, **{"aws_spot" if kind == "aws" else "gce": url})
+    with pytest.raises(PreemptedExit) as exited:
+        run(str(tmp_path / "ckpt"), preemption=preemption, extra=[Flip(server, preemption, 5)])
     assert exited.value.code == 143
     assert preemption.notice.kind == kind and preemption.notice.deadline == (100.0 if kind == "aws" else 25.0)
     assert preemption.saved["step"] == 6 and preemption.saved["committed"]
     if kind == "aws":
-        assert ("PUT", "/latest/api/token", ) == server.requests[0][:2]  # IMDSv2: a session token first
+        assert server.requests[0][:2] == ("PUT", "/latest/api/token", )  # IMDSv2: a session token first
     assert all(h.get("Host", "").startswith("127.0.0.1") for _, _, h in server.requests)
 
 

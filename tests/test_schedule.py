@@ -245,9 +245,9 @@ def _opt() -> torch.optim.Optimizer:
 
 
 def test_unknown_step_count_is_a_clear_error():
-    with pytest.raises(ValueError, match="cannot size the LR schedule.*max_steps"):
+    with pytest.raises(ValueError, match=r"cannot size the LR schedule.*max_steps"):
         warmup_schedule(_opt(), trainer=SimpleNamespace(estimated_stepping_batches=float("inf")))
-    with pytest.raises(ValueError, match="pass trainer=... .* or total_steps"):
+    with pytest.raises(ValueError, match=r"pass trainer=... .* or total_steps"):
         warmup_schedule(_opt())
 
 
@@ -287,7 +287,7 @@ def test_wrapper_validates_arguments(kwargs, error):
 
 
 def test_wrapper_rejects_a_non_scheduler():
-    with pytest.raises(TypeError, match="must be a torch.optim.lr_scheduler scheduler"):
+    with pytest.raises(TypeError, match=r"must be a torch\.optim\.lr_scheduler scheduler"):
         AccumulationAwareScheduler(object())
 
 
@@ -326,7 +326,8 @@ def test_lightning_fp16_skipped_step_does_not_advance_the_schedule(wrapped, monk
         monkeypatch.setattr(schedule, "AccumulationAwareScheduler", lambda inner, **kw: inner)
     model = Poisoned()
     # A small scale: fp16 gradients on the CPU would otherwise overflow on their own in the first steps.
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**6))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**6)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
     trainer = Trainer(max_epochs=1, accumulate_grad_batches=2, accelerator="cpu", logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       plugins=[plugin])

@@ -41,7 +41,7 @@ def test_another_checkpoint_io_is_refused_with_what_to_pass_instead(cls):
 @pytest.mark.parametrize("cls", STRATEGIES)
 def test_a_local_tier_is_refused_with_what_to_do(cls, tmp_path):
     strategy = cls()
-    with pytest.raises(ValueError, match="does not support AtomicCheckpointIO\\(local_tier=...\\) yet"):
+    with pytest.raises(ValueError, match=r"does not support AtomicCheckpointIO\(local_tier=...\) yet"):
         strategy.checkpoint_io = AtomicCheckpointIO(local_tier=str(tmp_path), persist_every=2)
 
 

@@ -132,14 +132,15 @@ def test_every_plugin_argument_is_settable_from_a_config():
 
 @pytest.mark.parametrize("store_env", ["local"], indirect=True)
 def test_the_saved_config_never_holds_credentials(store_env, tmp_path):
-    store, root = store_env
+    _, root = store_env
     config = yaml.safe_load((CONFIGS / "local.yaml").read_text())
     plugin = next(p for p in config["trainer"]["plugins"] if p["class_path"].endswith("AtomicCheckpointIO"))
     plugin["init_args"]["storage_options"] = {"key": "AKIAEXAMPLEKEY", "secret": "s3cr3t-value",
                                               "client_kwargs": {"aws_session_token": "t0ken-value", "verify": False}}
     with_secrets = tmp_path / "with-secrets.yaml"
     with_secrets.write_text(yaml.safe_dump(config))
-    main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(with_secrets), "--trainer.max_steps", "2", *QUIET])
+    main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(with_secrets), "--trainer.max_steps", "2",
+          *QUIET])
     saved = (tmp_path / "runs" / "run-1" / "config.yaml").read_text()  # base.yaml's default_root_dir
     for secret in ("AKIAEXAMPLEKEY", "s3cr3t-value", "t0ken-value"):
         assert secret not in saved
@@ -154,7 +155,7 @@ def test_the_saved_config_never_holds_credentials(store_env, tmp_path):
 def test_the_s3_config_with_a_local_tier_resumes_from_local_disk(store_env, tmp_path, caplog):
     # The commented-out local_tier lines of configs/s3.yaml, switched on: the durable root gets every 4th step and
     # the last of the fit, and the same command resumes the newest checkpoint, read from this node's local tier.
-    store, root = store_env
+    _, root = store_env
     config = yaml.safe_load((CONFIGS / "s3.yaml").read_text())
     config["trainer"]["plugins"][0]["init_args"].update(local_tier=str(tmp_path / "nvme"), persist_every=4)
     saver = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))

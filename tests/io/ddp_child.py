@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, find_latest_checkpoint  # noqa: E402
-from tests.models import TinyModel, tiny_loader  # noqa: E402
+from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, find_latest_checkpoint
+from tests.models import TinyModel, tiny_loader
 
 
 class CountingIO(AtomicCheckpointIO):

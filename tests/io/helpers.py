@@ -1,4 +1,4 @@
-"""Small builders shared by the io tests."""
+"""Small builders shared by the io tests (plugins come from the ``make_io`` fixture, which releases them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from lightning_resilient import AtomicCheckpointIO
 from lightning_resilient.io.pointer import POINTER_NAME, Pointer
 
 
@@ -37,15 +36,10 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(a[k], b[k])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert_same(x, y)
     else:
         assert a == b
-
-
-def make_io(backend: Any, **kwargs: Any) -> AtomicCheckpointIO:
-    kwargs.setdefault("retry_base_delay", 0.01)
-    return AtomicCheckpointIO(storage_options=backend.storage_options, **kwargs)
 
 
 def read_pointer(backend: Any) -> Pointer:

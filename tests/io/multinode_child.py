@@ -26,13 +26,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from lightning_resilient import (  # noqa: E402
+from lightning_resilient import (
     AtomicCheckpointIO,
     CheckpointCorruptedError,
     ResumeStateCallback,
     find_latest_checkpoint,
 )
-from lightning_resilient.io.catalog import reader  # noqa: E402
+from lightning_resilient.io.catalog import reader
 
 
 class Net(LightningModule):
@@ -94,8 +94,9 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     # find_unused_parameters=True keeps DDP's gradient buckets as built: otherwise DDP rebuilds them after its first
     # iteration, and with more than two processes the first step after a resume reduces gradients in another order
     # than the uninterrupted run's steady state (equal up to float rounding, not bit for bit; see docs/multi-node.md).
-    trainer = Trainer(strategy=DDPStrategy(find_unused_parameters=True), num_nodes=2, devices=2, accelerator="cpu", max_steps=options["max_steps"],
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, plugins=[io],
+    trainer = Trainer(strategy=DDPStrategy(find_unused_parameters=True), num_nodes=2, devices=2, accelerator="cpu",
+                      max_steps=options["max_steps"], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[io],
                       callbacks=[ResumeStateCallback(), Report(io, out),
                                  ModelCheckpoint(dirpath=root, every_n_train_steps=options["every"], save_top_k=-1)])
     ckpt = None

@@ -61,7 +61,7 @@ def writer(lines: IO[str], out: IO[str]) -> None:
         say(f"BEGIN {arg}")
         try:
             entry = root.save(content(tag, int(arg)), f"{tag}-step={arg}.ckpt")
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+        except Exception as exc:  # reported to the parent, which decides
             say(f"ERROR {type(exc).__name__}: {exc}".replace("\n", " "))
         else:
             say(f"END {entry.commit}")
@@ -69,7 +69,7 @@ def writer(lines: IO[str], out: IO[str]) -> None:
 
 def zygote() -> None:
     # Everything a writer needs, imported once; no thread is started before a fork (s3fs starts its own in each).
-    import lightning_resilient.io.catalog  # noqa: F401
+    import lightning_resilient.io.catalog
     import lightning_resilient.io.root  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # writers are reaped by the kernel

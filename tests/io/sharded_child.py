@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from lightning_resilient import (  # noqa: E402
+from lightning_resilient import (
     AtomicCheckpointIO,
     AtomicFSDPStrategy,
     AtomicModelParallelStrategy,

@@ -4,6 +4,7 @@ errors surface on the next save and at teardown; a failed save never costs the c
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,39 +15,47 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.testing import StoreProxy
 
+from ..conftest import Plugins
 from ..models import TinyModel, tiny_loader
-from .helpers import assert_same, make_checkpoint, make_io, read_pointer
+from .helpers import assert_same, make_checkpoint, read_pointer
 
 # Requests through the proxy are this package's only chance: the clients' own retries are off.
 NO_CLIENT_RETRIES = {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}},
                      "skip_instance_cache": True}
 
 
-def proxied_io(proxy: StoreProxy, root: str, **kwargs: Any) -> AtomicCheckpointIO:
-    io = AtomicCheckpointIO(storage_options={"client_kwargs": {"endpoint_url": proxy.url}, **NO_CLIENT_RETRIES},
-                            async_save=True, retry_base_delay=0.0, **kwargs)
-    io.root(root).store.fs.retries = 1  # s3fs's own retry loop
-    return io
+@pytest.fixture
+def proxied_io(plugins: Plugins) -> Callable[..., AtomicCheckpointIO]:
+    """``proxied_io(proxy, root, **kwargs)``: an async plugin that reaches the store only through ``proxy``,
+    released after the test whatever its outcome."""
+
+    def build(proxy: StoreProxy, root: str, **kwargs: Any) -> AtomicCheckpointIO:
+        io = AtomicCheckpointIO(storage_options={"client_kwargs": {"endpoint_url": proxy.url}, **NO_CLIENT_RETRIES},
+                                async_save=True, retry_base_delay=0.0, **kwargs)
+        io.root(root).store.fs.retries = 1  # s3fs's own retry loop
+        return plugins.track(io)
+
+    return build
 
 
-def direct_latest(backend) -> str | None:  # noqa: ANN001 - a conftest Backend
+def direct_latest(backend) -> str | None:  # backend: a conftest Backend
     return find_latest_checkpoint(backend.root, backend.storage_options)
 
 
-def test_async_save_roundtrips_and_snapshots_the_state_it_was_given(backend):
+def test_async_save_roundtrips_and_snapshots_the_state_it_was_given(backend, make_io):
     io = make_io(backend, async_save=True, shard_size=1024)
     ckpt = make_checkpoint(1)
     expected = {k: v.clone() for k, v in ckpt["state_dict"].items()}
     io.save_checkpoint(ckpt, backend.url("a.ckpt"))
     for t in ckpt["state_dict"].values():
         t.add_(1)  # the next optimizer step changes the weights in place while the upload runs
-    io.teardown()
+    io.teardown()  # the end of the job: waits for the upload (under test here, not only a release)
     loaded = make_io(backend, claim_on_load=False).load_checkpoint(backend.url("a.ckpt"))
     assert_same(loaded["state_dict"], expected)
     assert io.save_stats[-1].asynchronous and io.save_stats[-1].committed
 
 
-def test_the_pointer_moves_only_when_the_upload_completes(s3_backend):
+def test_the_pointer_moves_only_when_the_upload_completes(s3_backend, make_io, proxied_io):
     with StoreProxy(s3_backend.endpoint) as proxy:
         io = proxied_io(proxy, s3_backend.root)
         io.save_checkpoint(make_checkpoint(1), s3_backend.url("a.ckpt"))
@@ -63,12 +72,11 @@ def test_the_pointer_moves_only_when_the_upload_completes(s3_backend):
         proxy.resume()
         io.wait()
         assert direct_latest(s3_backend).startswith(s3_backend.url("b.ckpt/"))
-        io.teardown()
     loaded = make_io(s3_backend, claim_on_load=False).load_checkpoint(s3_backend.root)
     assert_same(loaded["state_dict"], expected)  # what was saved, not what training made of it since
 
 
-def test_at_most_one_save_is_in_flight_and_the_wait_is_measured(s3_backend):
+def test_at_most_one_save_is_in_flight_and_the_wait_is_measured(s3_backend, proxied_io):
     with StoreProxy(s3_backend.endpoint) as proxy:
         io = proxied_io(proxy, s3_backend.root)
         proxy.pause()
@@ -80,14 +88,14 @@ def test_at_most_one_save_is_in_flight_and_the_wait_is_measured(s3_backend):
         proxy.resume()
         second.join(timeout=60)
         assert not second.is_alive()
-        io.teardown()
+        io.teardown()  # waits for the second upload: its stats are final only then
     first_stats, second_stats = list(io.save_stats)[-2:]
     assert first_stats.committed and second_stats.committed
     assert second_stats.waited >= 0.9 and second_stats.blocked >= second_stats.waited
     assert first_stats.waited < 0.5
 
 
-def test_a_failed_upload_keeps_the_old_pointer_and_raises_on_the_next_save(s3_backend):
+def test_a_failed_upload_keeps_the_old_pointer_and_raises_on_the_next_save(s3_backend, make_io, proxied_io):
     with StoreProxy(s3_backend.endpoint, seed=3) as proxy:
         io = proxied_io(proxy, s3_backend.root, retry_attempts=1, shard_size=512)
         io.save_checkpoint(make_checkpoint(1), s3_backend.url("a.ckpt"))
@@ -116,7 +124,7 @@ def test_a_failed_upload_keeps_the_old_pointer_and_raises_on_the_next_save(s3_ba
     assert make_io(s3_backend, claim_on_load=False).load_checkpoint(s3_backend.root)["global_step"] == 1
 
 
-def test_teardown_waits_for_the_last_save_and_raises_its_error(s3_backend):
+def test_teardown_waits_for_the_last_save_and_raises_its_error(s3_backend, proxied_io):
     with StoreProxy(s3_backend.endpoint) as proxy:
         io = proxied_io(proxy, s3_backend.root, retry_attempts=1)
         proxy.fail_rate = 1.0
@@ -128,13 +136,13 @@ def test_teardown_waits_for_the_last_save_and_raises_its_error(s3_backend):
 
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_trainer_with_async_saves_rotates_and_resumes(request, monkeypatch, kind):
+def test_trainer_with_async_saves_rotates_and_resumes(request, monkeypatch, kind, plugins):
     backend = request.getfixturevalue(f"{kind}_backend")
     if backend.endpoint:
         monkeypatch.setenv("AWS_ENDPOINT_URL", backend.endpoint)  # ModelCheckpoint lists with its own client
 
     def run(max_steps: int, ckpt_path: str | None) -> Trainer:
-        io = AtomicCheckpointIO(storage_options=backend.storage_options, async_save=True)
+        io = plugins.track(AtomicCheckpointIO(storage_options=backend.storage_options, async_save=True))
         trainer = Trainer(max_steps=max_steps, plugins=[io], accelerator="cpu", logger=False,
                           enable_progress_bar=False, enable_model_summary=False,
                           callbacks=[ModelCheckpoint(dirpath=backend.root, every_n_train_steps=2, save_top_k=2,
@@ -153,7 +161,7 @@ def test_trainer_with_async_saves_rotates_and_resumes(request, monkeypatch, kind
     assert read_pointer(backend).latest.step == 8
 
 
-def test_a_second_save_of_the_same_state_does_not_wait(s3_backend):
+def test_a_second_save_of_the_same_state_does_not_wait(s3_backend, make_io, proxied_io):
     """ModelCheckpoint(save_last=True) saves twice per step: the second shares the first's snapshot."""
     with StoreProxy(s3_backend.endpoint) as proxy:
         io = proxied_io(proxy, s3_backend.root, shard_size=1024)
@@ -177,7 +185,7 @@ def test_a_second_save_of_the_same_state_does_not_wait(s3_backend):
         assert blocked.is_alive()
         proxy.resume()
         blocked.join(timeout=60)
-        io.teardown()
+        io.teardown()  # waits for the uploads still running, before the store is read
     pointer = read_pointer(s3_backend)
     last = pointer.checkpoints["last.ckpt"]
     assert pointer.checkpoints["epoch=0-step=7.ckpt"].commit in last.folders  # its shards were not uploaded again

@@ -55,7 +55,7 @@ def test_bad_save_calls(memory_backend):
     io = AtomicCheckpointIO()
     with pytest.raises(TypeError, match="checkpoint must be a dict"):
         io.save_checkpoint([1, 2], memory_backend.url("a.ckpt"))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="checkpoint path must be a str or os.PathLike"):
+    with pytest.raises(TypeError, match=r"checkpoint path must be a str or os\.PathLike"):
         io.save_checkpoint({}, 42)
 
 
@@ -71,7 +71,8 @@ def test_public_names():
     )
     assert issubclass(lightning_resilient.StaleWriterError, lightning_resilient.CheckpointError)
     assert set(lightning_resilient.__all__) == set(lightning_resilient._WHERE) | {"__version__"}
-    assert sorted(dir(lightning_resilient)) == dir(lightning_resilient) and "AtomicCheckpointIO" in dir(lightning_resilient)
+    names = dir(lightning_resilient)
+    assert sorted(names) == names and "AtomicCheckpointIO" in names
 
 
 def test_the_storage_protocol_imports_without_lightning():

@@ -9,11 +9,11 @@ import pytest
 from lightning_resilient.cli import main
 from lightning_resilient.io.manifest import MANIFEST_NAME
 
-from .helpers import make_checkpoint, make_io, put, read_pointer
+from .helpers import make_checkpoint, put, read_pointer
 
 
 @pytest.fixture(params=["local", "s3"])
-def filled(request):
+def filled(request, make_io):
     """A root with three committed checkpoints (one save_last sharing data), a crashed save's folder, and a new job
     that resumed the latest (so the crashed save's writer is fenced off)."""
     backend = request.getfixturevalue(f"{request.param}_backend")
@@ -21,7 +21,6 @@ def filled(request):
     for step in (1, 2, 3):
         io.save_checkpoint(make_checkpoint(step, size=512), backend.url(f"epoch=0-step={step}.ckpt"))
     io.save_checkpoint(make_checkpoint(3, size=512), backend.url("last.ckpt"))
-    io.teardown()
     put(backend, "epoch=0-step=4.ckpt/c1700000000000-e1-0badf00d/shard-00000.bin", b"half an upload")
     resumed = make_io(backend)
     resumed.root(backend.root).claim(resumed_from=read_pointer(backend).latest)
@@ -76,7 +75,7 @@ def test_verify_accepts_a_commit_folder_and_draws_progress(filled, capsys):
     assert f"OK     {filled.url(commit)}" in captured.out and "verify last.ckpt" in captured.err
 
 
-def test_gc_dry_run_lists_then_gc_deletes(filled, capsys):
+def test_gc_dry_run_lists_then_gc_deletes(filled, capsys, make_io):
     assert run(filled, "gc", filled.root, "--dry-run", "--grace", "0", "--keep-last", "2") == 0
     out = capsys.readouterr().out
     # two training states: steps 3 (under two names, last.ckpt too) and 2
@@ -103,7 +102,7 @@ def test_gc_grace_counts_the_stores_time_not_the_name(filled, capsys):
     assert "0badf00d" in capsys.readouterr().out
 
 
-def test_bad_input_exits_2_with_a_message(s3_backend, local_backend, tmp_path, capsys, monkeypatch):
+def test_bad_input_exits_2_with_a_message(s3_backend, local_backend, tmp_path, capsys, monkeypatch, make_io):
     assert main(["ls", "nosuchproto://x/y"]) == 2
     assert "cannot open 'nosuchproto://x/y'" in capsys.readouterr().err
     options = json.dumps({"client_kwargs": {"endpoint_url": s3_backend.endpoint}})

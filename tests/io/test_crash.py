@@ -55,7 +55,7 @@ class Job:
                     if predicate(item[1]):
                         return item
                 left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None and not self.reader.is_alive():
+                if left <= 0 or (self.proc.poll() is not None and not self.reader.is_alive()):
                     raise AssertionError(f"child never printed the expected line; got {self.lines[-5:]}")
                 self.cond.wait(min(left, 0.5))
 
@@ -92,8 +92,8 @@ def run_crash_loop(backend, env: dict[str, str]) -> None:
         time.sleep(max(0.0, target - time.monotonic()))
         lines = job.kill()
         step = int(begin_line.split()[1])
-        ends = [int(l.split()[1]) for l in lines if l.startswith("END")]
-        begun = [int(l.split()[1]) for l in lines if l.startswith("BEGIN")]
+        ends = [int(line.split()[1]) for line in lines if line.startswith("END")]
+        begun = [int(line.split()[1]) for line in lines if line.startswith("BEGIN")]
         in_flight = begun[-1] if begun and (not ends or ends[-1] != begun[-1]) else None
         if ends:
             committed = max(committed, ends[-1])

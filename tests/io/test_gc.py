@@ -20,7 +20,7 @@ from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME
 from lightning_resilient.testing import StoreProxy
 
-from .helpers import make_checkpoint, make_io, read_pointer
+from .helpers import make_checkpoint, read_pointer
 from .test_crash import _env, commit_folders
 from .test_protocol import commits_on_store
 
@@ -31,11 +31,10 @@ def _options(backend) -> list[str]:
     return ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
 
 
-def test_a_missing_pointer_never_licenses_a_deletion(backend, capsys):
+def test_a_missing_pointer_never_licenses_a_deletion(backend, capsys, make_io):
     io = make_io(backend)
     for step in (1, 2):
         io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
-    io.teardown()
     backend.fs().rm(backend.path(POINTER_NAME))
     committed = commits_on_store(backend)
     assert make_io(backend, orphan_grace_seconds=0).collect_garbage(backend.root) == []
@@ -52,7 +51,6 @@ def test_a_missing_pointer_never_licenses_a_deletion(backend, capsys):
     pointer = read_pointer(backend)
     assert sorted(pointer.checkpoints) == ["step=1.ckpt", "step=2.ckpt", "step=3.ckpt"]
     assert [e.step for e in pointer.candidates()] == [3, 2, 1]
-    job.teardown()
     # A fresh job's first save on a root whose pointer is gone: the same, its predecessors become abandoned.
     backend.fs().rm(backend.path(POINTER_NAME))
     committed = commits_on_store(backend)
@@ -60,16 +58,15 @@ def test_a_missing_pointer_never_licenses_a_deletion(backend, capsys):
     fresh.save_checkpoint(make_checkpoint(1, seed=5), backend.url("fresh.ckpt"))
     assert committed < commits_on_store(backend)
     assert [e.name for e in read_pointer(backend).candidates()] == ["fresh.ckpt"]
-    fresh.teardown()
 
 
-def test_gc_at_zero_grace_never_collects_a_save_still_uploading(s3_backend):
+def test_gc_at_zero_grace_never_collects_a_save_still_uploading(s3_backend, make_io, plugins):
     """The save is slowed to a crawl by a loopback proxy while gc runs at grace 0 in a loop; the save commits
     with every object in place (on the code before this rule, gc deleted shards and the save committed anyway)."""
     with StoreProxy(s3_backend.endpoint, bandwidth=400_000) as proxy:
         options = {"client_kwargs": {"endpoint_url": proxy.url}, "skip_instance_cache": True}
-        writer = AtomicCheckpointIO(storage_options=options, shard_size=8192, max_concurrency=2,
-                                    retry_base_delay=0.01)
+        writer = plugins.track(AtomicCheckpointIO(storage_options=options, shard_size=8192, max_concurrency=2,
+                                                  retry_base_delay=0.01))
         writer.save_checkpoint(make_checkpoint(1, size=64), s3_backend.url("a.ckpt"))  # claims the root
         saving = threading.Thread(target=writer.save_checkpoint,
                                   args=(make_checkpoint(2, size=2048), s3_backend.url("b.ckpt")))
@@ -84,10 +81,9 @@ def test_gc_at_zero_grace_never_collects_a_save_still_uploading(s3_backend):
     latest = read_pointer(s3_backend).latest
     assert latest.name == "b.ckpt"
     gc.root(s3_backend.root).verify(latest.commit)  # every object of the committed save is there and intact
-    writer.teardown()
 
 
-def test_a_commit_never_names_an_object_that_is_gone(backend):
+def test_a_commit_never_names_an_object_that_is_gone(backend, make_io):
     io = make_io(backend, shard_size=300)
     io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
     before = read_pointer(backend)
@@ -102,12 +98,11 @@ def test_a_commit_never_names_an_object_that_is_gone(backend):
         sync(rel)
 
     root.store.sync_folder = delete_a_shard_first  # type: ignore[method-assign]
-    with pytest.raises(CheckpointError, match="is missing just before .* was to be committed"):
+    with pytest.raises(CheckpointError, match=r"is missing just before .* was to be committed"):
         io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
     after = read_pointer(backend)
     assert after.latest == before.latest and "b.ckpt" not in after.checkpoints
     assert not any(p.endswith(MANIFEST_NAME) for p in backend.fs().find(backend.path("b.ckpt")))
-    io.teardown()
 
 
 def _race(reader, backend, writer, steps):
@@ -129,7 +124,7 @@ def _race(reader, backend, writer, steps):
     return raced
 
 
-def test_a_reader_whose_checkpoint_is_retired_meanwhile_reads_the_new_latest(backend):
+def test_a_reader_whose_checkpoint_is_retired_meanwhile_reads_the_new_latest(backend, make_io):
     writer = make_io(backend, keep_last=1)
     writer.save_checkpoint(make_checkpoint(1), backend.url("step=1.ckpt"))
     reader = make_io(backend)
@@ -147,20 +142,19 @@ def test_a_reader_whose_checkpoint_is_retired_meanwhile_reads_the_new_latest(bac
             pinned.load_checkpoint(find_latest_checkpoint(backend.root, backend.storage_options))
     with pytest.raises(FileNotFoundError, match="no longer exists"):
         make_io(backend).load_checkpoint(backend.url(raced[0]))
-    writer.teardown()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_gc_and_readers_in_a_loop_beside_a_running_job(request, kind):
+def test_gc_and_readers_in_a_loop_beside_a_running_job(request, kind, make_io):
     """A careless operator runs ``gc --grace 0`` (and ``verify``, and read-only loads) in a loop while a training
     job saves every step with keep_last=1: the job ends normally, nothing reads as corrupted, every checkpoint
     verifies, and the rerun resumes the last step."""
     backend = request.getfixturevalue(f"{kind}_backend")
     env = _env(AWS_ENDPOINT_URL=backend.endpoint) if backend.endpoint else _env()
     job = subprocess.Popen([sys.executable, str(CHILD), backend.root, json.dumps(backend.storage_options),
-                            "--max-steps", "25" if kind == "local" else "14", "--keep-last", "1"], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            "--max-steps", "25" if kind == "local" else "14", "--keep-last", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     options = _options(backend)
     reader = make_io(backend)
     problems: list[str] = []
@@ -179,10 +173,10 @@ def test_gc_and_readers_in_a_loop_beside_a_running_job(request, kind):
                         problems.append("verify failed")
                     try:
                         reader.load_checkpoint(backend.root)
-                    except Exception as exc:  # noqa: BLE001 - any failure of a read-only load is a finding
+                    except Exception as exc:  # any failure of a read-only load is a finding
                         problems.append(f"load: {exc!r}")
             problems += [str(w.message) for w in seen if "corrupted" in str(w.message)]
-        out, err = job.communicate(timeout=60)
+        _, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             job.kill()
@@ -203,7 +197,7 @@ def read_pointer_or_none(backend):
         return None
 
 
-def test_find_latest_checkpoint_beside_retention_reads_the_pointer_again(backend, monkeypatch):
+def test_find_latest_checkpoint_beside_retention_reads_the_pointer_again(backend, monkeypatch, make_io):
     """Between its pointer read and its manifest read, the checkpoint is retired (keep_last=1): not corruption."""
     from lightning_resilient.io.root import CheckpointRoot
 
@@ -224,10 +218,9 @@ def test_find_latest_checkpoint_beside_retention_reads_the_pointer_again(backend
         warnings.simplefilter("error")
         latest = find_latest_checkpoint(backend.root, backend.storage_options)
     assert raced and raced[0].startswith("step=1.ckpt/") and latest.startswith(backend.url("step=3.ckpt/"))
-    writer.teardown()
 
 
-def test_a_retired_checkpoint_waits_for_the_next_step_not_the_next_commit(local_backend):
+def test_a_retired_checkpoint_waits_for_the_next_step_not_the_next_commit(local_backend, make_io):
     """save_last commits twice per save (top-k, then last.ckpt at the same step): what the first commit retires is
     still readable after the second, and goes with the next step's save."""
     backend = local_backend
@@ -239,10 +232,9 @@ def test_a_retired_checkpoint_waits_for_the_next_step_not_the_next_commit(local_
     assert step1 and step1[0] in read_pointer(backend).retired  # retired by step 2's saves, data kept
     io.save_checkpoint(make_checkpoint(3), backend.url("step=3.ckpt"))
     assert not [c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/")]
-    io.teardown()
 
 
-def test_a_job_whose_origin_was_retired_before_it_claimed_refuses_to_commit(local_backend):
+def test_a_job_whose_origin_was_retired_before_it_claimed_refuses_to_commit(local_backend, make_io):
     """A job that claims only at its first save (claim_on_load=False) while the old job, still running with
     keep_last=1, retires the checkpoint it resumed from: its save is refused with a clear error, nothing is
     committed, and the root still resumes the old job's newest checkpoint."""
@@ -257,5 +249,3 @@ def test_a_job_whose_origin_was_retired_before_it_claimed_refuses_to_commit(loca
         new.save_checkpoint(make_checkpoint(2, seed=9), backend.url("new-step=2.ckpt"))
     assert read_pointer(backend).writer_epoch == 1  # the old job is not fenced by a claim that could not be made
     assert find_latest_checkpoint(backend.root).startswith(backend.url("step=3.ckpt/"))
-    old.teardown()
-    new.teardown()

@@ -42,7 +42,7 @@ def test_gather_then_scatter_roundtrips_every_tensor(shard_size):
                              allocate=lambda n: torch.empty(n, dtype=torch.uint8))
     for start in range(0, total, 777):  # pieces cut anywhere, as reads hand them on
         scatter.write(start, memoryview(stream)[start : start + 777])
-    for slot, buffer in zip(slots, scatter.buffers):
+    for slot, buffer in zip(slots, scatter.buffers, strict=True):
         rebuilt = layout.tensor_view(buffer, slot.tensor.dtype, list(slot.tensor.shape))
         assert torch.equal(rebuilt, slot.tensor)
     # One storage per tensor, exactly its size: nothing else is held after a load.
@@ -100,7 +100,8 @@ def test_scatter_views_are_the_destination_itself():
     slots = _slots()
     total = layout.plan(slots)
     stream = _stream(slots, total, 10**9)
-    scatter = layout.Scatter([(s.offset, s.nbytes) for s in slots], allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+    scatter = layout.Scatter([(s.offset, s.nbytes) for s in slots],
+                             allocate=lambda n: torch.empty(n, dtype=torch.uint8))
     for start in range(0, total, 500):
         end = min(start + 500, total)
         views = scatter.views(start, end - start)
@@ -109,5 +110,5 @@ def test_scatter_views_are_the_destination_itself():
         for view in views:  # filling the views fills the tensors, padding goes to scratch
             view[:] = stream[pos : pos + len(view)]
             pos += len(view)
-    for slot, buffer in zip(slots, scatter.buffers):
+    for slot, buffer in zip(slots, scatter.buffers, strict=True):
         assert torch.equal(layout.tensor_view(buffer, slot.tensor.dtype, list(slot.tensor.shape)), slot.tensor)

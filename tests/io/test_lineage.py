@@ -16,7 +16,7 @@ from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry
 
-from .helpers import make_checkpoint, make_io, read_pointer
+from .helpers import make_checkpoint, read_pointer
 
 
 def _entry(epoch: int, step: int, created: float = 0.0) -> Entry:
@@ -41,14 +41,13 @@ def test_lineage_follows_origins_and_bounds_each_epoch_at_its_resume_step():
                                                      key=lambda e: (e.writer_epoch, e.step), reverse=True)
 
 
-def _rollback(backend, *, keep_last=None):
+def _rollback(make_io, backend, *, keep_last=None):
     """Run A saves steps 100..300; run B resumes A's step 250 and saves 260, 270. Returns the commits by label."""
     a = make_io(backend)
     commits = {}
     for step in (100, 200, 250, 270, 300):
         a.save_checkpoint(make_checkpoint(step, seed=1), backend.url(f"step={step}.ckpt"))
         commits[f"A{step}"] = read_pointer(backend).latest.commit
-    a.teardown()
     b = make_io(backend, keep_last=keep_last, claim_on_load=True)  # a job that trains (outside Trainer.fit here)
     b.load_checkpoint(backend.url(commits["A250"]))  # the rollback: an explicit, earlier checkpoint
     for step in (260, 270):
@@ -64,8 +63,8 @@ def _damage(backend, rel):
     fs.pipe_file(backend.path(rel), bytes(data))
 
 
-def test_a_rollback_never_resumes_the_abandoned_branch(backend):
-    b, commits = _rollback(backend)
+def test_a_rollback_never_resumes_the_abandoned_branch(backend, make_io):
+    _, commits = _rollback(make_io, backend)
     url = backend.url
     assert find_latest_checkpoint(backend.root, backend.storage_options) == url(commits["B270"])
     # B's newest damaged: the fallback is B's previous, then A's 250 (what B resumed from), never A's 270 or 300.
@@ -80,11 +79,10 @@ def test_a_rollback_never_resumes_the_abandoned_branch(backend):
     backend.fs().pipe_file(backend.path(f"{commits['B270']}/{MANIFEST_NAME}"), b"{}")
     with pytest.warns(RuntimeWarning, match="skipping"):
         assert find_latest_checkpoint(backend.root, backend.storage_options) == url(commits["B260"])
-    b.teardown()
 
 
-def test_keep_last_counts_the_current_lineage_only(backend):
-    b, commits = _rollback(backend, keep_last=2)
+def test_keep_last_counts_the_current_lineage_only(backend, make_io):
+    b, commits = _rollback(make_io, backend, keep_last=2)
     pointer = read_pointer(backend)
     # B's two checkpoints are the two newest of its lineage; A's 270 and 300 (abandoned) neither count nor go.
     assert {e.commit for e in pointer.candidates()} == {commits["B260"], commits["B270"], commits["A250"]}
@@ -93,12 +91,10 @@ def test_keep_last_counts_the_current_lineage_only(backend):
     names = sorted(read_pointer(backend).checkpoints)
     assert "b-step=270.ckpt" in names and "b-step=280.ckpt" in names and "b-step=260.ckpt" not in names
     assert "step=300.ckpt" in names and "step=270.ckpt" in names  # abandoned: kept until gc --abandoned
-    b.teardown()
 
 
-def test_scan_and_repair_follow_the_lineage_recorded_in_the_manifests(backend):
-    b, commits = _rollback(backend)
-    b.teardown()
+def test_scan_and_repair_follow_the_lineage_recorded_in_the_manifests(backend, make_io):
+    _, commits = _rollback(make_io, backend)
     backend.fs().rm(backend.path(POINTER_NAME))
     with pytest.warns(RuntimeWarning, match="is missing"):
         assert find_latest_checkpoint(backend.root, backend.storage_options) == backend.url(commits["B270"])
@@ -108,9 +104,8 @@ def test_scan_and_repair_follow_the_lineage_recorded_in_the_manifests(backend):
     assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 270
 
 
-def test_ls_marks_the_abandoned_branch_and_gc_abandoned_deletes_it(backend, capsys):
-    b, commits = _rollback(backend)
-    b.teardown()
+def test_ls_marks_the_abandoned_branch_and_gc_abandoned_deletes_it(backend, capsys, make_io):
+    _rollback(make_io, backend)
     options = ["--storage-options", json.dumps(backend.storage_options)] if backend.storage_options else []
     assert main(["ls", backend.root, "--quick", *options]) == 0
     out = capsys.readouterr().out
@@ -127,28 +122,25 @@ def test_ls_marks_the_abandoned_branch_and_gc_abandoned_deletes_it(backend, caps
     assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 270
 
 
-def test_a_fresh_start_abandons_what_was_there_and_deletes_none_of_it(local_backend):
+def test_a_fresh_start_abandons_what_was_there_and_deletes_none_of_it(local_backend, make_io):
     backend = local_backend
     old = make_io(backend)
     old.save_checkpoint(make_checkpoint(90), backend.url("step=90.ckpt"))
-    old.teardown()
     fresh = make_io(backend)  # a job started without a checkpoint to resume: its lineage starts empty
     fresh.save_checkpoint(make_checkpoint(5), backend.url("step=5.ckpt"))
     pointer = read_pointer(backend)
     assert pointer.latest.name == "step=5.ckpt" and [e.name for e in pointer.abandoned()] == ["step=90.ckpt"]
     assert make_io(backend).load_checkpoint(backend.url("step=90.ckpt"))["global_step"] == 90  # still there
-    fresh.teardown()
 
 
-def test_every_manifest_damaged_is_an_error_not_a_fresh_start(backend):
+def test_every_manifest_damaged_is_an_error_not_a_fresh_start(backend, make_io):
     io = make_io(backend)
     for step in (1, 2):
         io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
-    io.teardown()
     for entry in read_pointer(backend).candidates():
         backend.fs().pipe_file(backend.path(f"{entry.commit}/{MANIFEST_NAME}"), b"not a manifest")
     with pytest.warns(RuntimeWarning, match="skipping"), \
-            pytest.raises(CheckpointCorruptedError, match="no committed checkpoint .* has a valid manifest"):
+            pytest.raises(CheckpointCorruptedError, match=r"no committed checkpoint .* has a valid manifest"):
         find_latest_checkpoint(backend.root, backend.storage_options)
     backend.fs().rm(backend.path(POINTER_NAME))  # the same through the scan of a root without a pointer
     with pytest.raises(CheckpointCorruptedError, match="has a valid manifest"):
@@ -172,7 +164,7 @@ def test_a_rebuilt_pointer_names_each_shared_name_after_the_current_lineage():
         assert pointer.checkpoints["last.ckpt"].commit == b[0].commit and pointer.latest.commit == b[0].commit
 
 
-def test_an_evaluation_load_is_no_origin_for_a_later_fresh_fit(local_backend):
+def test_an_evaluation_load_is_no_origin_for_a_later_fresh_fit(local_backend, plugins):
     """validate(ckpt_path=...) then a fresh fit with the same plugin: the fit starts a lineage of its own."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -189,8 +181,8 @@ def test_an_evaluation_load_is_no_origin_for_a_later_fresh_fit(local_backend):
         return Trainer(max_steps=steps, plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False,
                        enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=local_backend.root)])
 
-    trainer(AtomicCheckpointIO(), 4).fit(Validated(), tiny_loader())  # the old run
-    io = AtomicCheckpointIO()
+    trainer(plugins.track(AtomicCheckpointIO()), 4).fit(Validated(), tiny_loader())  # the old run
+    io = plugins.track(AtomicCheckpointIO())
     again = trainer(io, 2)
     again.validate(Validated(), tiny_loader(), ckpt_path=find_latest_checkpoint(local_backend.root), verbose=False)
     again.fit(Validated(), tiny_loader())  # from scratch, the same plugin

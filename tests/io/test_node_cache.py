@@ -15,7 +15,7 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, RootSettings
 from lightning_resilient.io.store import open_store
 
-from .helpers import assert_same, make_checkpoint, make_io, read_pointer
+from .helpers import assert_same, make_checkpoint, read_pointer
 
 
 def local_root(path: str) -> CheckpointRoot:
@@ -23,13 +23,12 @@ def local_root(path: str) -> CheckpointRoot:
                           lambda: ThreadPoolExecutor(2))
 
 
-def saved(backend, *steps: int) -> tuple[CheckpointRoot, list[str]]:
+def saved(make_io, backend, *steps: int) -> tuple[CheckpointRoot, list[str]]:
     io = make_io(backend, shard_size=1024)
     commits = []
     for step in steps:
         io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
         commits.append(read_pointer(backend).latest.commit)
-    io.teardown()
     return make_io(backend).root(backend.root), commits
 
 
@@ -41,10 +40,10 @@ def copies(cache: NodeCache) -> list[str]:
     return sorted(e for e in os.listdir(cache.directory) if not e.endswith(".lock"))
 
 
-def test_a_damaged_copy_is_refilled_from_the_store_never_trusted(memory_backend, tmp_path):
+def test_a_damaged_copy_is_refilled_from_the_store_never_trusted(memory_backend, tmp_path, make_io):
     """One file removed from the copy, one byte changed in another: the next loads still get the store's
     checkpoint (not an older one), verified against the store's manifest, and the copy is whole again."""
-    root, (commit,) = saved(memory_backend, 20)
+    root, (commit,) = saved(make_io, memory_backend, 20)
     cache = NodeCache(str(tmp_path), root.url, job="job-1")
     assert_same(load(cache, root, commit), make_checkpoint(20))
     (copy,) = copies(cache)
@@ -61,8 +60,8 @@ def test_a_damaged_copy_is_refilled_from_the_store_never_trusted(memory_backend,
     assert os.path.exists(shards[0])
 
 
-def test_the_cache_is_private_and_refuses_a_planted_or_open_folder(memory_backend, tmp_path):
-    root, _ = saved(memory_backend, 1)
+def test_the_cache_is_private_and_refuses_a_planted_or_open_folder(memory_backend, tmp_path, make_io):
+    root, _ = saved(make_io, memory_backend, 1)
     cache = NodeCache(str(tmp_path), root.url, job="job-1")
     private = os.path.dirname(cache.directory)
     assert os.stat(private).st_mode & 0o777 == 0o700 and os.stat(cache.directory).st_mode & 0o777 == 0o700
@@ -90,8 +89,8 @@ def test_the_cache_is_private_and_refuses_a_planted_or_open_folder(memory_backen
             NodeCache(str(theirs), root.url, job="job-1")
 
 
-def test_jobs_never_delete_each_others_copies(memory_backend, tmp_path):
-    root, (first, second) = saved(memory_backend, 10, 20)
+def test_jobs_never_delete_each_others_copies(memory_backend, tmp_path, make_io):
+    root, (first, second) = saved(make_io, memory_backend, 10, 20)
     a = NodeCache(str(tmp_path), root.url, job="job-a")
     b = NodeCache(str(tmp_path), root.url, job="job-b")
     assert a.directory != b.directory
@@ -102,12 +101,20 @@ def test_jobs_never_delete_each_others_copies(memory_backend, tmp_path):
     assert len(copies(a)) == 1 and len(copies(b)) == 1
 
 
-def test_a_copy_is_never_deleted_while_a_reader_holds_it(memory_backend, tmp_path):
-    root, (first, second) = saved(memory_backend, 10, 20)
+def test_a_copy_is_never_deleted_while_a_reader_holds_it(memory_backend, tmp_path, make_io, request):
+    root, (first, second) = saved(make_io, memory_backend, 10, 20)
     cache = NodeCache(str(tmp_path), root.url, job="job-1")
     load(cache, root, first)
     (copy,) = copies(cache)
     reading, release = threading.Event(), threading.Event()
+    started: list[threading.Thread] = []
+
+    def let_go() -> None:  # after a failed assertion, the reader would hold its lock (and block the fill) for 30 s
+        release.set()
+        for t in started:
+            t.join(30)
+
+    request.addfinalizer(let_go)
 
     def reader() -> None:  # holds the first copy's shared lock, as a rank reading it does
         fd = os.open(os.path.join(cache.directory, f"{copy}.lock"), os.O_RDWR)
@@ -118,10 +125,12 @@ def test_a_copy_is_never_deleted_while_a_reader_holds_it(memory_backend, tmp_pat
         os.close(fd)
 
     thread = threading.Thread(target=reader)
+    started.append(thread)
     thread.start()
     reading.wait(30)
     done = threading.Event()
     filler = threading.Thread(target=lambda: (load(cache, root, second), done.set()))
+    started.append(filler)
     filler.start()
     assert not done.wait(1.0), "the copy being read was replaced under its reader"
     release.set()

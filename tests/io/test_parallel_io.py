@@ -16,7 +16,7 @@ from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.reader import READ_SPAN
 from lightning_resilient.testing import StoreProxy
 
-from .helpers import assert_same, make_checkpoint, make_io, read_pointer
+from .helpers import assert_same, make_checkpoint, read_pointer
 
 MiB = 2**20
 
@@ -29,7 +29,7 @@ def big_checkpoint(step: int = 1, *, mib: int = 4) -> dict[str, Any]:
     return ckpt
 
 
-def test_a_big_tensor_spans_objects_and_every_chunk_is_verified_in_parallel_reads(backend):
+def test_a_big_tensor_spans_objects_and_every_chunk_is_verified_in_parallel_reads(backend, make_io):
     io = make_io(backend, shard_size=MiB, chunk_size=256 * 1024, max_concurrency=4)
     ckpt = big_checkpoint()
     io.save_checkpoint(ckpt, backend.url("a.ckpt"))
@@ -49,22 +49,19 @@ def test_a_big_tensor_spans_objects_and_every_chunk_is_verified_in_parallel_read
     emb = loaded["state_dict"]["embedding"]
     assert emb.untyped_storage().nbytes() == emb.numel() * 4
     assert stats.host_buffer_bytes == sum(t["nbytes"] for t in manifest["tensors"])
-    io.teardown()
-    reader.teardown()
 
 
-def test_resume_reads_pointer_then_manifest_then_chunks_and_nothing_else(s3_backend):
+def test_resume_reads_pointer_then_manifest_then_chunks_and_nothing_else(s3_backend, make_io, plugins):
     io = make_io(s3_backend, shard_size=MiB, chunk_size=512 * 1024)
     io.save_checkpoint(big_checkpoint(1, mib=2), s3_backend.url("a.ckpt"))
     ckpt = big_checkpoint(2, mib=2)
     io.save_checkpoint(ckpt, s3_backend.url("b.ckpt"))
-    io.teardown()
     with StoreProxy(s3_backend.endpoint) as proxy:
         options = {"client_kwargs": {"endpoint_url": proxy.url}, "skip_instance_cache": True}
         latest = find_latest_checkpoint(s3_backend.root, options)
         assert [m for m, _ in proxy.requests] == ["GET", "GET"]  # the pointer, the newest manifest
         proxy.requests.clear()
-        reader = AtomicCheckpointIO(storage_options=options, claim_on_load=False, chunk_size=512 * 1024)
+        reader = plugins.track(AtomicCheckpointIO(storage_options=options, claim_on_load=False, chunk_size=512 * 1024))
         assert_same(reader.load_checkpoint(latest), ckpt)
         paths = [p for _, p in proxy.requests]
         methods = {m for m, _ in proxy.requests}
@@ -88,7 +85,7 @@ def _peak_python_bytes(fn: Any) -> int:
         tracemalloc.stop()
 
 
-def test_save_and_load_never_hold_a_second_copy_of_the_checkpoint(local_backend):
+def test_save_and_load_never_hold_a_second_copy_of_the_checkpoint(local_backend, make_io):
     ckpt = big_checkpoint(mib=24)
     size = sum(t.numel() * t.element_size() for t in ckpt["state_dict"].values())
     io = make_io(local_backend, shard_size=8 * MiB, chunk_size=MiB, max_concurrency=4)
@@ -100,7 +97,6 @@ def test_save_and_load_never_hold_a_second_copy_of_the_checkpoint(local_backend)
     assert save_peak < 0.25 * size, (save_peak, size)
     assert load_peak < 0.25 * size + 4 * 4 * MiB, (load_peak, size)
     assert io.last_load.host_buffer_bytes < 1.01 * size
-    io.teardown()
 
     # The same measurement on stock Lightning: its save serializes the whole checkpoint into memory.
     stock = TorchCheckpointIO()
@@ -110,7 +106,7 @@ def test_save_and_load_never_hold_a_second_copy_of_the_checkpoint(local_backend)
 
 
 @pytest.mark.parametrize("map_location", ["meta", {"cpu": "meta"}, torch.device("meta")])
-def test_a_load_places_every_tensor_on_the_map_location_device(local_backend, map_location):
+def test_a_load_places_every_tensor_on_the_map_location_device(local_backend, map_location, make_io):
     """The path a load to a GPU takes (verified host buffers, then the device), with ``meta`` as the device."""
     io = make_io(local_backend)
     ckpt = big_checkpoint(mib=1)
@@ -119,4 +115,3 @@ def test_a_load_places_every_tensor_on_the_map_location_device(local_backend, ma
     for key, value in ckpt["state_dict"].items():
         assert loaded["state_dict"][key].device.type == "meta"
         assert loaded["state_dict"][key].shape == value.shape and loaded["state_dict"][key].dtype == value.dtype
-    io.teardown()

@@ -16,6 +16,7 @@ replays one). Every failure message starts with the seed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -131,13 +132,11 @@ class Zygote:
         self.proc.stdin.write(f"spawn {fifo_in} {fifo_out}\n")
         self.proc.stdin.flush()
         pid = int(self.proc.stdout.readline().split()[1])
-        return Worker(pid, open(fifo_in, "w"), open(fifo_out))  # noqa: SIM115 - closed by Worker.kill
+        return Worker(pid, open(fifo_in, "w"), open(fifo_out))  # closed by Worker.kill
 
     def stop(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout=30)
 
 
@@ -176,17 +175,13 @@ class Worker:
                 self.cond.wait(0.5)
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         with self.cond:
             self.cond.wait_for(lambda: self.done, timeout=30)
         for f in (self.to, self.back):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except OSError:
-                pass
 
 
 class Run:
@@ -367,10 +362,10 @@ class Run:
     def run(self) -> None:
         operations = [(self.save, 40), (self.save_with_gc, 8), (self.kill_in_save, 12), (self.rollback, 5),
                       (self.gc, 8), (self.delete_pointer, 4), (self.damage, 4), (self.check, 6)]
-        functions, weights = zip(*operations)
+        functions, weights = zip(*operations, strict=True)
         self.start(None)
         try:
-            for i in range(self.operations):
+            for _ in range(self.operations):
                 op = self.rng.choices(functions, weights)[0]
                 self.log.append(op.__name__)
                 self.counts[op.__name__] = self.counts.get(op.__name__, 0) + 1

@@ -56,7 +56,7 @@ def test_bounded_backoff_without_sleeping():
 
     assert policy.call("op", flaky) == "ok"
     assert len(calls) == 4 and len(waits) == 3
-    assert all(0 <= w <= cap for w, cap in zip(waits, [1.0, 2.0, 3.0]))
+    assert all(0 <= w <= cap for w, cap in zip(waits, [1.0, 2.0, 3.0], strict=True))
 
     calls.clear()
     with pytest.raises(ConnectionResetError):
@@ -145,5 +145,5 @@ def test_missing_credentials_is_a_clear_error(s3_backend, monkeypatch, tmp_path)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     options = {"client_kwargs": {"endpoint_url": s3_backend.endpoint}, "skip_instance_cache": True}
     io = AtomicCheckpointIO(storage_options=options, retry_attempts=1)
-    with pytest.raises(PermissionError, match="no credentials.*AWS_ACCESS_KEY_ID"):
+    with pytest.raises(PermissionError, match=r"no credentials.*AWS_ACCESS_KEY_ID"):
         io.save_checkpoint({"state_dict": {"w": torch.ones(1)}}, s3_backend.url("a.ckpt"))

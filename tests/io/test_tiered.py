@@ -7,23 +7,34 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from lightning_resilient import AtomicCheckpointIO, StaleWriterError, find_latest_checkpoint
+from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, StaleWriterError, find_latest_checkpoint
 from lightning_resilient.cli import main
 from lightning_resilient.io.catalog import reader
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.tiered import TierView, local_tier_url
 
+from ..conftest import Plugins
 from .helpers import assert_same, make_checkpoint
 
 
-def plugin(local: Path, backend: Any, **kwargs: Any) -> AtomicCheckpointIO:
-    return AtomicCheckpointIO(storage_options=backend.storage_options, local_tier=str(local), **kwargs)
+@pytest.fixture
+def plugin(plugins: Plugins) -> Callable[..., AtomicCheckpointIO]:
+    """``plugin(local, backend, **kwargs)``: a plugin with the local tier ``local`` and the durable root on
+    ``backend``'s store, released after the test whatever its outcome. A ``teardown()`` left in a test body is not
+    that release: with a local tier it is the end of the job's fit (its last persist), which the test then checks."""
+
+    def build(local: Path, backend: Any, **kwargs: Any) -> AtomicCheckpointIO:
+        return plugins.track(AtomicCheckpointIO(storage_options=backend.storage_options, local_tier=str(local),
+                                                **kwargs))
+
+    return build
 
 
 def save_steps(io: AtomicCheckpointIO, backend: Any, steps: range, *, last: bool = True) -> None:
@@ -59,7 +70,7 @@ def durable(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(f"{request.param}_backend")
 
 
-def test_every_nth_step_and_the_last_are_persisted_and_the_local_tier_keeps_local_keep(durable, tmp_path):
+def test_every_nth_step_and_the_last_are_persisted_and_the_local_tier_keeps_local_keep(durable, tmp_path, plugin):
     io = plugin(tmp_path / "nvme", durable, persist_every=4, local_keep=2)
     save_steps(io, durable, range(1, 11))
     io.wait()
@@ -76,9 +87,10 @@ def test_every_nth_step_and_the_last_are_persisted_and_the_local_tier_keeps_loca
     assert_same(loaded, make_checkpoint(10))
 
 
-def test_a_resume_takes_the_newest_copy_local_first_then_durable_then_older(local_backend, tmp_path):
+def test_a_resume_takes_the_newest_copy_local_first_then_durable_then_older(local_backend, tmp_path, plugin, plugins):
     nvme = tmp_path / "nvme"
     io = plugin(nvme, local_backend, persist_every=4)
+    plugins.abandoned(io)  # its node's local tier is deleted below: the job never ends there
     save_steps(io, local_backend, range(1, 7))  # durable: 4; local: 5, 6
     io.wait()
 
@@ -102,7 +114,7 @@ def test_a_resume_takes_the_newest_copy_local_first_then_durable_then_older(loca
     assert loaded["global_step"] == 4
 
 
-def test_a_damaged_local_copy_of_a_durable_step_loads_the_durable_copy_of_that_step(local_backend, tmp_path):
+def test_a_damaged_local_copy_of_a_durable_step_loads_the_durable_copy_of_that_step(local_backend, tmp_path, plugin):
     nvme = tmp_path / "nvme"
     io = plugin(nvme, local_backend, persist_every=4)
     save_steps(io, local_backend, range(1, 9), last=False)  # durable: 4, 8; local: 7, 8
@@ -115,7 +127,7 @@ def test_a_damaged_local_copy_of_a_durable_step_loads_the_durable_copy_of_that_s
     assert_same(loaded, make_checkpoint(8))
 
 
-def test_a_damaged_local_copy_is_never_persisted(local_backend, tmp_path):
+def test_a_damaged_local_copy_is_never_persisted(local_backend, tmp_path, plugin, plugins):
     nvme = tmp_path / "nvme"
     io = plugin(nvme, local_backend, persist_every=100)
     save_steps(io, local_backend, range(1, 3), last=False)
@@ -125,12 +137,13 @@ def test_a_damaged_local_copy_is_never_persisted(local_backend, tmp_path):
     damage(lroot, pointer.latest.commit)
     with pytest.raises(Exception, match="does not match its manifest"):
         io.teardown()
+    plugins.asserted(io, CheckpointCorruptedError)  # the release retries that persist: the same refusal
     pointer, _ = reader(local_backend.root).read_pointer()
     assert pointer is not None and pointer.latest is None and not pointer.checkpoints  # claimed, nothing persisted
     assert not list(Path(local_backend.root, "step=2.ckpt").glob(f"*/{MANIFEST_NAME}"))
 
 
-def test_a_fenced_job_keeps_its_local_tier_but_never_moves_the_durable_pointer(s3_backend, tmp_path):
+def test_a_fenced_job_keeps_its_local_tier_but_never_moves_the_durable_pointer(s3_backend, tmp_path, plugin, plugins):
     node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
     old = plugin(node_a, s3_backend, persist_every=2)
     save_steps(old, s3_backend, range(1, 5), last=False)  # durable: 2, 4
@@ -142,6 +155,7 @@ def test_a_fenced_job_keeps_its_local_tier_but_never_moves_the_durable_pointer(s
     with pytest.raises(StaleWriterError):
         save_steps(old, s3_backend, range(5, 9), last=False)
         old.teardown()
+    plugins.asserted(old, StaleWriterError)  # the release retries its persist: refused the same way
     assert pointer_steps(s3_backend.root, s3_backend.storage_options) == {"step=2.ckpt": 2, "step=4.ckpt": 4}
     # A job restarted on the old job's node does not take the old job's local checkpoints past the fork (step 4).
     url = find_latest_checkpoint(s3_backend.root, s3_backend.storage_options, local_tier=str(node_a))
@@ -153,9 +167,10 @@ def test_a_fenced_job_keeps_its_local_tier_but_never_moves_the_durable_pointer(s
     assert pointer_steps(s3_backend.root, s3_backend.storage_options)["step=6.ckpt"] == 6
 
 
-def test_a_resume_from_a_local_only_checkpoint_records_it_as_the_origin(local_backend, tmp_path):
+def test_a_resume_from_a_local_only_checkpoint_records_it_as_the_origin(local_backend, tmp_path, plugin, plugins):
     nvme = tmp_path / "nvme"
     first = plugin(nvme, local_backend, persist_every=4)
+    plugins.abandoned(first)  # it dies here: the second job resumes its local-only step and fences it off
     save_steps(first, local_backend, range(1, 7), last=False)  # durable: 4; local only: 5, 6
     first.wait()
     second = plugin(nvme, local_backend, persist_every=4, claim_on_load=True)
@@ -171,10 +186,9 @@ def test_a_resume_from_a_local_only_checkpoint_records_it_as_the_origin(local_ba
     assert [e.step for e in pointer.candidates()] == [8, 7, 4]
 
 
-def test_a_top_k_save_and_last_at_one_step_share_their_bytes_in_both_tiers(local_backend, tmp_path):
+def test_a_top_k_save_and_last_at_one_step_share_their_bytes_in_both_tiers(local_backend, tmp_path, plugin):
     io = plugin(tmp_path / "nvme", local_backend, persist_every=1)
-    save_steps(io, local_backend, range(1, 3))
-    io.teardown()
+    save_steps(io, local_backend, range(1, 3))  # persist_every=1: both steps are durable once it returns
     pointer, _ = reader(local_backend.root).read_pointer()
     assert pointer is not None
     last, top = pointer.checkpoints["last.ckpt"], pointer.checkpoints["step=2.ckpt"]
@@ -196,10 +210,10 @@ def test_settings_are_checked_at_construction(tmp_path):
         AtomicCheckpointIO(local_tier=3)  # type: ignore[arg-type]
 
 
-def test_the_plugin_with_a_local_tier_pickles(tmp_path):
+def test_the_plugin_with_a_local_tier_pickles(tmp_path, plugins):
     import pickle
 
-    io = AtomicCheckpointIO(local_tier=str(tmp_path / "nvme"), persist_every=3)
+    io = plugins.track(AtomicCheckpointIO(local_tier=str(tmp_path / "nvme"), persist_every=3))
     io.save_checkpoint(make_checkpoint(1), str(tmp_path / "ckpt" / "a.ckpt"))
     clone = pickle.loads(pickle.dumps(io))
     assert clone.local_tier == io.local_tier and clone.persist_every == 3 and clone._tiers == {}
@@ -210,13 +224,14 @@ def test_the_plugin_with_a_local_tier_pickles(tmp_path):
                            ["layer.weight"], make_checkpoint(1)["state_dict"]["layer.weight"])
 
 
-def test_ls_shows_both_tiers_and_gc_cleans_both(local_backend, tmp_path, capsys):
+def test_ls_shows_both_tiers_and_gc_cleans_both(local_backend, tmp_path, capsys, plugin, plugins):
     nvme = tmp_path / "nvme"
     lroot = Path(local_root(nvme, local_backend))
     crashed = lroot / "step=9.ckpt" / "c0000000000001-e0-00000000"  # a crashed save of an older writer
     crashed.mkdir(parents=True)
     (crashed / "shard-00000.bin").write_bytes(b"x")
     io = plugin(nvme, local_backend, persist_every=4)  # (its own collection leaves it for an hour)
+    plugins.abandoned(io)  # the job never ends in this story: its newest local copy is damaged below
     save_steps(io, local_backend, range(1, 7), last=False)  # durable: 4; local: 5, 6
     io.wait()
     assert main(["ls", local_backend.root, "--local-tier", str(nvme)]) == 0
@@ -231,7 +246,7 @@ def test_ls_shows_both_tiers_and_gc_cleans_both(local_backend, tmp_path, capsys)
 
 
 # -- regressions of the adversarial review (each failed before its fix) ----------------------------------------------
-def test_a_durable_root_deleted_and_written_again_never_resumes_the_old_local_tier(local_backend, tmp_path):
+def test_a_durable_root_deleted_and_written_again_never_resumes_the_old_local_tier(local_backend, tmp_path, plugin):
     nvme = tmp_path / "nvme"
     for job in range(3):  # three jobs of the old run: writer epochs 1..3, in both tiers
         io = plugin(nvme, local_backend, persist_every=2, claim_on_load=True)
@@ -248,17 +263,16 @@ def test_a_durable_root_deleted_and_written_again_never_resumes_the_old_local_ti
     assert list(nvme.glob("*.set-aside-*"))
     url = find_latest_checkpoint(local_backend.root, local_tier=str(nvme))
     assert plugin(nvme, local_backend, claim_on_load=False).load_checkpoint(url)["global_step"] == 1
-    io.teardown()
 
 
-def test_a_fresh_fit_with_a_reused_plugin_is_a_new_job(tmp_path):
+def test_a_fresh_fit_with_a_reused_plugin_is_a_new_job(tmp_path, plugins):
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.models import TinyModel, tiny_loader
 
     root, nvme = str(tmp_path / "ckpt"), str(tmp_path / "nvme")
-    io = AtomicCheckpointIO(local_tier=nvme, persist_every=4, local_keep=2)
+    io = plugins.track(AtomicCheckpointIO(local_tier=nvme, persist_every=4, local_keep=2))
 
     def fit(steps: int, prefix: str) -> None:
         Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
@@ -277,13 +291,13 @@ def test_a_fresh_fit_with_a_reused_plugin_is_a_new_job(tmp_path):
     assert durable is not None and durable.latest.name == "b-step=3.ckpt"  # the last save of the fit persisted
 
 
-def test_a_checkpoint_folder_inside_the_local_tier_is_refused(tmp_path):
-    io = AtomicCheckpointIO(local_tier=str(tmp_path))
+def test_a_checkpoint_folder_inside_the_local_tier_is_refused(tmp_path, plugins):
+    io = plugins.track(AtomicCheckpointIO(local_tier=str(tmp_path)))
     with pytest.raises(ValueError, match="is inside local_tier"):
         io.save_checkpoint(make_checkpoint(1), str(tmp_path / "run" / "ckpt" / "a.ckpt"))
 
 
-def test_saves_without_a_step_are_states_of_their_own(local_backend, tmp_path):
+def test_saves_without_a_step_are_states_of_their_own(local_backend, tmp_path, plugin):
     io = plugin(tmp_path / "nvme", local_backend, persist_every=2)
     for i in range(1, 9):
         state = make_checkpoint(1)
@@ -294,7 +308,7 @@ def test_saves_without_a_step_are_states_of_their_own(local_backend, tmp_path):
     assert sorted(pointer_steps(local_backend.root)) == ["ckpt-2.pt", "ckpt-4.pt", "ckpt-6.pt", "ckpt-8.pt"]
 
 
-def test_a_failed_persist_never_costs_a_local_save_and_is_retried(local_backend, tmp_path):
+def test_a_failed_persist_never_costs_a_local_save_and_is_retried(local_backend, tmp_path, plugin):
     nvme = tmp_path / "nvme"
     io = plugin(nvme, local_backend, persist_every=4)
     save_steps(io, local_backend, range(1, 7), last=False)  # durable: 4; local: 5, 6
@@ -317,7 +331,7 @@ def test_a_failed_persist_never_costs_a_local_save_and_is_retried(local_backend,
     assert pointer_steps(local_backend.root)["step=7.ckpt"] == 7
 
 
-def test_teardown_persists_every_root_even_when_one_fails(local_backend, tmp_path):
+def test_teardown_persists_every_root_even_when_one_fails(local_backend, tmp_path, plugin, plugins):
     other = str(tmp_path / "periodic")
     io = plugin(tmp_path / "nvme", local_backend, persist_every=100)
     for step in range(1, 4):
@@ -331,10 +345,11 @@ def test_teardown_persists_every_root_even_when_one_fails(local_backend, tmp_pat
     io.tiers(local_backend.root).durable.store.write_pieces = down
     with pytest.raises(ConnectionError):
         io.teardown()
+    plugins.asserted(io, ConnectionError)  # the release retries the first root's persist: still unreachable
     assert pointer_steps(other) == {"step=3.ckpt": 3}
 
 
-def test_last_ckpt_after_a_rollback_is_the_lineage_newest_never_the_abandoned_branch(local_backend, tmp_path):
+def test_last_ckpt_after_a_rollback_is_the_lineage_newest_never_the_abandoned_branch(local_backend, tmp_path, plugin):
     nvme = tmp_path / "nvme"
     first = plugin(nvme, local_backend, persist_every=4, local_keep=3)
     save_steps(first, local_backend, range(1, 11))
@@ -347,25 +362,24 @@ def test_last_ckpt_after_a_rollback_is_the_lineage_newest_never_the_abandoned_br
         assert loaded["global_step"] == 4
 
 
-def test_a_symlinked_checkpoint_folder_finds_its_local_tier(tmp_path):
+def test_a_symlinked_checkpoint_folder_finds_its_local_tier(tmp_path, plugins):
     real, link, nvme = tmp_path / "lustre" / "run", tmp_path / "scratch", str(tmp_path / "nvme")
     real.mkdir(parents=True)
     link.symlink_to(real.parent)
-    io = AtomicCheckpointIO(local_tier=nvme, persist_every=4)
+    io = plugins.track(AtomicCheckpointIO(local_tier=nvme, persist_every=4))
     for step in range(1, 7):
         io.save_checkpoint(make_checkpoint(step), str(link / "run" / f"step={step}.ckpt"))
     io.wait()
     for root in (str(link / "run"), str(real)):
-        loader = AtomicCheckpointIO(local_tier=nvme, claim_on_load=False)
+        loader = plugins.track(AtomicCheckpointIO(local_tier=nvme, claim_on_load=False))
         assert loader.load_checkpoint(root)["global_step"] == 6 and loader.last_load.tier == "local"
-    io.teardown()
 
 
-def test_a_stock_last_ckpt_in_the_checkpoint_folder_is_replaced_by_the_first_persist(tmp_path):
+def test_a_stock_last_ckpt_in_the_checkpoint_folder_is_replaced_by_the_first_persist(tmp_path, plugins):
     root, nvme = tmp_path / "ckpt", str(tmp_path / "nvme")
     root.mkdir()
     torch.save(make_checkpoint(3), root / "last.ckpt")  # a run from before the plugin
-    io = AtomicCheckpointIO(local_tier=nvme, persist_every=2, claim_on_load=True)
+    io = plugins.track(AtomicCheckpointIO(local_tier=nvme, persist_every=2, claim_on_load=True))
     assert io.load_checkpoint(find_latest_checkpoint(str(root), local_tier=nvme))["global_step"] == 3
     for step in range(4, 8):
         io.save_checkpoint(make_checkpoint(step), str(root / f"step={step}.ckpt"))
@@ -374,7 +388,7 @@ def test_a_stock_last_ckpt_in_the_checkpoint_folder_is_replaced_by_the_first_per
     assert pointer_steps(str(root))["last.ckpt"] == 7 and not (root / "last.ckpt").is_file()
 
 
-def test_a_damaged_local_pointer_resumes_from_the_durable_tier_and_is_set_aside(local_backend, tmp_path):
+def test_a_damaged_local_pointer_resumes_from_the_durable_tier_and_is_set_aside(local_backend, tmp_path, plugin):
     nvme = tmp_path / "nvme"
     io = plugin(nvme, local_backend, persist_every=1)
     save_steps(io, local_backend, range(1, 4), last=False)
@@ -392,14 +406,15 @@ def test_a_damaged_local_pointer_resumes_from_the_durable_tier_and_is_set_aside(
     assert pointer_steps(local_root(nvme, local_backend)) == {"step=4.ckpt": 4}
 
 
-def test_a_fenced_jobs_local_checkpoints_stay_out_after_the_durable_root_pruned_its_origins(tmp_path):
+def test_a_fenced_jobs_local_checkpoints_stay_out_after_the_durable_root_pruned_its_origins(tmp_path, plugins):
     root, node1, node2 = str(tmp_path / "ckpt"), str(tmp_path / "node1"), str(tmp_path / "node2")
-    fenced = AtomicCheckpointIO(local_tier=node1, persist_every=4, local_keep=2)
+    fenced = plugins.track(AtomicCheckpointIO(local_tier=node1, persist_every=4, local_keep=2))
+    plugins.abandoned(fenced)  # fenced off by the jobs below: its end-of-fit persist would be refused
     for step in range(1, 12):
         fenced.save_checkpoint(make_checkpoint(step), os.path.join(root, f"step={step}.ckpt"))
     fenced.wait()  # durable: 4, 8; node1: 10, 11 (past the fork at 8 below)
     for first, last in ((9, 14), (15, 16), (17, 18), (19, 20)):  # four more jobs on node2: origins get pruned
-        io = AtomicCheckpointIO(local_tier=node2, persist_every=1, keep_last=1, claim_on_load=True)
+        io = plugins.track(AtomicCheckpointIO(local_tier=node2, persist_every=1, keep_last=1, claim_on_load=True))
         io.load_checkpoint(find_latest_checkpoint(root, local_tier=node2))
         for step in range(first, last + 1):
             io.save_checkpoint(make_checkpoint(step), os.path.join(root, f"step={step}.ckpt"))
@@ -411,7 +426,7 @@ def test_a_fenced_jobs_local_checkpoints_stay_out_after_the_durable_root_pruned_
     assert reader(local_tier_url(node1, durable.url)).read_pointer()[0].entries() == []
 
 
-def test_a_slow_store_never_builds_a_backlog(local_backend, tmp_path):
+def test_a_slow_store_never_builds_a_backlog(local_backend, tmp_path, plugin):
     import time
 
     nvme = tmp_path / "nvme"
@@ -434,7 +449,7 @@ def test_a_slow_store_never_builds_a_backlog(local_backend, tmp_path):
     assert sorted(e.step for e in local.entries()) == [11, 12]  # local_keep held once the persists ended
 
 
-def test_gc_and_readers_between_a_persists_copy_and_its_manifest_lose_nothing(local_backend, tmp_path, capsys):
+def test_gc_and_readers_between_a_persists_copy_and_its_manifest_lose_nothing(local_backend, tmp_path, capsys, plugin):
     """The worst instant of a persist: its objects are in the durable root, its manifest is not. An operator's
     ``gc --grace 0`` on both tiers and readers of both run right then; the persist still commits, and every
     checkpoint of both tiers verifies."""

@@ -24,7 +24,7 @@ from lightning_resilient.io.reader import READ_SPAN
 from lightning_resilient.io.store import PROTOCOL_DIR
 from lightning_resilient.testing import StoreProxy
 
-from .helpers import make_checkpoint, make_io, read_pointer
+from .helpers import make_checkpoint, read_pointer
 
 
 def _reseal(backend, edit):
@@ -37,11 +37,10 @@ def _reseal(backend, edit):
     return commit
 
 
-def _two_saves(backend):
+def _two_saves(make_io, backend):
     io = make_io(backend)
     io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
     io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
-    io.teardown()
 
 
 def _skeleton_of(body):
@@ -49,8 +48,8 @@ def _skeleton_of(body):
 
 
 @pytest.mark.parametrize("edit", ["tensor shape", "object size"])
-def test_declared_sizes_are_checked_against_the_store_before_anything_is_allocated(backend, edit):
-    _two_saves(backend)
+def test_declared_sizes_are_checked_against_the_store_before_anything_is_allocated(backend, edit, make_io):
+    _two_saves(make_io, backend)
 
     def lie(body, commit):
         if edit == "tensor shape":  # declared huge: a load would allocate (or view) it before reading a byte
@@ -61,18 +60,18 @@ def test_declared_sizes_are_checked_against_the_store_before_anything_is_allocat
 
     _reseal(backend, lie)
     strict = make_io(backend, fallback_on_corruption=False)
-    with pytest.raises(CheckpointCorruptedError, match="the manifest says|declares shape"):
+    with pytest.raises(CheckpointCorruptedError, match=r"the manifest says|declares shape"):
         strict.load_checkpoint(backend.root)
     with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):  # and the fallback applies
         assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 1
 
 
 @pytest.mark.parametrize("what", ["skeleton", "tensor"])
-def test_a_huge_declared_size_is_refused_before_anything_is_allocated(local_backend, what):
+def test_a_huge_declared_size_is_refused_before_anything_is_allocated(local_backend, what, make_io):
     """An object declared as 1e15 bytes (in one chunk: chunk_size 1e15), with a tensor of that size in it: a load
     that trusted the manifest would allocate it before reading a byte."""
     backend = local_backend
-    _two_saves(backend)
+    _two_saves(make_io, backend)
     huge = 10**15
 
     def lie(body, commit):
@@ -86,15 +85,14 @@ def test_a_huge_declared_size_is_refused_before_anything_is_allocated(local_back
             body["tensors"][-1].update(offset=0, nbytes=huge, shape=[huge // 8], dtype="float64")
 
     _reseal(backend, lie)
-    with pytest.raises(CheckpointCorruptedError, match="has \\d+ bytes, the manifest says 1000000000000000"):
+    with pytest.raises(CheckpointCorruptedError, match=r"has \d+ bytes, the manifest says 1000000000000000"):
         make_io(backend, fallback_on_corruption=False).load_checkpoint(backend.root)
 
 
-def test_a_tiny_chunk_size_cannot_turn_a_load_into_a_request_per_byte(backend):
+def test_a_tiny_chunk_size_cannot_turn_a_load_into_a_request_per_byte(backend, make_io):
     io = make_io(backend)
     ckpt = make_checkpoint(1, size=2048)  # ~130 kB of tensors
     io.save_checkpoint(ckpt, backend.url("a.ckpt"))
-    io.teardown()
 
     def per_byte(body, commit):
         body["chunk_size"] = 1
@@ -113,13 +111,12 @@ def test_a_tiny_chunk_size_cannot_turn_a_load_into_a_request_per_byte(backend):
     assert reader.last_load.requests == sum(-(-o["size"] // READ_SPAN) or 1 for o in manifest["objects"])
 
 
-def test_a_weights_only_refusal_is_not_corruption_and_falls_back_to_nothing(backend):
+def test_a_weights_only_refusal_is_not_corruption_and_falls_back_to_nothing(backend, make_io):
     io = make_io(backend)
     io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
     ckpt = make_checkpoint(2)
     ckpt["hyper_parameters"] = {"data_dir": PosixPath("/data/set")}  # not on torch's weights_only allow-list
     io.save_checkpoint(ckpt, backend.url("b.ckpt"))
-    io.teardown()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "corrupted" warning, no fallback to step 1
         with pytest.raises(pickle.UnpicklingError) as info:
@@ -129,11 +126,11 @@ def test_a_weights_only_refusal_is_not_corruption_and_falls_back_to_nothing(back
     assert loaded["hyper_parameters"]["data_dir"] == PosixPath("/data/set")
 
 
-def test_a_store_that_ignores_conditional_writes_is_found_out_before_the_first_write(s3_backend):
+def test_a_store_that_ignores_conditional_writes_is_found_out_before_the_first_write(s3_backend, plugins):
     for ignored in (False, True):
         with StoreProxy(s3_backend.endpoint, drop_conditions=ignored) as proxy:
             options = {"client_kwargs": {"endpoint_url": proxy.url}, "skip_instance_cache": True}
-            io = AtomicCheckpointIO(storage_options=options)
+            io = plugins.track(AtomicCheckpointIO(storage_options=options))
             url = s3_backend.url(f"{'ignored' if ignored else 'enforced'}/a.ckpt")
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
@@ -144,6 +141,5 @@ def test_a_store_that_ignores_conditional_writes_is_found_out_before_the_first_w
                 assert len(fencing) == 1 and "If-None-Match" in fencing[0], fencing
             else:
                 assert fencing == []
-            io.teardown()
     # The probe leaves nothing behind.
     assert not any("probe" in p for p in s3_backend.fs().find(s3_backend.path(f"enforced/{PROTOCOL_DIR}")))

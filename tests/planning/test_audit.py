@@ -96,7 +96,7 @@ class FakeStrategy:
 
 
 def _a_sync_in_the_step() -> None:
-    warnings.warn(SYNC_MESSAGE, UserWarning)  # what torch's sync debug mode says on .item() and friends
+    warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=1)  # what torch's sync debug mode says on .item() and friends
 
 
 def _run_batches(audit: TransferAudit, strategy: FakeStrategy, n: int) -> None:
@@ -105,7 +105,7 @@ def _run_batches(audit: TransferAudit, strategy: FakeStrategy, n: int) -> None:
         assert [t.device.type for t in moved] == ["meta", "meta"]
         audit.on_train_batch_start(None, None, None, i)  # type: ignore[arg-type]
         _a_sync_in_the_step()
-        warnings.warn("an unrelated warning", UserWarning)
+        warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
         audit.on_train_batch_end(None, None, None, None, i)  # type: ignore[arg-type]
 
 

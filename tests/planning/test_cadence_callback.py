@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from lightning.pytorch import Trainer
@@ -26,7 +26,7 @@ def test_one_measurement_per_real_save(cpu_run):
     measurements = cpu_run.cadence.measurements
     assert [m.global_step for m in measurements] == [2, 4, 6]
     assert len(cpu_run.io.durations) == len(measurements)
-    for m, inside_io in zip(measurements, cpu_run.io.durations):
+    for m, inside_io in zip(measurements, cpu_run.io.durations, strict=True):
         assert m.seconds > 0
         # The loop is blocked for the whole IO call, plus Lightning's own work around it (dump, barrier).
         assert m.seconds >= inside_io
@@ -114,7 +114,7 @@ class FakeTrainer:
 
     global_step = 7
     is_global_zero = True
-    checkpoint_callbacks: list[Any] = []
+    checkpoint_callbacks: ClassVar[list[Any]] = []
 
     def __init__(self) -> None:
         self.saved: list[str] = []

@@ -81,8 +81,8 @@ def test_cost_reproduces_the_worked_example(capsys, tmp_path):
         "| 256 GPUs | 256 | 2.00 | 48.0 h | $24,576.00 | $24,576.00 |",
         "| 64 GPUs | 64 | 2.00 | 192.0 h | $24,576.00 | $24,576.00 |",
         "",
-        "winner: 256 GPUs (equal cost ($24,576.00 each), so the faster one: 256 GPUs takes 48.0 h instead of"
-        " 192.0 h)",
+        ("winner: 256 GPUs (equal cost ($24,576.00 each), so the faster one: 256 GPUs takes 48.0 h instead of"
+         " 192.0 h)"),
     ]
 
 
@@ -133,8 +133,8 @@ def test_cost_accepts_a_bare_scaling_path(capsys, tmp_path):
     ("options:\n  - {name: a, gpus: 8, price_per_gpu_hour: two, hours: 1}\n",
      "options[0]: option 'a': price_per_gpu_hour must be a number, got str 'two'"),
     ("options:\n  - {name: a, gpus: 8, price_per_gpu_hour: 2}\n", "options[0]: option 'a': needs hours=..."),
-    ("options:\n  - {name: a, gpus: 8, price_per_gpu_hour: 2, hours: 1}\n  - {name: a, gpus: 4,"
-     " price_per_gpu_hour: 2, hours: 1}\n", "two options are named 'a'"),
+    (("options:\n  - {name: a, gpus: 8, price_per_gpu_hour: 2, hours: 1}\n  - {name: a, gpus: 4,"
+      " price_per_gpu_hour: 2, hours: 1}\n"), "two options are named 'a'"),
     ("options: []\n", "no options"),
     ("scaling: {path: s.json, steps_to_target: 10}\n", "scaling has no 'price_per_gpu_hour' field"),
     ("scaling: {path: s.json, price: 2}\n", "scaling: unknown field 'price'"),
@@ -185,8 +185,8 @@ def test_cadence_with_two_tiers_prints_both_intervals_and_the_config(capsys):
     assert lines[:3] == [
         "two-tier checkpoint cadence",
         "  local tier:   save 2 s, restart 60 s; process failures: MTBF 21600 s (6.0 h)",
-        "  durable tier: save 40 s, persist blocks 0 s, restart 300.0 s (5.0 min); node losses: MTBF 172800 s"
-        " (48.0 h)",
+        ("  durable tier: save 40 s, persist blocks 0 s, restart 300.0 s (5.0 min); node losses: MTBF 172800 s"
+         " (48.0 h)"),
     ]
     assert "| plan | local every | persist_every | durable every | waste | every_n_train_steps | store GB/h |" in lines
     # A free persist: every save persisted (10 GB every 277.8 s of wall time = 130 GB/h), against Daly's 20 min
@@ -195,8 +195,8 @@ def test_cadence_with_two_tiers_prints_both_intervals_and_the_config(capsys):
     assert "| two tiers | 238.4 s (4.0 min) | 4 | 953.4 s (15.9 min) | 2.13% | 477 | 37.4 |" in lines
     assert "| durable only (Daly) | - | - | 1212.8 s (20.2 min) | 7.77% | 2426 | 28.7 |" in lines
     assert lines[-3:] == [
-        "recommended: save locally every 275.8 s (4.6 min) of training, persist every save: 1.90% waste, against"
-        " 7.77% with every checkpoint written to the durable store",
+        ("recommended: save locally every 275.8 s (4.6 min) of training, persist every save: 1.90% waste, against"
+         " 7.77% with every checkpoint written to the durable store"),
         "  AtomicCheckpointIO(local_tier=<node-local dir>, persist_every=1)",
         "  ModelCheckpoint(dirpath=<durable root>, every_n_train_steps=552)",
     ]
@@ -245,8 +245,8 @@ def test_cadence_durable_aliases_and_state_size_in_the_single_tier_form(capsys):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--local-save-seconds", "2", "--save-seconds", "40", "--process-mtbf-hours", "6"],
      "the following arguments are required with --local-save-seconds (a two-tier plan): --node-mtbf-hours"),
-    (["--node-mtbf-hours", "48"], "the following arguments are required with --node-mtbf-hours (a two-tier plan):"
-                                  " --local-save-seconds, --durable-save-seconds, --process-mtbf-hours"),
+    (["--node-mtbf-hours", "48"], ("the following arguments are required with --node-mtbf-hours (a two-tier plan):"
+                                   " --local-save-seconds, --durable-save-seconds, --process-mtbf-hours")),
     (["--local-save-seconds", "2", "--process-mtbf-hours", "6", "--node-mtbf-hours", "48"],
      "the following arguments are required with --local-save-seconds (a two-tier plan): --durable-save-seconds"),
     ([*TIERS, "--mtbf-hours", "5"], "argument --mtbf-hours: not allowed with --local-save-seconds"),

@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from lightning_resilient import (  # noqa: E402
+from lightning_resilient import (
     AtomicCheckpointIO,
     PerSampleSeeded,
     ResumeStateCallback,
@@ -59,8 +59,7 @@ class Net(LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         noise = torch.randn_like(y) * 0.01  # draws from torch's global RNG in the step, as augmentation would
-        loss = torch.nn.functional.mse_loss(self.net(x), y + noise)
-        return loss
+        return torch.nn.functional.mse_loss(self.net(x), y + noise)
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=0.05)

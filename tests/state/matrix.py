@@ -169,10 +169,10 @@ def first_difference(full: list[tuple[Any, ...]], resumed: list[tuple[Any, ...]]
     ids, dropout-mask hash, loss); None when they match to the end."""
     start = next((i for i, s in enumerate(full) if resumed and s[:2] == resumed[0][:2]), None)
     if start is None:
-        return f"the resumed run starts at (step, batch) {resumed[0][:2] if resumed else None}, which the" \
-               " uninterrupted run never reached"
+        return (f"the resumed run starts at (step, batch) {resumed[0][:2] if resumed else None}, which the"
+                " uninterrupted run never reached")
     tail = full[start:]
-    for a, b in zip(tail, resumed):
+    for a, b in zip(tail, resumed, strict=False):  # unequal lengths are reported below
         if a != b:
             what = ("samples" if a[2] != b[2] else "dropout mask" if a[3] != b[3] else
                     "position" if a[:2] != b[:2] else "loss")

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
