@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_resilient.errors import ShardedCheckpointError
-from lightning_resilient.io.catalog import Together, load_together, normalize
+from lightning_resilient.io.catalog import Together, load_resolved, normalize
 from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _mark_resumed_step_saved
 from lightning_resilient.io.root import CheckpointRoot, Loaded
 from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded, own_errors, root_and_name, save_sharded
@@ -97,8 +97,8 @@ class _AtomicSharded:
 
             return load
 
-        done = load_together(normalize(str(checkpoint_path)), io.root, together,
-                             fallback=io.settings.fallback_on_corruption, load_for=load_for)
+        done = load_resolved(normalize(str(checkpoint_path)), io.root, fallback=io.settings.fallback_on_corruption,
+                             load_for=load_for, together=together)
         if done is None:  # a stock Lightning checkpoint: the Lightning strategy loads it
             return super().load_checkpoint(self.broadcast(str(checkpoint_path)),  # type: ignore[misc, attr-defined]
                                            weights_only=weights_only)

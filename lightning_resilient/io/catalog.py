@@ -26,7 +26,7 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, RootSettings
 from lightning_resilient.io.store import Store, open_store
 
-__all__ = ["NOT_FOUND", "Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved", "load_together",
+__all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved",
            "normalize", "reader", "repair_pointer", "resolve", "stock_checkpoints", "was_retired"]
 
 log = logging.getLogger(__name__)
@@ -189,10 +189,6 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
                             " file")
 
 
-class _Retired(Exception):
-    """The checkpoint being read was retired (deleted by retention) meanwhile: not corruption."""
-
-
 def was_retired(root: CheckpointRoot, entry: Entry) -> bool:
     """Whether ``entry`` failed to read because retention deleted it meanwhile (not because it is damaged)."""
     # Retention deletes a folder's manifest first, and only once the pointer no longer references it: a
@@ -205,135 +201,119 @@ def was_retired(root: CheckpointRoot, entry: Entry) -> bool:
         return False
 
 
-def load_with_fallback(root: CheckpointRoot, entry: Entry, fallbacks: list[Entry], *,
-                       load: Callable[..., Loaded], **load_kwargs: Any) -> Loaded:
-    """Load ``entry``; when it fails verification, the next of ``fallbacks`` (each with a loud warning)."""
-    first_error: CheckpointCorruptedError | None = None
-    tried: list[str] = []
-    for candidate in [entry, *fallbacks]:
-        try:
-            loaded = load(candidate.commit, **load_kwargs)
-        except CheckpointCorruptedError as exc:
-            if was_retired(root, candidate):
-                raise _Retired(root.store.url(candidate.commit)) from exc
-            first_error = first_error or exc
-            tried.append(root.store.url(candidate.commit))
-            message = f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {exc}"
-            log.error(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-            continue
-        if tried:
-            message = (f"loaded the previous committed checkpoint {root.store.url(candidate.commit)} (step"
-                       f" {candidate.step}) instead of {tried[0]}, which failed verification")
-            log.error(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
-        return loaded
-    assert first_error is not None
-    raise CheckpointCorruptedError(
-        f"no valid checkpoint to load: {first_error}" + (f" (also tried {', '.join(tried[1:])})" if len(tried) > 1
-                                                          else ""), object=first_error.object)
-
-
-def load_resolved(url: str, root_for: Callable[[str], CheckpointRoot], *, fallback: bool,
-                  load_for: Callable[[CheckpointRoot], Callable[..., Loaded]],
-                  **load_kwargs: Any) -> tuple[Resolved, Loaded] | None:
-    """Resolve ``url`` and load it (falling back when ``fallback``); None when it names a plain file.
-
-    A checkpoint retired by retention while it was read is not reported as corrupted: the URL is resolved again
-    (the root's latest has moved on), or, for a URL naming that very commit, a ``FileNotFoundError`` says so.
-    """
-    for _ in range(_RESOLVE_ATTEMPTS):
-        found = resolve(url, root_for)
-        if found is None:
-            return None
-        try:
-            loaded = load_with_fallback(found.root, found.entry, found.fallbacks if fallback else [],
-                                        load=load_for(found.root), **load_kwargs)
-        except _Retired as retired:
-            if found.pinned:
-                raise FileNotFoundError(f"{retired} was deleted by retention (keep_last or a top-k rotation of the job"
-                                        f" writing {found.root.url}) while it was being read; load the root's latest"
-                                        " instead") from None
-            log.info("%s was retired while it was read: resolving %s again", retired, url)
-            continue
-        return found, loaded
-    raise FileNotFoundError(f"every checkpoint resolved from {url} was retired while it was being read"
-                            f" ({_RESOLVE_ATTEMPTS} times): the job writing it saves faster than it can be read")
-
-
 @dataclass(frozen=True)
 class Together:
-    """The processes of one job deciding together (a Lightning strategy's collectives): who decides, and how."""
+    """The processes of one job deciding together (a Lightning strategy's collectives): who decides, and how.
+
+    :data:`ALONE` is the one process of a job that has no collectives (or of a tool outside any job)."""
 
     rank: int
     broadcast: Callable[[Any], Any]  # rank 0's object, on every rank
     all_true: Callable[[bool], bool]
     any_true: Callable[[bool], bool]
+    alone: bool = False  # one process: messages speak of it, not of "every rank"
 
 
-def load_together(url: str, root_for: Callable[[str], CheckpointRoot], together: Together, *, fallback: bool,
-                  load_for: Callable[[CheckpointRoot], Callable[..., Loaded]],
+def _same(value: Any) -> Any:
+    return value
+
+
+ALONE = Together(rank=0, broadcast=_same, all_true=_same, any_true=_same, alone=True)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What rank 0 resolved, as every rank receives it."""
+
+    root: str
+    candidates: list[Entry]  # what to load, in order: the entry, then its fallbacks (when falling back)
+    fallbacks: list[Entry]
+    pinned: bool
+
+
+def load_resolved(url: str, root_for: Callable[[str], CheckpointRoot], *, fallback: bool,
+                  load_for: Callable[[CheckpointRoot], Callable[..., Loaded]], together: Together = ALONE,
                   **load_kwargs: Any) -> tuple[Resolved, Loaded] | None:
-    """:func:`load_resolved` for every process of a job at once: one decision per job.
+    """Resolve ``url`` and load it, falling back when ``fallback``; None when it names a plain file.
 
-    Rank 0 resolves ``url`` (whatever each rank was given) and every rank loads exactly that commit. After each
-    candidate the ranks agree: all loaded it, or they all move on together to the same older commit (a rank
-    whose part is damaged makes every rank fall back), or, when one found it retired meanwhile, rank 0 resolves
-    again. Every rank must call this (Lightning's resume does, on every rank).
+    With several processes (``together``), rank 0 resolves ``url`` (whatever each rank was given) and every rank
+    loads exactly that commit. After each candidate the ranks agree: all loaded it, or they all move on together to
+    the same older commit (a rank whose part is damaged makes every rank fall back). Every rank must call this
+    (Lightning's resume does, on every rank).
+
+    A checkpoint retired by retention while it was read is not reported as corrupted: the URL is resolved again
+    (the root's latest has moved on), or, for a URL naming that very commit, a ``FileNotFoundError`` says so.
     """
     for _ in range(_RESOLVE_ATTEMPTS):
-        plan: dict[str, Any] | None = None
+        plan: _Plan | BaseException | None = None
         if together.rank == 0:
             try:
                 found = resolve(url, root_for)
-            except Exception as exc:  # noqa: BLE001 - every rank raises what rank 0 found
-                plan = {"error": exc}
+            except Exception as exc:  # every rank raises what rank 0 found
+                plan = exc
             else:
-                plan = {"plain": True} if found is None else {
-                    "root": found.root.url, "candidates": [found.entry, *(found.fallbacks if fallback else [])],
-                    "fallbacks": found.fallbacks, "pinned": found.pinned}
+                plan = None if found is None else _Plan(
+                    found.root.url, [found.entry, *(found.fallbacks if fallback else [])], found.fallbacks,
+                    found.pinned)
         plan = together.broadcast(plan)
-        assert plan is not None
-        if "error" in plan:
-            raise plan["error"]
-        if plan.get("plain"):
+        if isinstance(plan, BaseException):
+            raise plan
+        if plan is None:
             return None
-        root = root_for(plan["root"])
-        load = load_for(root)
-        first: str | None = None
-        for i, candidate in enumerate(plan["candidates"]):
-            error: CheckpointCorruptedError | None = None
-            try:
-                loaded = load(candidate.commit, **load_kwargs)
-            except CheckpointCorruptedError as exc:
-                error = exc
-            if together.all_true(error is None):
-                if first is not None and together.rank == 0:
-                    message = (f"loaded the previous committed checkpoint {root.store.url(candidate.commit)} (step"
-                               f" {candidate.step}) on every rank instead of {first}, which failed verification")
-                    log.error(message)
-                    warnings.warn(message, RuntimeWarning, stacklevel=4)
-                return Resolved(root, candidate, plan["fallbacks"], plan["pinned"]), loaded
-            if together.any_true(error is not None and was_retired(root, candidate)):
-                if plan["pinned"]:
-                    raise FileNotFoundError(f"{root.store.url(candidate.commit)} was deleted by retention while it was"
-                                            " being read; load the root's latest instead")
-                break  # resolve again: the root's latest has moved on
-            first = first or root.store.url(candidate.commit)
-            if error is not None:  # the ranks that failed say why; all of them move on together
-                message = (f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded (rank"
-                           f" {together.rank}: {error}); every rank falls back to the previous committed one")
-                log.error(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=4)
-            if i + 1 == len(plan["candidates"]):
-                raise CheckpointCorruptedError(f"no valid checkpoint to load under {root.url}: the last one tried,"
-                                               f" {root.store.url(candidate.commit)}, failed on at least one rank"
-                                               + (f" ({error})" if error is not None else ""),
-                                               object=error.object if error is not None else None)
-        else:
-            raise CheckpointCorruptedError(f"no committed checkpoint to load under {root.url}")
+        root = root_for(plan.root)
+        done = _load_first_valid(root, plan, load_for(root), together, load_kwargs)
+        if done is not None:
+            return done
+        log.info("a checkpoint resolved from %s was retired while it was read: resolving it again", url)
     raise FileNotFoundError(f"every checkpoint resolved from {url} was retired while it was being read"
                             f" ({_RESOLVE_ATTEMPTS} times): the job writing it saves faster than it can be read")
+
+
+def _load_first_valid(root: CheckpointRoot, plan: _Plan, load: Callable[..., Loaded], together: Together,
+                      load_kwargs: dict[str, Any]) -> tuple[Resolved, Loaded] | None:
+    """Load the first of ``plan.candidates`` that verifies (on every rank); None when one was retired meanwhile
+    (resolve again). The one fallback loop of the package: a damaged checkpoint is reported loudly, never loaded."""
+    first_error: CheckpointCorruptedError | None = None
+    tried: list[str] = []
+    every = "" if together.alone else " on every rank"
+    for candidate in plan.candidates:
+        url = root.store.url(candidate.commit)
+        error: CheckpointCorruptedError | None = None
+        try:
+            loaded = load(candidate.commit, **load_kwargs)
+        except CheckpointCorruptedError as exc:
+            error = exc
+        if together.all_true(error is None):
+            if tried and together.rank == 0:
+                _loud(f"loaded the previous committed checkpoint {url} (step {candidate.step}){every} instead of"
+                      f" {tried[0]}, which failed verification")
+            return Resolved(root, candidate, plan.fallbacks, plan.pinned), loaded
+        if together.any_true(error is not None and was_retired(root, candidate)):
+            if plan.pinned:
+                raise FileNotFoundError(f"{url} was deleted by retention (keep_last or a top-k rotation of the job"
+                                        f" writing {root.url}) while it was being read; load the root's latest"
+                                        " instead") from error
+            return None
+        tried.append(url)
+        first_error = first_error or error
+        if error is not None:  # the ranks that failed say why; all of them move on together
+            _loud(f"checkpoint {url} is corrupted and was NOT loaded: {error}" if together.alone else
+                  f"checkpoint {url} is corrupted and was NOT loaded (rank {together.rank}: {error}); every rank"
+                  " falls back to the previous committed one")
+    if together.alone and first_error is not None:
+        raise CheckpointCorruptedError(
+            f"no valid checkpoint to load: {first_error}" + (f" (also tried {', '.join(tried[1:])})"
+                                                              if len(tried) > 1 else ""), object=first_error.object)
+    last = plan.candidates[-1]
+    raise CheckpointCorruptedError(f"no valid checkpoint to load under {root.url}: the last one tried,"
+                                   f" {root.store.url(last.commit)}, failed on at least one rank"
+                                   + (f" ({first_error})" if first_error is not None else ""),
+                                   object=first_error.object if first_error is not None else None)
+
+
+def _loud(message: str) -> None:
+    log.error(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
 def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None, *,

@@ -23,11 +23,11 @@ from lightning_resilient._namespaces import register_checkpoint_io
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.catalog import (
+    ALONE,
     Together,
     check_bucket,
     find_latest_checkpoint,
     load_resolved,
-    load_together,
     normalize,
     repair_pointer,
 )
@@ -325,12 +325,9 @@ class AtomicCheckpointIO(CheckpointIO):
             tiered = self._load_tiered(url, trainer, together, kwargs)
             if tiered is not None:
                 return tiered
-        if together is not None:  # every rank of the job loads the commit rank 0 resolved
-            done = load_together(url, self.root, together, fallback=self.settings.fallback_on_corruption,
-                                 load_for=self._loader, **kwargs)
-        else:
-            done = load_resolved(url, self.root, fallback=self.settings.fallback_on_corruption,
-                                 load_for=self._loader, **kwargs)
+        # Under a strategy, every rank of the job loads the commit rank 0 resolved.
+        done = load_resolved(url, self.root, fallback=self.settings.fallback_on_corruption, load_for=self._loader,
+                             together=together or ALONE, **kwargs)
         if done is None:
             return _load_plain_file(url, self._options(None), map_location, weights_only)
         found, loaded = done
