@@ -24,7 +24,7 @@ from lightning_resilient.io._paths import check_relative
 from lightning_resilient.io._sealed import seal, unseal
 from lightning_resilient.io.lineage import Origin
 
-__all__ = ["FORMAT", "HASH", "MANIFEST_NAME", "Manifest", "ObjectEntry", "TensorEntry", "chunk_digests", "hasher",
+__all__ = ["FORMAT", "HASH", "MANIFEST_NAME", "Manifest", "ObjectEntry", "ShardedRecord", "TensorEntry", "chunk_digests", "hasher",
            "object_digest"]
 
 FORMAT = 2
@@ -97,6 +97,16 @@ class TensorEntry:
     device: str
 
 
+@dataclass(frozen=True)
+class ShardedRecord:
+    """Where a sharded (``torch.distributed.checkpoint``) save keeps its parts: DCP's metadata object and each
+    rank's stream of objects. The manifest's own stream and tensors hold the rest (loops, callbacks, ...)."""
+
+    world_size: int  # processes that wrote it (a load may use another number: DCP reshards)
+    metadata: int  # index into Manifest.objects: DCP's pickled Metadata
+    ranks: list[list[int]]  # ranks[r]: indices into Manifest.objects, rank r's stream in order
+
+
 @dataclass
 class Manifest:
     name: str
@@ -105,15 +115,13 @@ class Manifest:
     epoch: int
     created: float
     writer_epoch: int
-    chunk_size: int  # 0: each object is a single chunk (format 1)
+    chunk_size: int  # bytes each chunk digest covers (the last chunk of an object may be shorter)
     skeleton: int  # index into objects
     hash: str = HASH  # the chunk digests' algorithm
     stream: list[int] = field(default_factory=list)  # indices into objects: the tensor stream, in order
     objects: list[ObjectEntry] = field(default_factory=list)
     tensors: list[TensorEntry] = field(default_factory=list)
-    # A sharded (torch.distributed.checkpoint) save: {"world_size": N, "metadata": object index of DCP's
-    # metadata, "ranks": [[object indices of rank r's stream], ...]}. The stream/tensors above hold the rest.
-    sharded: dict[str, Any] | None = None
+    sharded: ShardedRecord | None = None  # a sharded (torch.distributed.checkpoint) save's parts
     # Where the training of this checkpoint's writer epoch came from (its lineage, recorded in every checkpoint so
     # that a root whose pointer is lost still knows which branch is current). None: written before lineage was
     # recorded.
@@ -123,7 +131,7 @@ class Manifest:
         """Where each object of rank ``rank``'s stream starts in that stream (sharded saves)."""
         assert self.sharded is not None
         out, pos = [], 0
-        for i in self.sharded["ranks"][rank]:
+        for i in self.sharded.ranks[rank]:
             out.append(pos)
             pos += self.objects[i].size
         return out
@@ -152,8 +160,7 @@ class Manifest:
     def chunk_ranges(self, index: int) -> list[tuple[int, int]]:
         """The ``[start, end)`` byte ranges of object ``index`` that each chunk digest covers."""
         size = self.objects[index].size
-        step = self.chunk_size or size
-        return [(a, min(a + step, size)) for a in range(0, size, step)] or [(0, 0)]
+        return [(a, min(a + self.chunk_size, size)) for a in range(0, size, self.chunk_size)] or [(0, 0)]
 
     def to_bytes(self) -> bytes:
         return seal({"format": FORMAT, "kind": KIND, **asdict(self)})
@@ -171,8 +178,15 @@ class Manifest:
                 f"manifest {where} has format {fmt}, but this lightning_resilient reads formats up to {FORMAT}:"
                 " it was written by a newer version. Upgrade lightning_resilient to load it."
             )
+        if fmt < FORMAT:
+            # Format 1 (one SHA-256 per object) was only ever written by development builds before the first
+            # release; nothing released reads or writes it. Kept, never deleted: it is not ours to judge.
+            raise UnsupportedFormatError(
+                f"manifest {where} has format {fmt}, written by a development build of lightning_resilient before its"
+                f" first release; this version reads format {FORMAT} only. Load it with the build that wrote it and"
+                " save it again, or delete it.")
         try:
-            manifest = _parse_v1(raw, where) if fmt == 1 else _parse_v2(raw, where)
+            manifest = _parse(raw, where)
         except ValueError as exc:
             raise CheckpointCorruptedError(f"manifest {where} is invalid: {exc}", object=where) from exc
         except (KeyError, TypeError) as exc:
@@ -188,7 +202,7 @@ def _header(raw: dict[str, Any], where: str) -> dict[str, Any]:
             "writer_epoch": int(raw["writer_epoch"]), "skeleton": int(raw["skeleton"])}
 
 
-def _parse_v2(raw: dict[str, Any], where: str) -> Manifest:
+def _parse(raw: dict[str, Any], where: str) -> Manifest:
     objects = [ObjectEntry(check_relative(o["path"], where=f"{where} objects[{i}].path"), int(o["size"]),
                            str(o["digest"]), [str(c) for c in o["chunks"]])
                for i, o in enumerate(raw["objects"])]
@@ -200,37 +214,13 @@ def _parse_v2(raw: dict[str, Any], where: str) -> Manifest:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     algorithm = str(raw["hash"])
     hasher(algorithm)  # an unknown algorithm is a clear error here, not at the first chunk
-    sharded = raw.get("sharded")
-    if sharded is not None:
-        sharded = {"world_size": int(sharded["world_size"]), "metadata": int(sharded["metadata"]),
-                   "ranks": [[int(i) for i in r] for r in sharded["ranks"]]}
+    raw_sharded = raw.get("sharded")
+    sharded = None if raw_sharded is None else ShardedRecord(
+        int(raw_sharded["world_size"]), int(raw_sharded["metadata"]), [[int(i) for i in r] for r in raw_sharded["ranks"]])
     origin = raw.get("origin")
     return Manifest(**_header(raw, where), chunk_size=chunk_size, hash=algorithm,
                     stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors, sharded=sharded,
                     origin=Origin.from_json(origin) if origin is not None else None)
-
-
-def _parse_v1(raw: dict[str, Any], where: str) -> Manifest:
-    # Format 1: one SHA-256 per object; tensors addressed by (object, offset). Its shards, concatenated in
-    # object order, are exactly a stream, so it maps onto format 2 with one chunk per object.
-    objects = [ObjectEntry(check_relative(o["path"], where=f"{where} objects[{i}].path"), int(o["size"]),
-                           str(o["sha256"]), [str(o["sha256"])])
-               for i, o in enumerate(raw["objects"])]
-    skeleton = int(raw["skeleton"])
-    stream = [i for i in range(len(objects)) if i != skeleton]
-    starts, pos = {}, 0
-    for i in stream:
-        starts[i] = pos
-        pos += objects[i].size
-    tensors = []
-    for n, t in enumerate(raw["tensors"]):
-        obj, offset, nbytes = int(t["object"]), int(t["offset"]), int(t["nbytes"])
-        if obj not in starts or offset < 0 or offset + nbytes > objects[obj].size:
-            raise ValueError(f"tensors[{n}] lies outside its object")
-        tensors.append(TensorEntry(list(t["key"]), str(t["dtype"]), [int(d) for d in t["shape"]],
-                                   starts[obj] + offset, nbytes, str(t["device"])))
-    return Manifest(**_header(raw, where), chunk_size=0, hash="sha256", stream=stream, objects=objects,
-                    tensors=tensors)
 
 
 def _check_consistent(manifest: Manifest, where: str) -> None:
@@ -245,9 +235,8 @@ def _check_consistent(manifest: Manifest, where: str) -> None:
             raise CheckpointCorruptedError(f"manifest {where} objects[{i}] has {len(obj.chunks)} chunk digest(s)"
                                            f" for {obj.size} bytes", object=where)
     if manifest.sharded is not None:
-        used = [manifest.sharded["metadata"], *(i for r in manifest.sharded["ranks"] for i in r)]
-        if any(not 0 <= i < len(objects) for i in used) or len(manifest.sharded["ranks"]) != \
-                manifest.sharded["world_size"]:
+        used = [manifest.sharded.metadata, *(i for r in manifest.sharded.ranks for i in r)]
+        if any(not 0 <= i < len(objects) for i in used) or len(manifest.sharded.ranks) != manifest.sharded.world_size:
             raise CheckpointCorruptedError(f"manifest {where} has an invalid sharded record", object=where)
     total = manifest.stream_bytes
     for i, t in enumerate(manifest.tensors):

@@ -255,7 +255,7 @@ class RootReader:
         self.check_sizes(commit, manifest)  # before anything is allocated from the manifest's declared sizes
         if manifest.sharded is not None and not sharded_rest:
             raise ShardedCheckpointError(
-                f"{self.store.url(commit)} is a sharded checkpoint written by {manifest.sharded['world_size']}"
+                f"{self.store.url(commit)} is a sharded checkpoint written by {manifest.sharded.world_size}"
                 " processes (torch.distributed.checkpoint): resume it with the strategy that wrote it,"
                 " lightning_resilient.AtomicModelParallelStrategy (FSDP2) or AtomicFSDPStrategy (FSDP1), on any"
                 " number of processes (it reshards), or"

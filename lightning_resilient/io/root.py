@@ -27,7 +27,7 @@ from lightning_resilient._checks import check_bool, check_int, check_number, che
 from lightning_resilient.io import layout
 from lightning_resilient.io.fencing import WriterFence
 from lightning_resilient.io.lineage import Origin
-from lightning_resilient.io.manifest import Manifest, ObjectEntry
+from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord
 from lightning_resilient.io.pointer import Entry, Pointer
 from lightning_resilient.io.reader import Loaded, LoadStats, RootReader, Scan
 from lightning_resilient.io.retention import Retention
@@ -136,7 +136,7 @@ class CheckpointRoot:
         return self.writer.save(checkpoint, name)
 
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
-               sharded: Callable[[list[ObjectEntry]], dict[str, Any]] | None = None) -> Entry:
+               sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Entry:
         """Upload a prepared checkpoint, write its manifest, then move the pointer to it (:meth:`RootWriter.commit`)."""
         return self.writer.commit(prepared, folder=folder, extra=extra, sharded=sharded)
 

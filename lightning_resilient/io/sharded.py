@@ -45,7 +45,7 @@ from torch.futures import Future
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths, layout
-from lightning_resilient.io.manifest import Manifest, ObjectEntry
+from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord
 from lightning_resilient.io.root import CheckpointRoot
 
 __all__ = ["AtomicStorageReader", "AtomicStorageWriter", "load_full", "load_metadata", "load_sharded", "own_error",
@@ -178,13 +178,13 @@ class AtomicStorageWriter(StorageWriter):
         meta = self.root.writer.put(f"{commit}/{METADATA_NAME}", [memoryview(pickle.dumps(metadata))], {})
         extra = [o for objs in rank_objects for o in objs] + [meta]
 
-        def record(objects: list[ObjectEntry]) -> dict[str, Any]:
+        def record(objects: list[ObjectEntry]) -> ShardedRecord:
             first = len(objects) - len(extra)
             ranks, i = [], first
             for objs in rank_objects:
                 ranks.append(list(range(i, i + len(objs))))
                 i += len(objs)
-            return {"world_size": world_size, "metadata": i, "ranks": ranks}
+            return ShardedRecord(world_size, i, ranks)
 
         prepared = self.root.prepare(self.rest, self.name)
         self.entry = self.root.commit(prepared, folder=commit, extra=extra, sharded=record)
@@ -223,7 +223,7 @@ class AtomicStorageReader(StorageReader):
                                            object=self.root.store.url(self.commit))
         self.root.reader.check_sizes(self.commit, manifest)  # declared sizes against the store before allocating
         self.manifest = manifest
-        index = manifest.sharded["metadata"]
+        index = manifest.sharded.metadata
         buf = bytearray(manifest.objects[index].size)
 
         def sink(offset: int, piece: memoryview) -> None:
@@ -260,7 +260,7 @@ class AtomicStorageReader(StorageReader):
             extents = [(offset, unique[(rank, offset)]["nbytes"]) for _, offset in mine]
             scatter = layout.Scatter(extents, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
             buffers.update({k: b for k, b in zip(mine, scatter.buffers)})
-            for index, start in zip(manifest.sharded["ranks"][rank], manifest.rank_offsets(rank)):
+            for index, start in zip(manifest.sharded.ranks[rank], manifest.rank_offsets(rank)):
                 def wanted(a: int, b: int, start: int = start, extents: list[tuple[int, int]] = extents) -> bool:
                     # Only the chunks holding bytes this rank asked for: a resharded load reads its part only.
                     return any(o < start + b and start + a < o + n for o, n in extents if n)

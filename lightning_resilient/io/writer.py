@@ -27,6 +27,7 @@ from lightning_resilient.io.manifest import (
     MANIFEST_NAME,
     Manifest,
     ObjectEntry,
+    ShardedRecord,
     TensorEntry,
     chunk_digests,
     object_digest,
@@ -168,7 +169,7 @@ class RootWriter:
                                  range(len(spans))))
 
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
-               sharded: Callable[[list[ObjectEntry]], dict[str, Any]] | None = None) -> Entry:
+               sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Entry:
         """Upload a prepared checkpoint, write its manifest, then move the pointer to it.
 
         A sharded save (``sharded.py``) passes the commit folder its ranks already wrote into, their objects
@@ -274,7 +275,7 @@ class RootWriter:
         return pointer is None or commit in pointer.live_folders()
 
     def _commit(self, prepared: Prepared, commit: str, extra: list[ObjectEntry] | None,
-                sharded: Callable[[list[ObjectEntry]], dict[str, Any]] | None) -> Entry:
+                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None) -> Entry:
         assert self.fence.writer_epoch is not None and self.fence.origin is not None
         epoch, origin, name, step = self.fence.writer_epoch, self.fence.origin, prepared.name, prepared.step
         objects = self.upload_stream(f"{commit}/", prepared.total, prepared.pieces, step)

@@ -439,34 +439,17 @@ def test_incomplete_multipart_uploads_under_the_root_are_aborted(s3_backend, mak
     assert left == {outside["UploadId"]} and inside["UploadId"] not in left
 
 
-def test_format_1_checkpoints_still_load(backend, make_io):
-    """Checkpoints written before the stream layout (one SHA-256 per object) load and verify."""
-    import hashlib
-    import io as _io
-
-    w, b = torch.arange(12.0).reshape(3, 4), torch.tensor([7], dtype=torch.int64)
-    shard = bytearray(w.numpy().tobytes()) + bytes(16) + b.numpy().tobytes()  # b at offset 64
-    buf = _io.BytesIO()
-    torch.save({"global_step": 5, "epoch": 0, "state_dict": {"w": None, "b": None}}, buf)
-    skeleton = buf.getvalue()
+def test_a_format_1_manifest_is_refused_by_name_and_never_collected(backend, make_io):
+    """Format 1 (one SHA-256 per object) was only written by development builds before the first release: a load
+    says so and what to do, and garbage collection leaves such a folder alone (not ours to judge)."""
     commit = "old.ckpt/c1700000000000-e1-0123abcd"
-    put(backend, f"{commit}/shard-00000.bin", bytes(shard))
-    put(backend, f"{commit}/skeleton.pt", skeleton)
-
-    def obj(path, data):
-        return {"path": path, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
+    put(backend, f"{commit}/shard-00000.bin", bytes(64))
     manifest = {"format": 1, "kind": "lightning_resilient.checkpoint", "name": "old.ckpt", "commit": commit, "step": 5,
-                "epoch": 0, "created": 1.7e9, "writer_epoch": 1, "skeleton": 1,
-                "objects": [obj(f"{commit}/shard-00000.bin", bytes(shard)), obj(f"{commit}/skeleton.pt", skeleton)],
-                "tensors": [{"key": [["s", "state_dict"], ["s", "w"]], "dtype": "float32", "shape": [3, 4], "object": 0,
-                             "offset": 0, "nbytes": 48, "device": "cpu"},
-                            {"key": [["s", "state_dict"], ["s", "b"]], "dtype": "int64", "shape": [1], "object": 0,
-                             "offset": 64, "nbytes": 8, "device": "cpu"}]}
+                "epoch": 0, "created": 1.7e9, "writer_epoch": 1, "skeleton": 0, "objects": [], "tensors": []}
     put(backend, f"{commit}/{MANIFEST_NAME}", seal(manifest))
-    loaded = make_io(backend, claim_on_load=False).load_checkpoint(backend.url(commit))
-    assert torch.equal(loaded["state_dict"]["w"], w) and torch.equal(loaded["state_dict"]["b"], b)
-    shard[3] ^= 0x10
-    put(backend, f"{commit}/shard-00000.bin", bytes(shard))
-    with pytest.raises(CheckpointCorruptedError, match="sha256 checksum"):
-        make_io(backend, claim_on_load=False, fallback_on_corruption=False).load_checkpoint(backend.url(commit))
+    with pytest.raises(UnsupportedFormatError, match=r"format 1, written by a development build .* reads format 2"):
+        make_io(backend, claim_on_load=False).load_checkpoint(backend.url(commit))
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(7), backend.url("new.ckpt"))  # a newer writer epoch: e1 is fenced
+    io.collect_garbage(backend.root)
+    assert backend.fs().exists(backend.path(f"{commit}/{MANIFEST_NAME}"))
