@@ -13,7 +13,7 @@ committed checkpoint if one is damaged, and reshards when the number of processe
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -100,8 +100,9 @@ class _AtomicSharded:
         done = load_resolved(normalize(str(checkpoint_path)), io.root, fallback=io.settings.fallback_on_corruption,
                              load_for=load_for, together=together)
         if done is None:  # a stock Lightning checkpoint: the Lightning strategy loads it
-            return super().load_checkpoint(self.broadcast(str(checkpoint_path)),  # type: ignore[misc, attr-defined]
-                                           weights_only=weights_only)
+            stock: dict[str, Any] = super().load_checkpoint(  # type: ignore[misc]  # a mixin: the strategy's
+                self.broadcast(str(checkpoint_path)), weights_only=weights_only)  # type: ignore[attr-defined]
+            return stock
         found, loaded = done
         # A resuming fit claims the root with this checkpoint as its lineage's origin (on the coordinator, at once
         # unless claim_on_load=False); validate/test/predict loads are read-only (see AtomicCheckpointIO).
@@ -129,7 +130,8 @@ class _AtomicSharded:
         raise NotImplementedError
 
 
-class AtomicModelParallelStrategy(_AtomicSharded, ModelParallelStrategy):
+# The mixin narrows Strategy.checkpoint_io to AtomicCheckpointIO (its setter refuses any other), which mypy reports.
+class AtomicModelParallelStrategy(_AtomicSharded, ModelParallelStrategy):  # type: ignore[misc]
     """``ModelParallelStrategy`` whose sharded checkpoints go through :class:`~lightning_resilient.AtomicCheckpointIO`.
 
     One line in place of Lightning's strategy; the checkpoint root is the ``ModelCheckpoint`` dirpath, local or
@@ -174,7 +176,7 @@ class AtomicModelParallelStrategy(_AtomicSharded, ModelParallelStrategy):
                                      options=StateDictOptions(cpu_offload=True))
 
 
-class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
+class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):  # type: ignore[misc]  # checkpoint_io narrowed, as above
     """``FSDPStrategy(state_dict_type="sharded")`` whose checkpoints go through
     :class:`~lightning_resilient.AtomicCheckpointIO`, as :class:`AtomicModelParallelStrategy` does for FSDP2.
 
@@ -191,11 +193,11 @@ class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
     _weights_key = "model"
     _other = "AtomicModelParallelStrategy (FSDP2)"
 
-    def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, state_dict_type: Literal["full", "sharded"] = "sharded", **kwargs: Any) -> None:
         if state_dict_type != "sharded":
             raise ValueError("AtomicFSDPStrategy saves sharded checkpoints only: use state_dict_type='sharded' (the"
                              " default), or FSDPStrategy with AtomicCheckpointIO for full-state saves")
-        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+        super().__init__(*args, **{**kwargs, "state_dict_type": state_dict_type})
 
     def _load_shards(self, reader: AtomicStorageReader) -> None:
         from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
@@ -203,7 +205,8 @@ class AtomicFSDPStrategy(_AtomicSharded, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         assert self.model is not None and self.lightning_module is not None
-        with _get_sharded_state_dict_context(self.model):
+        # Lightning annotates this @contextmanager as the generator it wraps.
+        with _get_sharded_state_dict_context(self.model):  # type: ignore[attr-defined]
             module_state = {"model": self.model.state_dict()}
             load_sharded(module_state, reader.root, reader.commit, reader=reader)
             self.model.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable
-from concurrent.futures import Executor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_resilient.errors import BucketNotFoundError, CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths
@@ -30,6 +30,8 @@ __all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "check_bucket", "find_l
            "normalize", "reader", "repair_pointer", "resolve", "stock_checkpoints", "was_retired"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # A reader whose checkpoint was retired (deleted by retention) while it read resolves the URL again this often.
 _RESOLVE_ATTEMPTS = 5
@@ -148,35 +150,36 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
                 f"{NOT_FOUND}{url}. It no longer exists: {root.url} holds no commit {commit!r} (retention deletes the"
                 " checkpoints keep_last or a top-k rotation drop, a save later; a save that never committed leaves"
                 " no manifest; a checkpoint of a local tier that was not persisted is only on the node that wrote it:"
-                " pass that plugin's local_tier)." + (f" The root's latest is {root.store.url(latest[0].commit)}." if latest else ""))
+                " pass that plugin's local_tier)."
+                + (f" The root's latest is {root.store.url(latest[0].commit)}." if latest else ""))
 
     as_root = root_for(url)
-    pointer, _ = as_root.read_pointer()
-    if pointer is not None:
-        candidates = pointer.candidates()
+    root_pointer, _ = as_root.read_pointer()
+    if root_pointer is not None:
+        candidates = root_pointer.candidates()
         if not candidates:
             raise FileNotFoundError(f"checkpoint root {url} has a pointer but no committed checkpoint of its current"
                                     " run yet")
         return Resolved(as_root, candidates[0], candidates[1:], pinned=False)
 
     parent = root_for(_paths.dirname(url))
-    pointer, _ = parent.read_pointer()
-    if pointer is not None:
-        entry = pointer.checkpoints.get(name)
-        if entry is None and pointer.latest is not None and pointer.latest.name == name:
-            entry = pointer.latest
-        if entry is not None:
-            return Resolved(parent, entry, older(pointer, entry), pinned=False)
+    parent_pointer, _ = parent.read_pointer()
+    if parent_pointer is not None:
+        named = parent_pointer.checkpoints.get(name)
+        if named is None and parent_pointer.latest is not None and parent_pointer.latest.name == name:
+            named = parent_pointer.latest
+        if named is not None:
+            return Resolved(parent, named, older(parent_pointer, named), pinned=False)
     if parent.store.is_file(name):
         return None  # a plain file
-    if pointer is None and parent.store.list_dir(name):  # a name in a root whose pointer is missing (or moving)
+    if parent_pointer is None and parent.store.list_dir(name):  # a name in a root whose pointer is missing (or moving)
         scanned_parent = parent.scan().pointer()
-        entry = scanned_parent.checkpoints.get(name)
-        if entry is not None:
-            return Resolved(parent, entry, older(scanned_parent, entry), pinned=False)
-    if pointer is not None:
+        named = scanned_parent.checkpoints.get(name)
+        if named is not None:
+            return Resolved(parent, named, older(scanned_parent, named), pinned=False)
+    if parent_pointer is not None:
         raise FileNotFoundError(f"{NOT_FOUND}{url}. No committed checkpoint is named {name!r} under {parent.url}:"
-                                f" committed names are {sorted(pointer.checkpoints)}")
+                                f" committed names are {sorted(parent_pointer.checkpoints)}")
     scanned = as_root.scan().pointer() if as_root.store.list_dir("") else None
     if scanned is not None and scanned.candidates():
         candidates = scanned.candidates()
@@ -352,7 +355,7 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
 _RETIRED = object()
 
 
-def _find_latest(checkpoint_root: CheckpointRoot) -> str | None | object:
+def _find_latest(checkpoint_root: CheckpointRoot) -> str | object | None:
     """One attempt of find_latest_checkpoint; ``_RETIRED`` when retention retired the candidates meanwhile."""
     store = checkpoint_root.store
     pointer, _ = checkpoint_root.read_pointer()
@@ -395,7 +398,7 @@ def _find_latest(checkpoint_root: CheckpointRoot) -> str | None | object:
         if stock:
             # A run that used stock Lightning checkpointing before this plugin was added: resume it where stock
             # Lightning would (its newest file), rather than silently from step 0.
-            from lightning.fabric.utilities.rank_zero import rank_zero_info  # the protocol imports no Lightning
+            from lightning.fabric.utilities import rank_zero_info  # the protocol imports no Lightning
 
             url = store.url(stock[0][0])
             rank_zero_info(f"lightning_resilient: no committed checkpoint under {store.root_url}; resuming from the"
@@ -426,13 +429,12 @@ def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> 
 class _SerialExecutor(Executor):
     """Runs every job in the calling thread (for the one-off reads above)."""
 
-    def map(self, fn, *iterables, timeout=None, chunksize=1):  # type: ignore[no-untyped-def, override]
+    def map(self, fn: Callable[..., _T], *iterables: Iterable[Any], timeout: float | None = None,
+            chunksize: int = 1) -> Iterator[_T]:
         return map(fn, *iterables)
 
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
-        from concurrent.futures import Future
-
-        future: Future[Any] = Future()
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        future: Future[_T] = Future()
         try:
             future.set_result(fn(*args, **kwargs))
         except BaseException as exc:

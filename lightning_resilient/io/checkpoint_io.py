@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
+from types import FrameType
 from typing import Any
 
 import torch
@@ -368,7 +369,7 @@ class AtomicCheckpointIO(CheckpointIO):
         if together is None or together.rank == 0:
             try:
                 found = resolve_tiered(url, self.local_tier, self.root)
-            except Exception as exc:  # noqa: BLE001 - every rank raises what rank 0 found
+            except Exception as exc:
                 if together is None:
                     raise
                 together.broadcast({"error": exc})
@@ -515,8 +516,9 @@ def _check_local_tier(value: Any) -> str | None:
 def _fspath(path: Any) -> str:
     if isinstance(path, str):
         return path
-    if isinstance(path, os.PathLike):
-        return os.fspath(path)
+    fspath = os.fspath(path) if isinstance(path, os.PathLike) else None
+    if isinstance(fspath, str):
+        return fspath
     raise TypeError(f"checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
 
 
@@ -525,7 +527,7 @@ def _trainer_loading() -> Any:
 
     The CheckpointIO is handed neither why it loads (to resume a fit, or to validate, test or predict) nor whether
     every rank of the job is loading too; both are facts of that Trainer."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(40):
         if frame is None:
             break
@@ -569,7 +571,8 @@ def _targets_cuda(map_location: Any) -> bool:
         return False
 
 
-def _load_plain_file(url: str, options: dict[str, Any], map_location: Any, weights_only: bool | None) -> Any:
+def _load_plain_file(url: str, options: dict[str, Any], map_location: Any,
+                     weights_only: bool | None) -> dict[str, Any]:
     from fsspec.core import url_to_fs
 
     fs, path = url_to_fs(url, **options)
@@ -577,7 +580,8 @@ def _load_plain_file(url: str, options: dict[str, Any], map_location: Any, weigh
         kwargs: dict[str, Any] = {"map_location": map_location}
         if weights_only is not None:
             kwargs["weights_only"] = weights_only
-        return torch.load(f, **kwargs)
+        checkpoint: dict[str, Any] = torch.load(f, **kwargs)
+        return checkpoint
 
 
 def _is_handover(name: str) -> bool:

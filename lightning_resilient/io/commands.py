@@ -254,7 +254,8 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"\n{len(uncommitted)} folder(s) without a manifest (crashed or in-progress saves): never loadable; see"
               f" `lightning-resilient gc {args.root} --dry-run`")
     if stock:
-        print(f"\n{len(stock)} stock Lightning checkpoint file(s) (written without this plugin; resumed from only when no"
+        print(f"\n{len(stock)} stock Lightning checkpoint file(s) (written without this plugin; resumed from only when"
+              " no"
               " committed checkpoint exists):")
         _print_stock(root, stock)
     bad = [e for e, status in rows if status.startswith("NO")]
@@ -366,7 +367,7 @@ def _verify(args: argparse.Namespace) -> int:
                 if args.all:
                     continue
                 if not named:
-                    raise _Usage(f"{url} no longer exists: retention deleted it while it was being verified")
+                    raise _Usage(f"{url} no longer exists: retention deleted it while it was being verified") from exc
                 if attempts < 5:
                     attempts += 1
                     targets.append(_target(root, args.checkpoint))  # the latest (or the name) moved on: verify it

@@ -224,7 +224,8 @@ class WriterFence:
             warnings.warn(
                 f"this job started from scratch (no checkpoint loaded) in {self.url}, which holds a run up to step"
                 f" {fresh_over[0].step}; that run is kept as an abandoned branch. To resume it instead, pass"
-                f" ckpt_path=find_latest_checkpoint({self.url!r}) (ckpt_path=\"last\" finds nothing on S3/GCS: Lightning"
+                f" ckpt_path=find_latest_checkpoint({self.url!r}) (ckpt_path=\"last\" finds nothing on S3/GCS:"
+                " Lightning"
                 " lists last.ckpt without its protocol).", RuntimeWarning, stacklevel=3)
         log.info("claimed %s as writer epoch %d (%s), %s", self.url, self.writer_epoch, self.writer,
                  f"resuming {resumed_from.commit}" if resumed_from else "starting fresh")
@@ -232,7 +233,8 @@ class WriterFence:
 
     def _origin_gone(self, resumed: Entry) -> CheckpointError:
         return CheckpointError(
-            f"{self.store.url(resumed.commit)}, the checkpoint this job resumed from, was deleted by the retention of the"
+            f"{self.store.url(resumed.commit)}, the checkpoint this job resumed from, was deleted by the retention of"
+            " the"
             f" job still writing {self.url} before this job claimed the root, so this job's lineage cannot be"
             " recorded: nothing of it was committed. Stop the old job, then run this one again: it resumes the newest"
             " checkpoint. (A fit that resumes claims the root as soon as it loads, unless claim_on_load=False.)")
@@ -325,7 +327,7 @@ def _prune_origins(p: Pointer) -> None:
 
 def protect(p: Pointer, resumed: Entry, writer: str) -> None:
     """Keep what ``writer`` resumed from (and the folders its data lies in) from retention, in ``p``."""
-    p.protected.update({f: f"data of the checkpoint {writer} resumed from" for f in resumed.folders})
+    p.protected.update(dict.fromkeys(resumed.folders, f"data of the checkpoint {writer} resumed from"))
     p.protected[resumed.commit] = f"{RESUMED} by {writer}"
 
 

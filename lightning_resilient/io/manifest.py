@@ -24,7 +24,8 @@ from lightning_resilient.io._paths import check_relative
 from lightning_resilient.io._sealed import seal, unseal
 from lightning_resilient.io.lineage import Origin
 
-__all__ = ["FORMAT", "HASH", "MANIFEST_NAME", "Manifest", "ObjectEntry", "ShardedRecord", "TensorEntry", "chunk_digests", "hasher",
+__all__ = ["FORMAT", "HASH", "MANIFEST_NAME", "Manifest", "ObjectEntry", "ShardedRecord", "TensorEntry",
+           "chunk_digests", "hasher",
            "object_digest"]
 
 FORMAT = 2
@@ -216,7 +217,8 @@ def _parse(raw: dict[str, Any], where: str) -> Manifest:
     hasher(algorithm)  # an unknown algorithm is a clear error here, not at the first chunk
     raw_sharded = raw.get("sharded")
     sharded = None if raw_sharded is None else ShardedRecord(
-        int(raw_sharded["world_size"]), int(raw_sharded["metadata"]), [[int(i) for i in r] for r in raw_sharded["ranks"]])
+        int(raw_sharded["world_size"]), int(raw_sharded["metadata"]),
+        [[int(i) for i in r] for r in raw_sharded["ranks"]])
     origin = raw.get("origin")
     return Manifest(**_header(raw, where), chunk_size=chunk_size, hash=algorithm,
                     stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors, sharded=sharded,

@@ -285,7 +285,7 @@ class RootReader:
             return both
 
         jobs = self.read_chunks(manifest, manifest.skeleton, teed(manifest.skeleton, to_skeleton))
-        for index, start in zip(manifest.stream, manifest.stream_offsets()):
+        for index, start in zip(manifest.stream, manifest.stream_offsets(), strict=True):
             into = None if tee is not None else functools.partial(_views, scatter, start)
             jobs += self.read_chunks(manifest, index, teed(index, functools.partial(_shifted, scatter.write, start)),
                                      into=into)
@@ -304,7 +304,7 @@ class RootReader:
             raise
         tensors = {}
         moved = False
-        for t, buffer in zip(manifest.tensors, scatter.buffers):
+        for t, buffer in zip(manifest.tensors, scatter.buffers, strict=True):
             try:
                 tensor = layout.tensor_view(buffer, layout.parse_dtype(t.dtype), t.shape)
             except (ValueError, RuntimeError) as exc:
@@ -353,10 +353,10 @@ class RootReader:
             if name in LEGACY_NAMES or name.startswith("."):
                 continue
             for child in self.store.list_dir(name):
-                epoch = commit_epoch(child)
-                if epoch is None:
+                written_by = commit_epoch(child)
+                if written_by is None:
                     continue
-                scan.max_epoch = max(scan.max_epoch, epoch)
+                scan.max_epoch = max(scan.max_epoch, written_by)
                 commit = f"{name}/{child}"
                 try:
                     scan.manifests.append(self.read_manifest(commit))

@@ -21,6 +21,7 @@ resumed from are never dropped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -152,10 +153,8 @@ class Retention:
         if not self.store.supports_read_into:  # i.e. not local disk
             return
         for name in names:
-            try:
+            with contextlib.suppress(OSError):  # not empty (a save of that name since), or gone already
                 os.rmdir(self.store.path(name))
-            except OSError:
-                pass
 
     def collect_garbage(self, *, dry_run: bool = False, abandoned: bool = False) -> list[tuple[str, str]]:
         """Delete what no committed checkpoint of the root needs; returns ``(url, why)`` of each folder deleted
@@ -189,7 +188,8 @@ class Retention:
             pointer, _ = self.fence.read_pointer()
             if pointer is None:
                 return doomed
-        head, live, due, lineage = pointer.writer_epoch, pointer.live_folders(), pointer.retired_due(), pointer.lineage()
+        head, live, due = pointer.writer_epoch, pointer.live_folders(), pointer.retired_due()
+        lineage = pointer.lineage()
         reference = self.store.modified(POINTER_NAME) or self.store.modified(LEGACY_POINTER_NAME) or time.time()
         grace = self.orphan_grace_seconds
         partial: list[str] = []
@@ -219,16 +219,17 @@ class Retention:
                     # Its writer died (or was fenced) between the manifest and the pointer update: never visible,
                     # and outside the lineage, so no resume can ever pick it. One inside the lineage is kept.
                     committed.append(folder)
-                    doomed.append((self.store.url(folder), f"manifest never referenced by the pointer, writer epoch"
-                                                           f" {epoch} fenced, outside the current lineage"))
+                    doomed.append((self.store.url(folder), (f"manifest never referenced by the pointer, writer epoch"
+                                                            f" {epoch} fenced, outside the current lineage")))
         if not dry_run:
             for folder in partial:
                 self.discard(folder)
             deleted = [f for f in committed if self.delete_committed(f)]
             self.tidy_names({f.split("/", 1)[0] for f in partial + deleted})
             self.fence.deleted(f for f in deleted if f in pointer.retired)
-            if self.fence.has_deleted and self.fence.writer_epoch is None:  # a writer prunes the records at its next commit; an operator
-                self.fence.update(lambda p: p, fenced=False)  # now
+            if self.fence.has_deleted and self.fence.writer_epoch is None:
+                # A writer prunes the records of what it deleted at its next commit; an operator's gc does it now.
+                self.fence.update(lambda p: p, fenced=False)
             self._prune_origin_records(pointer)
             for key in self.store.abort_stale_uploads(reference - grace):
                 log.info("aborted incomplete multipart upload %s", key)

@@ -129,7 +129,8 @@ class CheckpointRoot:
     # -- save (writer.py) ----------------------------------------------------------------------------------------
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
                 before_fill: Callable[[], None] | None = None) -> Prepared:
-        """Capture ``checkpoint`` for saving (:meth:`RootWriter.prepare`): after this returns, training may change it."""
+        """Capture ``checkpoint`` for saving (:meth:`RootWriter.prepare`): once this returns, training may change
+        it."""
         return self.writer.prepare(checkpoint, name, snapshot, before_fill)
 
     def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
@@ -149,7 +150,8 @@ class CheckpointRoot:
         self.writer.remove(name)
 
     def forget_stock(self, name: str) -> bool:
-        """Delete ``name`` when it is a stock Lightning file or link, not a checkpoint of ours (:meth:`RootWriter.forget_stock`)."""
+        """Delete ``name`` when it is a stock Lightning file or link, not a checkpoint of ours
+        (:meth:`RootWriter.forget_stock`)."""
         return self.writer.forget_stock(name)
 
     # -- load (reader.py) ----------------------------------------------------------------------------------------

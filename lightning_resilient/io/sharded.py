@@ -139,9 +139,11 @@ class AtomicStorageWriter(StorageWriter):
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 raw = bytes(data.getbuffer()) if isinstance(data, io.BytesIO) else bytes(data)
-                tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                tensor = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
+                          else torch.empty(0, dtype=torch.uint8))
                 kinds.append("bytes")
             else:
+                assert isinstance(data, torch.Tensor)  # every item that is not BYTE_IO resolves to a tensor
                 tensor = data.detach()
                 kinds.append("tensor")
             slots.append(layout.TensorSlot([["s", str(item.index.fqn)]], tensor, str(tensor.device)))
@@ -153,7 +155,7 @@ class AtomicStorageWriter(StorageWriter):
                                storage_data={"rank": rank, "offset": slot.offset, "nbytes": slot.nbytes,
                                              "kind": kind, "dtype": layout.dtype_name(slot.tensor.dtype),
                                              "shape": list(slot.tensor.shape)})
-                   for item, slot, kind in zip(plan.items, slots, kinds)]
+                   for item, slot, kind in zip(plan.items, slots, kinds, strict=True)]
         if results:  # the coordinator needs every rank's objects for the manifest: they ride on the results
             results[0].storage_data["objects"] = [asdict(o) for o in objects]
         future: Future[list[WriteResult]] = Future()
@@ -259,8 +261,8 @@ class AtomicStorageReader(StorageReader):
             mine = [k for k in keys if k[0] == rank]
             extents = [(offset, unique[(rank, offset)]["nbytes"]) for _, offset in mine]
             scatter = layout.Scatter(extents, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
-            buffers.update({k: b for k, b in zip(mine, scatter.buffers)})
-            for index, start in zip(manifest.sharded.ranks[rank], manifest.rank_offsets(rank)):
+            buffers.update(zip(mine, scatter.buffers, strict=True))
+            for index, start in zip(manifest.sharded.ranks[rank], manifest.rank_offsets(rank), strict=True):
                 def wanted(a: int, b: int, start: int = start, extents: list[tuple[int, int]] = extents) -> bool:
                     # Only the chunks holding bytes this rank asked for: a resharded load reads its part only.
                     return any(o < start + b and start + a < o + n for o, n in extents if n)
@@ -335,11 +337,11 @@ def save_sharded(state: dict[str, Any], root: CheckpointRoot, name: str, rest: d
     Returns the committed :class:`~lightning_resilient.io.pointer.Entry` on the coordinator, None elsewhere.
     Raises our own errors (a ``StaleWriterError``, ...) as they are, on every rank, rather than DCP's wrapper.
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     writer = AtomicStorageWriter(root, name, rest)
     with own_errors():
-        dcp.save(state, storage_writer=writer, **dcp_kwargs)
+        dcp_save(state, storage_writer=writer, **dcp_kwargs)
     return writer.entry
 
 
@@ -350,7 +352,7 @@ def load_sharded(state: dict[str, Any], root: CheckpointRoot, commit: str, *,
     ``reader``: an :class:`AtomicStorageReader` of this commit to reuse (its manifest and metadata are read once).
     A damaged chunk raises :class:`~lightning_resilient.CheckpointCorruptedError` naming the object.
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     if reader is None:
         reader = AtomicStorageReader(root, commit)
@@ -358,7 +360,7 @@ def load_sharded(state: dict[str, Any], root: CheckpointRoot, commit: str, *,
         raise ValueError(f"reader is for {reader.root.store.url(reader.commit)}, not {root.store.url(commit)}")
     reader.read_metadata()  # here, not inside DCP, which reports a failed metadata read only as text
     with own_errors():
-        dcp.load(state, storage_reader=reader, **dcp_kwargs)
+        dcp_load(state, storage_reader=reader, **dcp_kwargs)
 
 
 def load_full(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -384,7 +386,8 @@ def load_full(url: str, storage_options: dict[str, Any] | None = None) -> dict[s
     reader = AtomicStorageReader(root, entry.commit)
     reader.read_metadata()  # here, not inside DCP, which reports a failed metadata read only as text
     with own_errors():
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+                     no_dist=True)
     if "model" in state and "state_dict" not in state:
         # FSDP1 (AtomicFSDPStrategy, like Lightning's FSDPStrategy) shards the weights under "model"; a consolidated
         # checkpoint names them "state_dict", as every full Lightning checkpoint does.

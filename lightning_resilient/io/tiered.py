@@ -321,7 +321,7 @@ class TieredRoot:
         with self._executor() as pool:
             list(pool.map(copy, range(len(manifest.objects))))
         objects = [obj if not target or target == obj.path else replace(obj, path=target)
-                   for obj, target in zip(manifest.objects, targets)]
+                   for obj, target in zip(manifest.objects, targets, strict=True)]
         return replace(manifest, objects=objects)
 
     def persist_latest(self) -> list[Entry]:

@@ -122,12 +122,12 @@ class RootWriter:
             pieces: Callable[[int, int], list[memoryview]] = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
         else:
             held = snapshot.match(slots, step)
-            changed = sum(s.nbytes for s, ok in zip(slots, held or []) if not ok)
+            changed = sum(s.nbytes for s, ok in zip(slots, held or [], strict=False) if not ok)  # none held: 0
             if held is not None and changed <= max(2**20, total // 50):
-                own = layout.host_sources([s for s, ok in zip(slots, held) if not ok])
+                own = layout.host_sources([s for s, ok in zip(slots, held, strict=True) if not ok])
                 own_views = iter([bytes(v) for v in own])  # copies: the live tensors may change once we return
                 sources = [snapshot.slot_view(s.offset, s.nbytes) if ok else memoryview(next(own_views))
-                           for s, ok in zip(slots, held)]
+                           for s, ok in zip(slots, held, strict=True)]
                 pieces = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
             else:
                 if before_fill is not None:
@@ -252,8 +252,8 @@ class RootWriter:
             log.warning("could not put the stock checkpoint %s back: %s", self.store.url(aside), exc)
 
     def forget_stock(self, name: str) -> bool:
-        """Delete ``name`` when it is a stock Lightning file or link (``remove_checkpoint`` of a path this plugin did not
-        write, as stock Lightning deletes it): that one object only, never a checkpoint of ours of the same name."""
+        """Delete ``name`` when it is a stock Lightning file or link (``remove_checkpoint`` of a path this plugin did
+        not write, as stock Lightning deletes it): that one object only, never a checkpoint of ours of that name."""
         if self.store.is_link(name) or self.store.is_file(name):
             self.store.remove_object(name)
             if self._stock is not None:
@@ -297,7 +297,8 @@ class RootWriter:
         copied there first, the manifest the one the local tier committed: same commit, writer epoch and origin).
         """
         assert self.fence.writer_epoch is not None and manifest.writer_epoch == self.fence.writer_epoch
-        commit, name, step, epoch, origin = manifest.commit, manifest.name, manifest.step, self.fence.writer_epoch, manifest.origin
+        commit, name, step, origin = manifest.commit, manifest.name, manifest.step, manifest.origin
+        epoch = self.fence.writer_epoch
         self.store.sync_folder(commit)  # the data is durable before the manifest names it
         self._check_stored(manifest.objects, commit)
         # The manifest goes last: until it exists, this folder is not a checkpoint.
@@ -309,7 +310,8 @@ class RootWriter:
 
         def add(p: Pointer) -> Pointer:
             if not reused <= p.live_folders():  # shared bytes of an earlier commit must still be kept alive
-                raise CheckpointError(f"{self.store.url(commit)} shares objects with {sorted(reused - p.live_folders())},"
+                gone = sorted(reused - p.live_folders())
+                raise CheckpointError(f"{self.store.url(commit)} shares objects with {gone},"
                                       " which were retired while it uploaded: the save was not committed")
             if p.last_saved != [epoch, step]:  # save_last at the step of a top-k save is the same save
                 p.saves += 1
@@ -341,8 +343,9 @@ class RootWriter:
             if size == obj.size:
                 continue
             pointer, _ = self.fence.read_pointer()
-            if pointer is not None and self.fence.writer_epoch is not None and pointer.writer_epoch > self.fence.writer_epoch:
-                raise StaleWriterError(self.url, self.fence.writer_epoch, pointer.writer_epoch, pointer.writer)
+            mine = self.fence.writer_epoch
+            if pointer is not None and mine is not None and pointer.writer_epoch > mine:
+                raise StaleWriterError(self.url, mine, pointer.writer_epoch, pointer.writer)
             what = "is missing" if size is None else f"has {size} bytes, not {obj.size}"
             raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(commit)} was to be"
                                   " committed (something deleted or replaced it): the save was not committed")
