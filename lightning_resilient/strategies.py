@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_resilient.errors import ShardedCheckpointError
 from lightning_resilient.io.catalog import Together, load_resolved, normalize
-from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, _mark_resumed_step_saved
+from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, mark_resumed_step_saved
 from lightning_resilient.io.root import CheckpointRoot, Loaded
 from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded, own_errors, root_and_name, save_sharded
 
@@ -113,7 +113,7 @@ class _AtomicSharded:
             if claim_now and rank == 0 and found.root.writer_epoch is None:
                 found.root.claim()
         if fit:
-            _mark_resumed_step_saved(self.lightning_module.trainer, loaded.checkpoint)  # type: ignore[attr-defined]
+            mark_resumed_step_saved(self.lightning_module.trainer, loaded.checkpoint)  # type: ignore[attr-defined]
         return loaded.checkpoint
 
     def _check_layout(self, reader: AtomicStorageReader) -> None:

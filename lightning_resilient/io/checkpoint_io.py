@@ -338,7 +338,7 @@ class AtomicCheckpointIO(CheckpointIO):
         root = self._continue_from(root, resumed, trainer)
         root.remember_loaded(loaded)
         if trainer is not None and _fn(trainer) == "fit":
-            _mark_resumed_step_saved(trainer, loaded.checkpoint)
+            mark_resumed_step_saved(trainer, loaded.checkpoint)
         return loaded.checkpoint
 
     def _continue_from(self, root: CheckpointRoot, entry: Entry, trainer: Any, *,
@@ -392,7 +392,7 @@ class AtomicCheckpointIO(CheckpointIO):
         if source is not durable:  # (saves go to the local tier: only its own bytes may be shared)
             source.remember_loaded(loaded)
         if trainer is not None and _fn(trainer) == "fit":
-            _mark_resumed_step_saved(trainer, loaded.checkpoint)
+            mark_resumed_step_saved(trainer, loaded.checkpoint)
         return loaded.checkpoint
 
     @override
@@ -598,7 +598,7 @@ def _save_plain_file(checkpoint: dict[str, Any], url: str, options: dict[str, An
         torch.save(checkpoint, f)
 
 
-def _mark_resumed_step_saved(trainer: Any, checkpoint: dict[str, Any]) -> None:
+def mark_resumed_step_saved(trainer: Any, checkpoint: dict[str, Any]) -> None:
     """The step a fit resumes from is saved already: no ModelCheckpoint saves it again.
 
     ModelCheckpoint skips a save only when its ``_last_global_step_saved`` equals the global step, and that counter is

@@ -1,6 +1,6 @@
 """Who may write a checkpoint root: the pointer's conditional updates, writer epochs (claims), lineage origins, holds.
 
-The pointer (``.lightning_resilient/pointer.json``) is the one mutable object of a root, and every change to it is a
+The pointer (``.lightning_resilient/latest.json``) is the one mutable object of a root, and every change to it is a
 compare-and-swap loop here (:meth:`WriterFence.update`). A job becomes the root's writer by *claiming* it: a writer
 epoch higher than any before, so the job writing before it is fenced off (its next pointer update raises
 ``StaleWriterError``). A claim also records where the new writer's training came from (its *origin*), which defines

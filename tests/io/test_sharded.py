@@ -96,7 +96,7 @@ def test_a_partial_load_reads_only_the_chunks_it_needs(local_backend, make_io):
     load_sharded(only_b, root, entry.commit, no_dist=True)
     assert torch.equal(only_b["state_dict"]["b"], state["state_dict"]["b"])
     manifest = root.read_manifest(entry.commit)
-    total_chunks = sum(len(manifest.objects[i].chunks) for i in manifest.sharded["ranks"][0])
+    total_chunks = sum(len(manifest.objects[i].chunks) for i in manifest.sharded.ranks[0])
     data_reads = [r for r in reads if "/r00000-" in r[0]]
     assert 1 <= len(data_reads) <= 2 < total_chunks  # the 56 bytes of "b", not the whole stream
 
@@ -243,7 +243,7 @@ def test_an_fsdp1_checkpoint_of_two_processes_resumes_on_one(tmp_path):
     launch(root, tmp_path / "run", {**options, "devices": 1, "max_steps": 6})
     assert [line.split()[0] for line in losses(tmp_path / "run")[-1]] == ["5", "6"]
     manifest = AtomicCheckpointIO().root(root).read_manifest(read_pointer(Backend("local", root)).latest.commit)
-    assert manifest.sharded["world_size"] == 1
+    assert manifest.sharded.world_size == 1
     step4 = load_full(f"{root}/epoch=0-step=4.ckpt")
     assert step4["global_step"] == 4 and step4["state_dict"].keys() == load_full(root)["state_dict"].keys()
 
@@ -256,7 +256,7 @@ def test_sharded_checkpoints_on_s3(s3_backend, tmp_path):
     assert pointer.latest.step == 4
     manifest = AtomicCheckpointIO(storage_options=s3_backend.storage_options).root(s3_backend.root).read_manifest(
         pointer.latest.commit)
-    assert manifest.sharded["world_size"] == 2 and all(manifest.sharded["ranks"])
+    assert manifest.sharded.world_size == 2 and all(manifest.sharded.ranks)
     final = torch.load(str(tmp_path / "s3") + ".weights")
     consolidated = load_full(s3_backend.root, s3_backend.storage_options)
     assert all(torch.equal(consolidated["state_dict"][k], final[k]) for k in final)
