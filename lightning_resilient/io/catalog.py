@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from lightning_resilient.errors import BucketNotFoundError, CheckpointCorruptedError, CheckpointError
@@ -22,9 +21,8 @@ from lightning_resilient.io.folders import REPLACED_DIR, commit_epoch
 from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
-from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import CheckpointRoot, Loaded, RootSettings
-from lightning_resilient.io.store import Store, open_store
+from lightning_resilient.io.root import INSPECTING, CheckpointRoot, Loaded, open_root
+from lightning_resilient.io.store import Store
 
 __all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved",
            "normalize", "reader", "repair_pointer", "resolve", "stock_checkpoints", "was_retired"]
@@ -87,8 +85,10 @@ def reader(root: str, storage_options: dict[str, Any] | None = None) -> Checkpoi
     """A root opened outside any plugin (find_latest_checkpoint, repair_pointer): default retries, serial I/O."""
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(f"storage_options must be a dict of fsspec options or None, got {storage_options!r}")
-    store = open_store(normalize(root), dict(storage_options or {}), RetryPolicy())
-    return CheckpointRoot(store, RootSettings(None, 1, 0.0, True), _SerialExecutor)
+    # Falls back past a damaged checkpoint as the plugin does by default: what a resume would load. A collection
+    # through it (tests, tools that pass their own grace) is the caller's explicit request: no grace period.
+    return open_root(normalize(root), storage_options,
+                     settings=replace(INSPECTING, orphan_grace_seconds=0.0, fallback_on_corruption=True))
 
 
 @dataclass
@@ -424,19 +424,3 @@ def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> 
         raise RuntimeError(f"{store.url(POINTER_NAME)} changed while it was being repaired: a writer is active."
                            " Run the repair again once it has stopped.")
     return store.url(pointer.latest.commit) if pointer.latest else None
-
-
-class _SerialExecutor(Executor):
-    """Runs every job in the calling thread (for the one-off reads above)."""
-
-    def map(self, fn: Callable[..., _T], *iterables: Iterable[Any], timeout: float | None = None,
-            chunksize: int = 1) -> Iterator[_T]:
-        return map(fn, *iterables)
-
-    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
-        future: Future[_T] = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future

@@ -36,8 +36,8 @@ from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.node_cache import NodeCache
 from lightning_resilient.io.pointer import Entry
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings
-from lightning_resilient.io.store import LocalStore, MemoryStore, open_store
+from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, open_root
+from lightning_resilient.io.store import LocalStore, MemoryStore
 from lightning_resilient.io.tiered import (
     TieredResolved,
     TieredRoot,
@@ -231,7 +231,8 @@ class AtomicCheckpointIO(CheckpointIO):
             if root is None:
                 local = self.local_tier is not None and is_local_tier_url(self.local_tier, url)
                 settings = replace(self.settings, keep_last=self.local_keep) if local else self.settings
-                root = CheckpointRoot(open_store(url, {} if local else options, self.retry), settings, self._executor)
+                root = open_root(url, {} if local else options, settings=settings, retry=self.retry,
+                                 executor=self._executor)
                 self._roots[key] = root
             return root
 
@@ -294,7 +295,7 @@ class AtomicCheckpointIO(CheckpointIO):
         cache = NodeCache(self.node_cache_dir, root.url)
 
         def local_root(path: str) -> CheckpointRoot:
-            return CheckpointRoot(open_store(path, {}, self.retry), self.settings, self._executor)
+            return open_root(path, settings=self.settings, retry=self.retry, executor=self._executor)
 
         return lambda commit, **kwargs: cache.load(root, commit, local_root, **kwargs)
 

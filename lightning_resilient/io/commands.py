@@ -13,13 +13,12 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError, StoreSetupError
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import LEGACY_NAMES, POINTER_NAME, Entry, Pointer
-from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.store import open_store
 
 if TYPE_CHECKING:
     from lightning_resilient.io.root import CheckpointRoot
@@ -124,14 +123,17 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 def _open(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
     # The protocol's modules import torch: only a command that runs needs them, `--help` answers without.
     from lightning_resilient.io.catalog import check_bucket, normalize
-    from lightning_resilient.io.root import CheckpointRoot, RootSettings
+    from lightning_resilient.io.root import INSPECTING, open_root
 
-    options = _options(args)
-    store = open_store(normalize(args.root), options, RetryPolicy())  # a URL no filesystem knows: StoreURLError
-    check_bucket(store)
-    settings = RootSettings(keep_last=None, shard_size=1, orphan_grace_seconds=grace, fallback_on_corruption=False)
-    return CheckpointRoot(store, settings, lambda: ThreadPoolExecutor(_CONCURRENCY,
-                                                                      thread_name_prefix="lightning_resilient-cli"))
+    # A URL no filesystem knows raises StoreURLError here.
+    root = open_root(normalize(args.root), _options(args), settings=replace(INSPECTING, orphan_grace_seconds=grace),
+                     executor=_cli_pool)
+    check_bucket(root.store)
+    return root
+
+
+def _cli_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_CONCURRENCY, thread_name_prefix="lightning_resilient-cli")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -268,16 +270,14 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _local_root(args: argparse.Namespace, root: CheckpointRoot) -> CheckpointRoot | None:
-    from lightning_resilient.io.root import CheckpointRoot, RootSettings
+    from lightning_resilient.io.root import INSPECTING, open_root
     from lightning_resilient.io.tiered import local_tier_url
 
     path = local_tier_url(args.local_tier, root.url)
     if not os.path.isdir(path):
         return None
-    settings = RootSettings(keep_last=None, shard_size=1, orphan_grace_seconds=getattr(args, "grace", 3600.0),
-                            fallback_on_corruption=False)
-    return CheckpointRoot(open_store(path, {}, RetryPolicy()), settings,
-                          lambda: ThreadPoolExecutor(_CONCURRENCY, thread_name_prefix="lightning_resilient-cli"))
+    return open_root(path, settings=replace(INSPECTING, orphan_grace_seconds=getattr(args, "grace", 3600.0)),
+                     executor=_cli_pool)
 
 
 def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry]:

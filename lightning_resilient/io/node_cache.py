@@ -27,13 +27,14 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import AbstractContextManager, suppress
 from typing import Any
 
 from lightning_resilient.errors import CheckpointCorruptedError
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
 from lightning_resilient.io.root import CheckpointRoot, Loaded
+from lightning_resilient.io.store import file_lock
 
 __all__ = ["NodeCache", "default_base", "job_identity"]
 
@@ -83,14 +84,8 @@ class NodeCache:
         key = hashlib.sha256(f"{root_url}\n{job if job is not None else job_identity()}".encode()).hexdigest()[:20]
         self.directory = _private_dir(os.path.join(private, key))
 
-    @contextmanager
-    def _locked(self, key: str, mode: int) -> Iterator[None]:
-        fd = os.open(os.path.join(self.directory, f"{key}.lock"), os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, mode)
-            yield
-        finally:
-            os.close(fd)  # closing releases the lock
+    def _locked(self, key: str, mode: int) -> AbstractContextManager[None]:
+        return file_lock(os.path.join(self.directory, f"{key}.lock"), mode, private=True)
 
     def load(self, root: CheckpointRoot, commit: str, local_root: Callable[[str], CheckpointRoot],
              **load_kwargs: Any) -> Loaded:

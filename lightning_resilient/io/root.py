@@ -18,10 +18,10 @@ latest of a lineage, fallbacks) is the catalog's job (``catalog.py``), not this 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_resilient._checks import check_bool, check_int, check_number, check_optional_int
 from lightning_resilient.io import layout
@@ -31,12 +31,16 @@ from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord
 from lightning_resilient.io.pointer import Entry, Pointer
 from lightning_resilient.io.reader import Loaded, LoadStats, RootReader, Scan
 from lightning_resilient.io.retention import Retention
-from lightning_resilient.io.store import Store
+from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.store import Store, open_store
 from lightning_resilient.io.writer import Prepared, RootWriter
 
-__all__ = ["MAX_OBJECT_BYTES", "CheckpointRoot", "LoadStats", "Loaded", "Prepared", "RootSettings", "Scan"]
+__all__ = ["INSPECTING", "MAX_OBJECT_BYTES", "CheckpointRoot", "LoadStats", "Loaded", "Prepared", "RootSettings",
+           "Scan", "SerialExecutor", "open_root"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # The largest object one request may write: S3's single-PUT limit.
 MAX_OBJECT_BYTES = 5 * 2**30
@@ -185,3 +189,33 @@ class CheckpointRoot:
 
     def drop(self, commits: set[str], *, dry_run: bool = False) -> list[Entry]:
         return self.retention.drop(commits, dry_run=dry_run)
+
+
+#: Settings of a root opened to read, verify or collect (find_latest_checkpoint, the CLI), never to save into: a
+#: checkpoint that fails verification is reported, not replaced by an older one, unless the caller asks.
+INSPECTING = RootSettings(keep_last=None, shard_size=1, orphan_grace_seconds=3600.0, fallback_on_corruption=False)
+
+
+def open_root(url: str, storage_options: dict[str, Any] | None = None, *, settings: RootSettings = INSPECTING,
+              retry: RetryPolicy | None = None, executor: Callable[[], Executor] | None = None) -> CheckpointRoot:
+    """The root at ``url`` (a normalized URL), through a fresh store client: the one way a root is opened.
+
+    ``executor`` makes the thread pool of each load or save (default: none, every job in the calling thread)."""
+    store = open_store(url, dict(storage_options or {}), retry or RetryPolicy())
+    return CheckpointRoot(store, settings, executor or SerialExecutor)
+
+
+class SerialExecutor(Executor):
+    """Runs every job in the calling thread: one-off reads by tools, where threads would cost more than they save."""
+
+    def map(self, fn: Callable[..., _T], *iterables: Iterable[Any], timeout: float | None = None,
+            chunksize: int = 1) -> Iterator[_T]:
+        return map(fn, *iterables)
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        future: Future[_T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future

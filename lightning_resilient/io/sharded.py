@@ -85,12 +85,6 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     return metadata
 
 
-def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
-
-
 class AtomicStorageWriter(StorageWriter):
     """A DCP storage writer that commits into the checkpoint root of ``path`` (``<root>/<name>``).
 

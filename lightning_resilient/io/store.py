@@ -42,7 +42,7 @@ from lightning_resilient.io._paths import join, split_protocol
 from lightning_resilient.io.retry import RetryPolicy
 
 __all__ = ["GCSStore", "GatherReader", "LocalStore", "MemoryStore", "ObjectInfo", "PROTOCOL_DIR", "S3Store", "Store",
-           "check_default_client", "open_store"]
+           "check_default_client", "file_lock", "open_store"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +59,19 @@ _warned_lock = threading.Lock()
 #: Under the root, the folder for the protocol's own objects other than the pointer (probes, ...). Listings of
 #: the root skip dot-names, so nothing in it is ever taken for a checkpoint.
 PROTOCOL_DIR = ".lightning_resilient"
+
+
+@contextmanager
+def file_lock(path: str, mode: int = fcntl.LOCK_EX, *, private: bool = False) -> Iterator[None]:
+    """Hold an ``flock`` on the file ``path`` (created if missing) for the block: processes on one host (or one
+    POSIX shared filesystem) serialize on it. ``private``: created mode 0600, never opened through a symlink."""
+    flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_NOFOLLOW", 0) if private else 0)
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 @dataclass(frozen=True)
@@ -323,7 +336,8 @@ class LocalStore(Store):
         # while holding the lock belongs to a writer that died: it can go. Without the lock, it may be a live one's.
         path = self.path(rel)
         removed = []
-        with self._locked(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with file_lock(path + ".lock"):
             directory = os.path.dirname(path)
             for name in os.listdir(directory) if os.path.isdir(directory) else []:
                 if name.startswith(".tmp-") and name.endswith(f"-{os.path.basename(path)}"):
@@ -398,21 +412,12 @@ class LocalStore(Store):
                 yield memoryview(buf)[:got]
                 pos += got
 
-    @contextmanager
-    def _locked(self, path: str) -> Iterator[None]:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
-
     def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
         path = self.path(rel)
 
         def swap() -> bool:
-            with self._locked(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with file_lock(path + ".lock"):
                 try:
                     with open(path, "rb") as f:
                         current: str | None = _content_version(f.read())
