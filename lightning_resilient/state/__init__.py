@@ -1,4 +1,6 @@
-"""Exact resume: RNG states and the data-loader position."""
+"""Exact resume, public names: :class:`ResumeStateCallback` (every RNG and the data position, per rank),
+:func:`capture_rng`/:func:`restore_rng`, and :class:`PerSampleSeeded`/:func:`sample_seed` (a sample's randomness as a
+function of seed, epoch and index)."""
 
 from lightning_resilient.state.callback import ResumeStateCallback
 from lightning_resilient.state.rng import capture_rng, restore_rng

@@ -1,27 +1,20 @@
-"""How ``ResumeStateCallback`` sees a training loader: what kind it is, where its epochs start, what it fetched.
+"""How ``ResumeStateCallback`` sees a training loader: its kind (:class:`LoaderKind`), where its epochs start
+(:class:`TrackedBatchSampler`, :func:`hook_iterators`), what it fetched, and the generators and sampler facts that
+decide its order. It owns every patch made to the user's loader, and :func:`untrack` undoes them.
 
-Kinds of training data, by how their position can be saved:
-
-- ``"map"``: a plain sized ``DataLoader`` over a map-style dataset. The position is a number of batches; the batch
-  sampler is wrapped (:class:`TrackedBatchSampler`) so a resumed epoch skips them at the index level.
-- ``"loader"``: a ``DataLoader`` subclass with ``state_dict``/``load_state_dict`` (torchdata's
-  ``StatefulDataLoader``). The loader's own state is the position.
-- ``"dataset"``: a plain ``DataLoader`` with ``num_workers=0`` over an ``IterableDataset`` that has
-  ``state_dict``/``load_state_dict``. The dataset's state is the position.
-- ``"iterable"``: any other ``DataLoader`` over an ``IterableDataset``. The position cannot be saved.
-- ``"other"``: anything that is not a ``DataLoader`` (Lightning also accepts plain iterables).
-
-For ``"loader"``, ``"dataset"`` and ``"iterable"`` the iterator the loader creates is hooked
+For the ``LOADER``, ``DATASET`` and ``ITERABLE`` kinds the iterator the loader creates is hooked
 (:func:`hook_iterators`): an epoch starts when the loader creates or resets its iterator, and a state can be
-snapshotted right before each underlying fetch. A ``DataLoader`` without automatic batching (``batch_size=None``)
-over a map-style dataset counts as ``"other"``.
+snapshotted right before each underlying fetch. For ``MAP`` the batch sampler is wrapped instead, so a resumed epoch
+skips consumed batches at the index level.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from enum import Enum
 from typing import Any
 
 import torch
@@ -30,10 +23,32 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_resilient.state.seeding import PerSampleSeeded
 
-__all__ = ["TrackedBatchSampler", "batch_len", "classify", "draw_once_per_epoch", "generators", "has_state",
-           "hook_iterators", "sampler_facts", "set_data_epoch", "sized"]
+__all__ = ["LoaderKind", "TrackedBatchSampler", "batch_len", "classify", "draw_once_per_epoch", "generators",
+           "has_state", "hook_iterators", "sampler_facts", "set_data_epoch", "sized", "untrack"]
 
-MAP, LOADER, DATASET, ITERABLE, OTHER = "map", "loader", "dataset", "iterable", "other"
+
+class LoaderKind(str, Enum):
+    """Kinds of training data, by how their position can be saved. The values are what checkpoints store (a ``str``
+    Enum: each member equals its value, so a stored ``"map"`` compares equal to ``LoaderKind.MAP``)."""
+
+    # A plain sized DataLoader over a map-style dataset: the position is a number of batches, skipped at the index
+    # level on resume.
+    MAP = "map"
+    # A DataLoader subclass with state_dict/load_state_dict (torchdata's StatefulDataLoader): its state is the
+    # position.
+    LOADER = "loader"
+    # A plain DataLoader with num_workers=0 over an IterableDataset with state_dict/load_state_dict: the dataset's
+    # state is the position.
+    DATASET = "dataset"
+    # Any other DataLoader over an IterableDataset: the position cannot be saved.
+    ITERABLE = "iterable"
+    # Anything that is not a DataLoader (Lightning also accepts plain iterables), and a DataLoader without automatic
+    # batching (batch_size=None) over a map-style dataset.
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        # Python 3.11 formats a str-mixin Enum member as "LoaderKind.MAP"; messages and logs show the stored value.
+        return str(self.value)
 
 
 def has_state(obj: Any) -> bool:
@@ -48,16 +63,17 @@ def sized(loader: Any) -> bool:
     return True
 
 
-def classify(loader: Any) -> str:
+def classify(loader: Any) -> LoaderKind:
     if not isinstance(loader, DataLoader):
-        return OTHER
+        return LoaderKind.OTHER
     if has_state(loader):
-        return LOADER
+        return LoaderKind.LOADER
     if isinstance(loader.dataset, IterableDataset):
-        return DATASET if has_state(loader.dataset) and loader.num_workers == 0 else ITERABLE
+        stateful = has_state(loader.dataset) and loader.num_workers == 0
+        return LoaderKind.DATASET if stateful else LoaderKind.ITERABLE
     if loader.batch_sampler is not None and sized(loader):
-        return MAP
-    return OTHER
+        return LoaderKind.MAP
+    return LoaderKind.OTHER
 
 
 def samplers(loader: Any) -> list[Any]:
@@ -95,14 +111,14 @@ def sampler_facts(loader: Any) -> dict[str, int]:
 
 
 def _walk(loader: Any) -> tuple[list[torch.Generator], list[_DatasetSamplerWrapper]]:
-    generators: dict[int, torch.Generator] = {}
+    found: dict[int, torch.Generator] = {}
     wrappers: dict[int, _DatasetSamplerWrapper] = {}
 
     def visit(obj: Any, depth: int) -> None:
         if obj is None or depth > 5:
             return
         if isinstance(obj, torch.Generator):
-            generators.setdefault(id(obj), obj)
+            found.setdefault(id(obj), obj)
             return
         for name in ("generator", "sampler", "batch_sampler", "inner", "_sampler"):
             visit(getattr(obj, name, None), depth + 1)
@@ -113,7 +129,7 @@ def _walk(loader: Any) -> tuple[list[torch.Generator], list[_DatasetSamplerWrapp
     visit(getattr(loader, "generator", None), 0)
     for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
         visit(obj, 0)
-    return list(generators.values()), list(wrappers.values())
+    return list(found.values()), list(wrappers.values())
 
 
 def generators(loader: Any) -> list[torch.Generator]:
@@ -145,8 +161,8 @@ def draw_once_per_epoch(loader: Any, drawing: Callable[[], set[int] | None]) -> 
             if drawn is not None:
                 drawn.add(id(target))
 
-        reset_once._hooked = True  # type: ignore[attr-defined]
-        wrapper.reset = reset_once  # type: ignore[method-assign]
+        reset_once._hooked = True  # type: ignore[attr-defined]  # our mark, found by untrack()
+        wrapper.reset = reset_once  # type: ignore[method-assign]  # on the instance: its type stays Lightning's
 
 
 def untrack(loader: Any) -> None:
@@ -179,7 +195,7 @@ def batch_len(batch: Any) -> int:
 class _Stream:
     """One epoch's index stream, started lazily so an iterator torch discards unread costs nothing."""
 
-    def __init__(self, inner: Any, skip: int, lengths: list[int], on_order: Callable[[], None] | None) -> None:
+    def __init__(self, inner: Any, skip: int, lengths: deque[int], on_order: Callable[[], None] | None) -> None:
         self.inner = inner
         self.skip = skip
         self.lengths = lengths
@@ -209,7 +225,9 @@ class TrackedBatchSampler:
     batch the stream yields is appended to ``lengths`` (so samples consumed can be counted).
     """
 
-    def __init__(self, inner: Any, on_epoch_start: Callable[[], int], lengths: list[int],
+    inner: Any  # the loader's own batch sampler
+
+    def __init__(self, inner: Any, on_epoch_start: Callable[[], int], lengths: deque[int],
                  on_order: Callable[[], None] | None = None) -> None:
         while isinstance(inner, TrackedBatchSampler):  # a second fit with the same loader: track it once
             inner = inner.inner
@@ -238,11 +256,12 @@ class TrackedBatchSampler:
 
 
 # -- other DataLoaders: the iterator ------------------------------------------------------------------------------
-def hook_iterators(loader: DataLoader, on_epoch_start: Callable[[], None], on_iterator: Callable[[Any], None],
+def hook_iterators(loader: DataLoader[Any], on_epoch_start: Callable[[], object], on_iterator: Callable[[Any], None],
                    before_fetch: Callable[[Any], None], after_fetch: Callable[[], None]) -> None:
     """Call ``on_epoch_start()`` before the loader creates an iterator or resets its persistent one for a new epoch,
     then ``on_iterator(iterator)``; call ``before_fetch(iterator)`` right before each underlying fetch and
-    ``after_fetch()`` when that fetch returned a batch.
+    ``after_fetch()`` when that fetch returned a batch. What ``on_epoch_start()`` returns (batches to skip, for the
+    ``MAP`` kind) is ignored: these loaders resume from a loaded state, not by skipping.
 
     Only instance attributes are patched (``DataLoader.__iter__`` looks ``_get_iterator`` up on the instance,
     ``_BaseDataLoaderIter`` looks ``_next_data`` and ``_reset`` up on the iterator), so the types stay what they
@@ -261,11 +280,11 @@ def hook_iterators(loader: DataLoader, on_epoch_start: Callable[[], None], on_it
         on_iterator(it)
         return it
 
-    hooked_get_iterator._hooked = True  # type: ignore[attr-defined]
-    loader._get_iterator = hooked_get_iterator  # type: ignore[method-assign]
+    hooked_get_iterator._hooked = True  # type: ignore[attr-defined]  # our mark, found by untrack()
+    loader._get_iterator = hooked_get_iterator  # type: ignore[method-assign]  # on the instance, as said above
 
 
-def _hook_iterator(it: Any, on_epoch_start: Callable[[], None], on_iterator: Callable[[Any], None],
+def _hook_iterator(it: Any, on_epoch_start: Callable[[], object], on_iterator: Callable[[Any], None],
                    before_fetch: Callable[[Any], None], after_fetch: Callable[[], None]) -> None:
     ref = weakref.ref(it)
     next_data = type(it)._next_data

@@ -11,7 +11,8 @@ epoch and never sees its tail. This callback records, per rank:
 On resume it puts back the epoch-start RNG states when Lightning creates the data iterator, moves the loader to
 the next unseen batch (map-style: skipped at the batch-sampler level, no sample is read; stateful: its state is
 loaded), and puts back the save-time RNG states before the next training step. How the loader is seen (its
-kind, its epoch starts, its fetches) is in ``_loader.py``.
+kind, its epoch starts, its fetches) is in ``_loader.py``; what is saved per rank, and what a resume plans from it,
+in ``_record.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import logging
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.loop import _Loop
 from torch.utils.data import DataLoader
@@ -32,11 +34,7 @@ from torch.utils.data import DataLoader
 from lightning_resilient._namespaces import require_lightning_pytorch
 from lightning_resilient.io.fit_check import add_fit_start_check
 from lightning_resilient.state._loader import (
-    DATASET,
-    ITERABLE,
-    LOADER,
-    MAP,
-    OTHER,
+    LoaderKind,
     TrackedBatchSampler,
     batch_len,
     classify,
@@ -46,27 +44,29 @@ from lightning_resilient.state._loader import (
     hook_iterators,
     sampler_facts,
     set_data_epoch,
-    untrack,
     sized,
+    untrack,
 )
-from lightning_resilient.state.rng import capture_rng, restore_rng
+from lightning_resilient.state._record import FORMAT, OrderReplay, RankRecord, ResumePlan, check_format
+from lightning_resilient.state.rng import RngState, capture_rng, restore_rng
 
 __all__ = ["ResumeStateCallback"]
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # 1: no epoch / samples / kind / loader state (still loaded)
+_ABSENT = object()  # an attribute a wrap did not replace (the class's own method)
 # Lightning's warning on every mid-epoch resume of a loader it cannot resume itself; replaced by our own line when
 # this callback did resume the position.
-_ABSENT = object()  # an attribute a wrap did not replace (the class's own method)
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 _DESCRIBE = {
-    MAP: "map-style DataLoader",
-    LOADER: "stateful DataLoader (state_dict/load_state_dict)",
-    DATASET: "DataLoader over an IterableDataset with state_dict/load_state_dict",
-    ITERABLE: "DataLoader over an IterableDataset without a usable state",
-    OTHER: "iterable that is not a DataLoader",
+    LoaderKind.MAP: "map-style DataLoader",
+    LoaderKind.LOADER: "stateful DataLoader (state_dict/load_state_dict)",
+    LoaderKind.DATASET: "DataLoader over an IterableDataset with state_dict/load_state_dict",
+    LoaderKind.ITERABLE: "DataLoader over an IterableDataset without a usable state",
+    LoaderKind.OTHER: "iterable that is not a DataLoader",
 }
+# Kinds whose position is a state (the loader's or the dataset's own), saved as of the last consumed batch.
+_STATEFUL = (LoaderKind.LOADER, LoaderKind.DATASET)
 _FIX = ("To resume the data exactly, give the IterableDataset state_dict()/load_state_dict() (read with"
         " num_workers=0) or load it with torchdata's StatefulDataLoader.")
 
@@ -147,37 +147,38 @@ class ResumeStateCallback(Callback):
         self._trainer: Trainer | None = None
         self._loader: Any = None  # the training loader being tracked
         self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (owner, name, what it replaced, the wrap)
-        self._kind: str | None = None
-        self._length: int | None = None
+        # What the loader is (each named as the RankRecord field it is saved in).
+        self._kind: LoaderKind | None = None
+        self._batches: int | None = None  # the loader's length; None: unsized
         self._batch_size: int | None = None
         self._num_workers = 0
-        # The current epoch's data stream.
+        # The current data stream: the training epoch it reads (the sampler's set_epoch) and how far it got.
         self._epoch = 0
         self._consumed = 0  # batches of the epoch trained on (including those skipped on resume)
         self._samples = 0
         self._base = 0  # batches of the epoch consumed before this stream's iterator was created (a resume)
         self._fetched = 0  # batches this stream's iterator has returned; runs ahead of _consumed by the prefetch
         self._snapshots: dict[int, Any] = {}  # stream fetch index -> stateful position right before that fetch
-        self._lengths: deque[int] = deque()  # map-style: sizes of the batches the index stream has handed out
-        self._live: weakref.ref[Any] | None = None  # the loader's current iterator
-        self._epoch_rng: dict[str, Any] | None = None
-        self._epoch_gens: list[torch.Tensor] | None = None  # the loader's own generators at the epoch start
-        self._now_rng: dict[str, Any] | None = None  # save-time RNG, put back before the first resumed step
-        self._pending: dict[str, Any] | None = None  # this rank's saved record, until the loader is known
-        self._resume: dict[str, Any] | None = None  # what the first data stream after a resume does
+        self._lengths: deque[int] = deque()  # MAP: sizes of the batches the index stream has handed out
+        self._live_iterator: weakref.ref[Any] | None = None  # the loader's current iterator
+        self._epoch_rng: RngState | None = None  # the RNG at the stream's start
+        self._epoch_generators: list[torch.Tensor] | None = None  # the loader's own generators at the stream's start
+        self._now_rng: RngState | None = None  # save-time RNG, put back before the first resumed step
+        self._pending: RankRecord | None = None  # this rank's saved record, until the loader is known
+        self._plan: ResumePlan | None = None  # what the first data stream after a resume does
         self._owns_position = False  # our per-rank loader state replaces Lightning's rank-0 copy
         self._draining = False  # creating an iterator only to replay a saved end-of-epoch state
         self._drawn: set[int] | None = None  # while an epoch's iterator is built: sampler wrappers that drew
-        # The RNG (and the loader's generators) right before this epoch's order was drawn, and what to do at the next
-        # such draw on a resume: (rng, generators, global draws, loader-generator draws) to set, then advance by.
-        self._order_rng: dict[str, Any] | None = None
-        self._order_gens: list[torch.Tensor] | None = None
-        self._order_plan: tuple[Any, ...] | None = None
+        # The RNG (and the loader's generators) right before this epoch's order was drawn, and, on a resume, what the
+        # next such draw is made from.
+        self._order_rng: RngState | None = None
+        self._order_generators: list[torch.Tensor] | None = None
+        self._order_replay: OrderReplay | None = None
         self._watch_validation: int | None = None  # step of the last save a validation follows, while it runs
         self._replay_validation = False
-        self._val_rng: dict[str, Any] | None = None
+        self._val_rng: RngState | None = None
         self._warned_validation = False
-        self._restored: str | None = None  # what the resume restored, for the one line that replaces Lightning's
+        self._restored_line: str | None = None  # what the resume restored, in the line that replaces Lightning's
         self._resumed = False  # this fit restored a saved record
 
     @property
@@ -199,8 +200,9 @@ class ResumeStateCallback(Callback):
         # First in line for every hook: another callback that saves from its on_train_batch_end (a user's saver,
         # OnExceptionCheckpoint, a preemption handler) then sees this batch counted, and a callback that draws
         # random numbers in on_train_batch_start draws them after the resumed RNG is back. A new list, since
-        # Lightning is iterating the current one to call this very hook.
-        trainer.callbacks = [self, *(c for c in trainer.callbacks if c is not self)]
+        # Lightning is iterating the current one to call this very hook. (Trainer does not declare the attribute its
+        # CallbackConnector sets.)
+        trainer.callbacks = [self, *(c for c in trainer.callbacks if c is not self)]  # type: ignore[attr-defined]
         fit_loop = trainer.fit_loop
 
         # Lightning builds (and, under DDP, re-instantiates) the train DataLoader in FitLoop.setup_data and
@@ -208,7 +210,7 @@ class ResumeStateCallback(Callback):
         # wrapped before it is iterated. When configure_optimizers reads estimated_stepping_batches, this runs
         # before the loops' state is restored (so Lightning has no loader state to load yet, #20550); the
         # callback's own state is already loaded then.
-        def track_then_load_states(load_states: Any) -> None:
+        def track_then_load_states(load_states: Callable[[], None]) -> None:
             self._track(fit_loop._combined_loader)  # may load this rank's own loader state
             if self._owns_position:
                 fit_loop._combined_loader_states_to_load = []  # ...which replaces Lightning's rank-0 copy
@@ -219,7 +221,7 @@ class ResumeStateCallback(Callback):
         self._wrap(fit_loop.epoch_loop.val_loop, "increment_progress_to_evaluation_end", self._skip_validation)
         self._wrap(trainer, "_teardown", self._teardown_then_release)
 
-    def _wrap(self, owner: Any, name: str, wrapper: Any) -> None:
+    def _wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         """Replace ``owner.name`` by ``wrapper(original, ...)``, once (a second fit reuses the loops)."""
         original = getattr(owner, name)
         if getattr(original, "_resume_state_wrap", None) is self:
@@ -228,7 +230,7 @@ class ResumeStateCallback(Callback):
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             return wrapper(original, *args, **kwargs)
 
-        wrapped._resume_state_wrap = self  # type: ignore[attr-defined]
+        wrapped._resume_state_wrap = self  # type: ignore[attr-defined]  # our mark: a second fit does not wrap twice
         # What to put back after the fit: the instance attribute it replaced, or nothing (the class's method).
         self._wrapped.append((owner, name, owner.__dict__.get(name, _ABSENT), wrapped))
         setattr(owner, name, wrapped)
@@ -237,7 +239,7 @@ class ResumeStateCallback(Callback):
         if stage == "fit":
             self._release()
 
-    def _teardown_then_release(self, teardown: Any) -> Any:
+    def _teardown_then_release(self, teardown: Callable[[], Any]) -> Any:
         # Lightning calls the callbacks' teardown hooks only when the fit succeeded; its own _teardown runs after a
         # failure too, once every on_exception hook (OnExceptionCheckpoint's save among them) has run.
         try:
@@ -259,27 +261,28 @@ class ResumeStateCallback(Callback):
                 else:
                     setattr(owner, name, before)
         self._wrapped = []
-        self._trainer = self._loader = self._live = None
+        self._trainer = self._loader = self._live_iterator = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (pickled for ddp_spawn, deep-copied with a Trainer) carries the settings and the saved position, not
         # the objects of a fit in progress: the Trainer, its loader, the live iterator, the loop wraps.
         state = self.__dict__.copy()
-        state.update(_trainer=None, _loader=None, _live=None, _wrapped=[])
+        state.update(_trainer=None, _loader=None, _live_iterator=None, _wrapped=[])
         return state
 
-    def _reset_epoch_loop(self, reset: Any) -> None:
+    def _reset_epoch_loop(self, reset: Callable[[], None]) -> None:
         """Lightning warns on every mid-epoch resume that the loader is not resumable; when this callback restored
         the position, that is wrong, and one line of ours says what was restored instead."""
-        restored, self._restored = self._restored, None
+        restored, self._restored_line = self._restored_line, None
         if restored is None:
-            return reset()
+            reset()
+            return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
             reset()
         rank_zero_info(f"ResumeStateCallback: {restored}")
 
-    def _skip_validation(self, fast_forward: Any) -> None:
+    def _skip_validation(self, fast_forward: Callable[[], None]) -> None:
         """Lightning, resuming a checkpoint saved right before a validation, skips that validation but still sets up
         its loaders, whose new iterators draw their base seed from the global RNG: in the middle of the resumed
         epoch's stream, where the uninterrupted run drew nothing. Those draws are kept out of it; what the
@@ -305,7 +308,7 @@ class ResumeStateCallback(Callback):
             # Restored after the early loader build of the #20550 path: never apply rank 0's copy on top.
             trainer.fit_loop._combined_loader_states_to_load = []
         if self._pending is not None:  # no training loader was built (e.g. limit_train_batches=0)
-            restore_rng(self._pending["now_rng"])
+            restore_rng(self._pending.now_rng)
             self._pending = None
 
     def _count_the_epoch_after_a_last_batch_save(self, trainer: Trainer) -> None:
@@ -346,85 +349,76 @@ class ResumeStateCallback(Callback):
                 f" {len(loaders)}: RNG states are restored but each resumed epoch starts from its first batch",
                 RuntimeWarning, stacklevel=2)
             if pending is not None:
-                restore_rng(pending["now_rng"])
+                restore_rng(pending.now_rng)
             return
         loader = loaders[0]
         kind = classify(loader)
         self._loader, self._kind = loader, kind
-        self._length = len(loader) if kind != OTHER and sized(loader) else None
+        self._batches = len(loader) if kind != LoaderKind.OTHER and sized(loader) else None
         self._batch_size = getattr(loader, "batch_size", None)
         self._num_workers = int(getattr(loader, "num_workers", 0))
-        if kind == ITERABLE and callable(getattr(loader.dataset, "state_dict", None)):
+        if kind == LoaderKind.ITERABLE and callable(getattr(loader.dataset, "state_dict", None)):
             warnings.warn(
                 f"the training {type(loader.dataset).__name__} has state_dict()/load_state_dict(), but the plain"
                 f" DataLoader reads it in {loader.num_workers} worker processes, each with its own copy: the main"
                 " process cannot see their positions, so ResumeStateCallback saves no data position for it and a"
                 " mid-epoch resume restarts the iterable from its beginning. Use torchdata's StatefulDataLoader"
                 " (it collects every worker's dataset state) or num_workers=0.", RuntimeWarning, stacklevel=2)
-        if kind == MAP:
+        if kind == LoaderKind.MAP:
             # DataLoader refuses a new batch_sampler after construction: set it underneath.
             tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._lengths, self._on_order)
             object.__setattr__(loader, "batch_sampler", tracked)
-        elif kind != OTHER:
+        elif kind != LoaderKind.OTHER:
             hook_iterators(loader, self._epoch_starts, self._on_iterator, self._before_fetch, self._after_fetch)
             draw_once_per_epoch(loader, lambda: self._drawn)
-        self._resume = self._plan_resume(pending, loader, kind) if pending is not None else None
-        if kind == OTHER and self._resume is not None:
-            restore_rng(self._resume["now_rng"])
-            self._resume = None
+        self._plan = self._plan_resume(pending, loader, kind) if pending is not None else None
+        if kind == LoaderKind.OTHER and self._plan is not None:
+            restore_rng(self._plan.now_rng)
+            self._plan = None
 
-    def _plan_resume(self, pending: dict[str, Any], loader: Any, kind: str) -> dict[str, Any]:
+    def _plan_resume(self, saved: RankRecord, loader: Any, kind: LoaderKind) -> ResumePlan:
         """Check the saved record against this loader, load a stateful position, and say what the first epoch
         stream must do."""
-        consumed = int(pending.get("consumed", 0))
-        done = pending.get("epoch_done")
-        if done is None:  # format 1
-            done = consumed > 0 and not pending.get("mid_epoch", True)
-        mid = consumed > 0 and not done
-        saved_kind = pending.get("kind", MAP)
+        consumed, done, mid = saved.consumed, saved.epoch_done, saved.mid_epoch
         problem = None
-        if saved_kind != kind:
-            problem = (f"the training data was a {_DESCRIBE.get(saved_kind, saved_kind)} then and is a"
-                       f" {_DESCRIBE[kind]} now")
-        elif kind in (MAP, LOADER) and pending.get("batches") is not None and (
-                pending["batches"] != self._length or pending.get("batch_size") != self._batch_size):
-            problem = (f"the training loader changed since the checkpoint ({pending['batches']} batches of"
-                       f" {pending.get('batch_size')} then, {self._length} of {self._batch_size} now)")
-        elif kind == LOADER and pending.get("num_workers", self._num_workers) != self._num_workers:
-            problem = (f"the training loader's num_workers changed since the checkpoint ({pending['num_workers']}"
+        if saved.kind != kind:
+            problem = f"the training data was a {_describe(saved.kind)} then and is a {_describe(kind)} now"
+        elif kind in (LoaderKind.MAP, LoaderKind.LOADER) and saved.batches is not None and (
+                saved.batches != self._batches or saved.batch_size != self._batch_size):
+            problem = (f"the training loader changed since the checkpoint ({saved.batches} batches of"
+                       f" {saved.batch_size} then, {self._batches} of {self._batch_size} now)")
+        elif kind == LoaderKind.LOADER and saved.num_workers != self._num_workers:
+            problem = (f"the training loader's num_workers changed since the checkpoint ({saved.num_workers}"
                        f" then, {self._num_workers} now) and its saved state holds one state per worker")
-        elif "now_generators" in pending and len(pending["now_generators"]) != len(generators(loader)):
+        elif saved.now_generators is not None and len(saved.now_generators) != len(generators(loader)):
             problem = ("the training loader's samplers changed since the checkpoint"
-                       f" ({len(pending['now_generators'])} random generator(s) then, {len(generators(loader))} now)")
-        elif (seed := pending.get("sampler", {}).get("seed")) is not None and (
+                       f" ({len(saved.now_generators)} random generator(s) then, {len(generators(loader))} now)")
+        elif (seed := saved.sampler.get("seed")) is not None and (
                 (now := sampler_facts(loader).get("seed")) is not None and seed != now):
             problem = f"the sampler's seed changed since the checkpoint ({seed} then, {now} now)"
         if problem is not None and mid:
             ends = (f" (Lightning still counts the {consumed} batch(es) trained before the save, so this epoch ends"
-                    " that many batches early)" if self._length is not None else "")
+                    " that many batches early)" if self._batches is not None else "")
             warnings.warn(
                 f"{problem}: the position in the epoch cannot be mapped; RNG states are restored and the resumed"
                 f" epoch's data starts from its first batch{ends}", RuntimeWarning, stacklevel=3)
-        elif mid and (kind == ITERABLE or (kind == OTHER and not has_state(loader))):
+        elif mid and (kind == LoaderKind.ITERABLE or (kind == LoaderKind.OTHER and not has_state(loader))):
             # (Lightning itself restores an iterable that has state_dict/load_state_dict: rank 0's state.)
             what = (f"a {type(loader).__name__} " + ("without automatic batching (batch_size=None)"
                                                      if isinstance(loader, DataLoader) else "that is not a DataLoader")
-                    if kind == OTHER else
+                    if kind == LoaderKind.OTHER else
                     f"a {type(loader.dataset).__name__}, an IterableDataset "
                     + ("read by worker processes" if callable(getattr(loader.dataset, "state_dict", None))
                        else "without state_dict()/load_state_dict()"))
             warnings.warn(
                 f"ResumeStateCallback cannot restore the data position of this run's training data ({what})."
-                f" Resumed: the RNG states and the training loop's epoch and step (epoch {pending.get('epoch', '?')},"
+                f" Resumed: the RNG states and the training loop's epoch and step (epoch {saved.epoch},"
                 f" {consumed} batch(es) into it). Not resumed: the data, which restarts from the beginning of the"
                 f" iterable, so the {consumed} batch(es) already trained on in this epoch are seen again. {_FIX}",
                 RuntimeWarning, stacklevel=3)
-        exact = mid and problem is None and kind in (MAP, LOADER, DATASET)
-        epoch = pending.get("epoch")
-        if epoch is not None and done:
-            epoch += 1
-        state = pending.get("loader_state") if problem is None else None
-        if kind == LOADER:
+        exact = mid and problem is None and kind in (LoaderKind.MAP, *_STATEFUL)
+        state = saved.loader_state if problem is None else None
+        if kind == LoaderKind.LOADER:
             # The per-rank state below (or a fresh start, if it cannot be used) replaces the rank-0 copy that
             # Lightning saved under loops; applying both would apply a position twice.
             self._owns_position = True
@@ -433,29 +427,29 @@ class ResumeStateCallback(Callback):
             if state is not None:
                 loader.load_state_dict(state)
                 if done:
-                    self._replay_to_epoch_end(loader, pending.get("epoch"))
-        elif kind == DATASET and state is not None:
+                    self._replay_to_epoch_end(loader, saved.epoch)
+        elif kind == LoaderKind.DATASET and state is not None:
             loader.dataset.load_state_dict(state)
         self._resumed = True
-        return {"epoch": epoch, "exact": exact, "skip": consumed if exact and kind == MAP else 0,
-                "consumed": consumed if exact else 0, "samples": int(pending.get("samples", 0)) if exact else 0,
-                "epoch_rng": pending.get("epoch_rng"), "now_rng": pending["now_rng"],
-                "order_rng": pending.get("order_rng") if problem is None else None,
-                "order_generators": pending.get("order_generators") if problem is None else None,
-                "validation_follows": bool(pending.get("validation_follows", False)),
-                "validation_draws": pending.get("validation_draws", 0),
-                "order_draws": pending.get("order_draws"), "order_generator_draws": pending.get("order_generator_draws", 0),
-                "epoch_generators": pending.get("epoch_generators") if problem is None else None,
-                "now_generators": pending.get("now_generators") if problem is None else None}
+        fits = problem is None  # the saved generator and order states belong to this loader
+        return ResumePlan(
+            epoch=saved.epoch + 1 if done else saved.epoch, exact=exact,
+            skip=consumed if exact and kind == LoaderKind.MAP else 0, consumed=consumed if exact else 0,
+            samples=saved.samples if exact else 0, epoch_rng=saved.epoch_rng, now_rng=saved.now_rng,
+            order_rng=saved.order_rng if fits else None,
+            epoch_generators=saved.epoch_generators if fits else None,
+            now_generators=saved.now_generators if fits else None,
+            order_generators=saved.order_generators if fits else None,
+            validation_follows=saved.validation_follows, validation_draws=saved.validation_draws,
+            order_draws=saved.order_draws, order_generator_draws=saved.order_generator_draws)
 
-    def _replay_to_epoch_end(self, loader: Any, epoch: int | None) -> None:
+    def _replay_to_epoch_end(self, loader: Any, epoch: int) -> None:
         """The loaded state is the end of an epoch; the next ``iter()`` must start the next epoch, not yield an
         empty rest of this one. Creating an iterator from the state replays the samplers to the end (indices
         only; stateful samplers and datasets end up as in the uninterrupted run), so the next ``iter()`` starts
         the new epoch as one stream. (From a finished unsized state torchdata creates a second, fresh iterator
         here; with workers they prefetch a few batches that are dropped.)"""
-        if epoch is not None:
-            set_data_epoch(loader, epoch)
+        set_data_epoch(loader, epoch)
         self._draining = True
         try:
             iter(loader)
@@ -467,53 +461,52 @@ class ResumeStateCallback(Callback):
         """Called when an epoch's data stream starts (before the iterator exists); returns batches to skip."""
         if self._draining:
             return 0
-        self._drawn = None if self._kind == MAP else set()  # until the iterator exists (the map kind draws lazily)
-        resume, self._resume = self._resume, None
-        epoch = resume["epoch"] if resume is not None and resume["epoch"] is not None else self._loop_epoch()
+        self._drawn = None if self._kind == LoaderKind.MAP else set()  # until the iterator exists (MAP draws lazily)
+        plan, self._plan = self._plan, None
+        epoch = plan.epoch if plan is not None else self._loop_epoch()
         self._epoch = epoch
         set_data_epoch(self._loader, epoch)  # before workers start: they copy the sampler and dataset
         self._snapshots = {}
         self._fetched = 0
         self._lengths.clear()
-        if resume is not None and resume["exact"] and resume["epoch_rng"] is not None:
-            restore_rng(resume["epoch_rng"])  # the same permutation and worker seeds as before
-            self._set_generators(resume["epoch_generators"])
-            self._epoch_rng = resume["epoch_rng"]
-            self._epoch_gens = resume["epoch_generators"]
-            if resume["order_rng"] is not None:  # the order is drawn from where it was, whatever draws precede it
-                self._order_plan = (resume["order_rng"], resume["order_generators"], 0, 0)
+        if plan is not None and plan.exact and plan.epoch_rng is not None:
+            restore_rng(plan.epoch_rng)  # the same permutation and worker seeds as before
+            self._set_generators(plan.epoch_generators)
+            self._epoch_rng = plan.epoch_rng
+            self._epoch_generators = plan.epoch_generators
+            if plan.order_rng is not None:  # the order is drawn from where it was, whatever draws precede it
+                self._order_replay = OrderReplay(plan.order_rng, plan.order_generators, 0, 0)
             # ...and the next step draws what it would have drawn, after the validation that followed the save: its
             # loaders' draws counted at the save, or, when not known then, replayed as Lightning's restart makes them.
-            self._now_rng = resume["now_rng"]
-            if resume["validation_draws"] is not None:
-                self._now_rng = _advanced(resume["now_rng"], resume["validation_draws"])
+            self._now_rng = plan.now_rng
+            if plan.validation_draws is not None:
+                self._now_rng = _advanced(plan.now_rng, plan.validation_draws)
             else:
-                self._replay_validation = resume["validation_follows"]
-            self._consumed = self._base = resume["consumed"]
-            self._samples = resume["samples"]
-            self._restored = (f"restored the data position: epoch {epoch}, after {self._consumed} of"
-                              f" {self._length if self._length is not None else '?'} batches ({self._samples}"
-                              " samples), and the RNG states of every rank, so this run continues exactly where the"
-                              " checkpoint was saved")
+                self._replay_validation = plan.validation_follows
+            self._consumed = self._base = plan.consumed
+            self._samples = plan.samples
+            self._restored_line = (f"restored the data position: epoch {epoch}, after {self._consumed} of"
+                                   f" {self._batches if self._batches is not None else '?'} batches ({self._samples}"
+                                   " samples), and the RNG states of every rank, so this run continues exactly where"
+                                   " the checkpoint was saved")
             log.info("resuming mid-epoch %d after %d consumed batch(es)", epoch, self._consumed)
-            return resume["skip"]
-        if resume is not None:
-            restore_rng(resume["now_rng"])  # at an epoch boundary (or position lost): the epoch starts from here
-            self._set_generators(resume["now_generators"])
-            if resume["order_draws"] is not None:
+            return plan.skip
+        if plan is not None:
+            restore_rng(plan.now_rng)  # at an epoch boundary (or position lost): the epoch starts from here
+            self._set_generators(plan.now_generators)
+            if plan.order_draws is not None:
                 # The uninterrupted run drew the new epoch's order after a known number of base-seed draws since the
                 # save (the validation that followed it, the epoch's iterators); a resume may create iterators it
-                # never reads, so the order (map-style) or else the first step is drawn from the save's RNG advanced
-                # by exactly those.
-                plan = (resume["now_rng"], resume["now_generators"], int(resume["order_draws"]),
-                        int(resume["order_generator_draws"]))
-                if self._kind == MAP:
-                    self._order_plan = plan
+                # never reads, so the order (MAP) or else the first step is drawn from the save's RNG advanced by
+                # exactly those.
+                if self._kind == LoaderKind.MAP:
+                    self._order_replay = OrderReplay(plan.now_rng, plan.now_generators, plan.order_draws,
+                                                     plan.order_generator_draws)
                 else:
-                    self._now_rng = _advanced(resume["now_rng"], plan[2])
+                    self._now_rng = _advanced(plan.now_rng, plan.order_draws)
         self._consumed = self._base = self._samples = 0
         self._epoch_rng = capture_rng()
-        self._epoch_gens = self._get_generators()
+        self._epoch_generators = self._get_generators()
         return 0
 
     def _on_order(self) -> None:
@@ -521,16 +514,15 @@ class ResumeStateCallback(Callback):
 
         A resume may draw the order more than once before training starts (Lightning reloading a loader, iterators
         whose workers prefetch at once): each draw starts from the same state, so the one that is read is right."""
-        plan = self._order_plan
-        if plan is not None:
-            rng, gens, global_draws, generator_draws = plan
-            restore_rng(_advanced(rng, global_draws))
-            self._set_generators(gens)
+        replay = self._order_replay
+        if replay is not None:
+            restore_rng(_advanced(replay.rng, replay.global_draws))
+            self._set_generators(replay.generators)
             loader_generator = getattr(self._loader, "generator", None)
-            for _ in range(generator_draws if loader_generator is not None else 0):
+            for _ in range(replay.generator_draws if loader_generator is not None else 0):
                 torch.empty((), dtype=torch.int64).random_(generator=loader_generator)
         self._order_rng = capture_rng()
-        self._order_gens = self._get_generators()
+        self._order_generators = self._get_generators()
 
     def _get_generators(self) -> list[torch.Tensor]:
         return [g.get_state() for g in generators(self._loader)]
@@ -541,30 +533,31 @@ class ResumeStateCallback(Callback):
                 g.set_state(state)
 
     def _loop_epoch(self) -> int:
-        return 0 if self._trainer is None else int(self._trainer.fit_loop.epoch_progress.current.processed)
+        """Lightning's training epoch: the epochs its fit loop has processed."""
+        return 0 if self._trainer is None else _processed(self._trainer.fit_loop.epoch_progress.current)
 
     def _on_iterator(self, it: Any) -> None:
         if self._draining:
             return
         self._drawn = None
-        self._live = weakref.ref(it)
+        self._live_iterator = weakref.ref(it)
 
     def _position_now(self, it: Any) -> Any:
-        if self._kind == LOADER:
+        if self._kind == LoaderKind.LOADER:
             return None if it is None else it.state_dict()
         return self._loader.dataset.state_dict()
 
     def _before_fetch(self, it: Any) -> None:
         # Lightning's fetcher reads one batch ahead of training only when the loader has no length; that batch's
         # fetch moves the stateful position past what was trained on. Keep the position before each fetch.
-        if self._length is None and self._kind in (LOADER, DATASET):
+        if self._batches is None and self._kind in _STATEFUL:
             self._snapshots[self._fetched] = copy.deepcopy(self._position_now(it))
 
     def _after_fetch(self) -> None:
         self._fetched += 1
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._order_plan = None  # training has started: the epoch's order is the one drawn
+        self._order_replay = None  # training has started: the epoch's order is the one drawn
         if self._now_rng is not None:
             restore_rng(self._now_rng)
             self._now_rng = None
@@ -572,9 +565,9 @@ class ResumeStateCallback(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._consumed += 1
-        self._samples += self._lengths.popleft() if self._kind == MAP and self._lengths else batch_len(batch)
-        done = self._consumed - self._base
-        for k in [k for k in self._snapshots if k < done]:
+        self._samples += self._lengths.popleft() if self._kind == LoaderKind.MAP and self._lengths else batch_len(batch)
+        consumed_in_stream = self._consumed - self._base
+        for k in [k for k in self._snapshots if k < consumed_in_stream]:
             del self._snapshots[k]
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
@@ -584,39 +577,41 @@ class ResumeStateCallback(Callback):
         if fetcher is not None and fetcher.done:
             return True
         limit = None if trainer is None else trainer.num_training_batches
-        if self._length is not None:
-            limit = self._length if limit is None or limit == float("inf") else min(self._length, int(limit))
+        if self._batches is not None:
+            limit = self._batches if limit is None or limit == float("inf") else min(self._batches, int(limit))
         return limit is not None and limit != float("inf") and self._consumed >= limit
 
     def _loader_state(self) -> Any:
-        if self._kind not in (LOADER, DATASET):
+        if self._kind not in _STATEFUL:
             return None
         index = self._consumed - self._base
         if self._fetched > index and index in self._snapshots:
             return self._snapshots[index]  # the next unconsumed batch is already fetched: its position before
-        it = self._live() if self._live is not None else None
+        it = self._live_iterator() if self._live_iterator is not None else None
         return copy.deepcopy(self._position_now(it))
 
     def state_dict(self) -> dict[str, Any]:
         # Lightning writes only global rank 0's callback state but calls this on every rank: gather them all.
         done = self._epoch_done() if self._kind is not None else False
-        mine = {"kind": self._kind, "epoch": self._epoch, "consumed": self._consumed, "samples": self._samples,
-                "epoch_done": done, "mid_epoch": self._consumed > 0 and not done, "batches": self._length,
-                "batch_size": self._batch_size, "num_workers": self._num_workers,
-                "sampler": sampler_facts(self._loader) if self._loader is not None else {},
-                "loader_state": self._loader_state(), "epoch_rng": self._epoch_rng, "now_rng": capture_rng(),
-                "epoch_generators": self._epoch_gens, "order_rng": self._order_rng, "order_generators": self._order_gens,
-                "now_generators": self._get_generators() if self._loader is not None else []}
         follows = self._a_validation_follows()
-        mine["validation_follows"] = follows
-        mine["validation_draws"] = self._validation_draws() if follows else 0  # None: not known at this point
-        if done and mine["validation_draws"] is not None:  # what the run draws until the next epoch's order
-            fresh, own = self._next_iterator_draws()
-            mine["order_draws"] = mine["validation_draws"] + fresh
-            mine["order_generator_draws"] = own
+        validation_draws = self._validation_draws() if follows else 0
+        order_draws, order_generator_draws = None, 0
+        if done and validation_draws is not None:  # what the run draws until the next epoch's order
+            fresh, order_generator_draws = self._next_iterator_draws()
+            order_draws = validation_draws + fresh
+        mine = RankRecord(
+            kind=self._kind, epoch=self._epoch, consumed=self._consumed, samples=self._samples, epoch_done=done,
+            batches=self._batches, batch_size=self._batch_size, num_workers=self._num_workers,
+            sampler=sampler_facts(self._loader) if self._loader is not None else {},
+            loader_state=self._loader_state(), epoch_rng=self._epoch_rng, now_rng=capture_rng(),
+            epoch_generators=self._epoch_generators, order_rng=self._order_rng,
+            order_generators=self._order_generators,
+            now_generators=self._get_generators() if self._loader is not None else [],
+            validation_follows=follows, validation_draws=validation_draws, order_draws=order_draws,
+            order_generator_draws=order_generator_draws)
         if follows:
             self._watch_validation = self._trainer.global_step if self._trainer is not None else 0
-        ranks = _gather(mine)
+        ranks = _gather(mine.to_dict())
         return {"format": FORMAT, "world_size": len(ranks), "ranks": ranks}
 
     def _a_validation_follows(self) -> bool:
@@ -627,11 +622,14 @@ class ResumeStateCallback(Callback):
             return False
         epoch_loop = trainer.fit_loop.epoch_loop
         total = epoch_loop.batch_progress.total
-        if total.completed != total.processed - 1:  # not inside on_train_batch_end: the validation already ran
+        if total.completed != _processed(total) - 1:  # not inside on_train_batch_end: the validation already ran
+            return False
+        fetcher = trainer.fit_loop._data_fetcher
+        if fetcher is None:  # set while a training batch runs
             return False
         try:
-            follows = bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
-        except Exception:  # noqa: BLE001 - a Lightning without this internal: nothing to account for
+            follows = bool(epoch_loop._should_check_val_fx(fetcher))
+        except Exception:  # a Lightning without this internal: nothing to account for
             return False
         return follows and not epoch_loop._skip_next_val
 
@@ -646,20 +644,21 @@ class ResumeStateCallback(Callback):
             loaders = [loaders]
         elif isinstance(loaders, dict):
             loaders = list(loaders.values())
-        return sum(1 for dl in loaders if isinstance(dl, DataLoader) and dl.generator is None and not _live(dl))
+        return sum(1 for dl in loaders if isinstance(dl, DataLoader) and dl.generator is None
+                   and not _has_persistent_iterator(dl))
 
     def _next_iterator_draws(self) -> tuple[int, int]:
         """The base-seed draws the next epoch's training iterators make before its order is drawn: (from the global
-        RNG, from the loader's own generator). None when a persistent iterator is reset for it; when Lightning reloads
-        the loader for that epoch it creates an iterator when it reloads and another one to run it: two base seeds,
-        and with workers the first one's order too (its workers prefetch at once)."""
+        RNG, from the loader's own generator). None when a persistent iterator is reset for it (no new base seed);
+        when Lightning reloads the loader for that epoch it creates an iterator when it reloads and another one to run
+        it: two base seeds, and with workers the first one's order too (its workers prefetch at once)."""
         loader, trainer = self._loader, self._trainer
         if not isinstance(loader, DataLoader) or trainer is None:
             return 0, 0
         every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)
         last = getattr(trainer.fit_loop, "_last_train_dl_reload_epoch", float("-inf"))
         reloads = every > 0 and trainer.current_epoch + 1 - last >= every
-        count = (3 if loader.num_workers else 2) if reloads else 0 if _live(loader) else 1
+        count = (3 if loader.num_workers else 2) if reloads else 0 if _has_persistent_iterator(loader) else 1
         return (0, count) if loader.generator is not None else (count, 0)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -683,6 +682,7 @@ class ResumeStateCallback(Callback):
                 RuntimeWarning, stacklevel=2)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_format(state_dict)
         rank, world = _rank_and_world()
         ranks = state_dict.get("ranks", [])
         if len(ranks) != world:
@@ -692,15 +692,24 @@ class ResumeStateCallback(Callback):
                 " RNG states and the epoch's data from its start (what stock Lightning does; a stateful loader"
                 " gets the position Lightning saved from global rank 0)", RuntimeWarning, stacklevel=2)
             return
-        self._pending = ranks[rank]
+        self._pending = RankRecord.from_dict(ranks[rank])
 
 
-def _live(loader: DataLoader) -> bool:
+def _describe(kind: LoaderKind | str | None) -> str:
+    return _DESCRIBE[kind] if isinstance(kind, LoaderKind) else str(kind)
+
+
+def _processed(tracker: Any) -> int:
+    """``processed`` of a Lightning progress tracker: the trackers the loops use have it, their declared type not."""
+    return int(tracker.processed)
+
+
+def _has_persistent_iterator(loader: DataLoader[Any]) -> bool:
     """Whether the loader holds a persistent iterator that its next ``iter()`` resets (no new base-seed draw)."""
     return bool(loader.persistent_workers and loader.num_workers and getattr(loader, "_iterator", None) is not None)
 
 
-def _advanced(state: dict[str, Any], draws: int) -> dict[str, Any]:
+def _advanced(state: RngState, draws: int) -> RngState:
     """``state`` with torch's CPU generator advanced by ``draws`` base-seed draws, as DataLoader iterators make them."""
     if not draws:
         return state
@@ -733,5 +742,5 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)

@@ -8,24 +8,29 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["RngState", "capture_rng", "restore_rng"]
+
+# What capture_rng() returns: "python", "numpy", "torch", and "cuda"/"mps" where present.
+RngState: TypeAlias = dict[str, Any]
 
 
-def capture_rng() -> dict[str, Any]:
+def capture_rng() -> RngState:
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
+    state: RngState = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)), int(pos),
                   int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # Only where CUDA is initialized: capturing would initialize it in a process that never used it. (torch leaves
+    # is_initialized unannotated.)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     mps = getattr(torch, "mps", None)
     if mps is not None and torch.backends.mps.is_available():
@@ -33,7 +38,7 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: RngState) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
@@ -52,6 +57,7 @@ def restore_rng(state: dict[str, Any]) -> None:
                 f" {count}: restored devices 0-{min(count, len(cuda_states)) - 1}"
                 + (f", devices {len(cuda_states)}-{count - 1} keep fresh states" if count > len(cuda_states) else
                    f", the saved states of devices {count}-{len(cuda_states) - 1} are not used")
-                + "; random numbers drawn on the others differ from the uninterrupted run", RuntimeWarning, stacklevel=2)
+                + "; random numbers drawn on the others differ from the uninterrupted run",
+                RuntimeWarning, stacklevel=2)
     if "mps" in state and torch.backends.mps.is_available():
         torch.mps.set_rng_state(state["mps"])

@@ -6,9 +6,9 @@ sample. Wrapping the dataset makes each ``__getitem__`` run with the global RNGs
 torch CPU) seeded from ``(seed, epoch, index)``, and puts the caller's RNG states back afterwards.
 
 Limits: only randomness drawn from those global RNGs inside ``__getitem__`` is covered (a generator the dataset
-creates itself is its own business, and GPU RNGs are neither seeded nor touched); the epoch reaches worker processes when they
-start, so with ``persistent_workers=True`` workers keep the epoch of their first start (the index still varies
-the seed, but repeated epochs repeat the augmentation).
+creates itself is its own business, and GPU RNGs are neither seeded nor touched); the epoch reaches worker
+processes when they start, so with ``persistent_workers=True`` workers keep the epoch of their first start (the
+index still varies the seed, but repeated epochs repeat the augmentation).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_resilient._checks import check_int
+
 __all__ = ["PerSampleSeeded", "sample_seed"]
 
 
@@ -30,7 +32,7 @@ def sample_seed(index: int, *, epoch: int = 0, seed: int = 0) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-class PerSampleSeeded(Dataset):
+class PerSampleSeeded(Dataset[Any]):
     """Wrap a map-style dataset so each sample's randomness is a function of (seed, epoch, index) only.
 
     ``ResumeStateCallback`` calls :meth:`set_epoch` when each epoch's data stream starts. Example::
@@ -42,10 +44,8 @@ class PerSampleSeeded(Dataset):
     def __init__(self, dataset: Any, *, seed: int = 0) -> None:
         if not hasattr(dataset, "__getitem__"):
             raise TypeError(f"dataset must be a map-style dataset with __getitem__, got {type(dataset).__name__}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
         self.dataset = dataset
-        self.seed = seed
+        self.seed = check_int("seed", seed)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:

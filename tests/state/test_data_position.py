@@ -23,6 +23,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRando
 
 import lightning_resilient.state.callback as callback_module
 from lightning_resilient import PerSampleSeeded, ResumeStateCallback
+from lightning_resilient.errors import UnsupportedFormatError
 
 N = 40  # samples; batches of 4: 10 per epoch
 
@@ -340,16 +341,18 @@ def test_without_replaying_the_saved_state_to_its_end_the_next_epoch_is_empty(tm
     assert len(resumed.seen) < len(after(full, 10))
 
 
-def test_a_record_written_before_the_data_position_format_still_resumes_a_map_style_loader(tmp_path):
+def test_a_record_of_another_format_fails_the_resume_saying_what_to_do(tmp_path):
+    # No release wrote format 1 (the record before the data position): it is refused like any other format.
     make = lambda: DataLoader(Indexed(), batch_size=4, shuffle=True)  # noqa: E731
-    full = fit(tmp_path / "full", make)
     fit(tmp_path / "part", make, steps=3)
     ckpt = torch.load(checkpoint(tmp_path / "part", 3), weights_only=True)
     state = ckpt["callbacks"]["ResumeStateCallback"]
     old = ("epoch_rng", "now_rng", "consumed", "mid_epoch", "batches", "batch_size")  # format 1's fields
     state["format"], state["ranks"] = 1, [{k: v for k, v in state["ranks"][0].items() if k in old}]
     torch.save(ckpt, tmp_path / "old.ckpt")
-    assert_resumed_exactly(full, fit(tmp_path / "resumed", make, ckpt=str(tmp_path / "old.ckpt")), 3)
+    with pytest.raises(UnsupportedFormatError, match=r"has format 1, but this lightning_resilient reads format 2"
+                                                     r" only.*resume without ResumeStateCallback"):
+        fit(tmp_path / "resumed", make, ckpt=str(tmp_path / "old.ckpt"))
 
 
 # -- PerSampleSeeded gets the resumed epoch ---------------------------------------------------------------------------
