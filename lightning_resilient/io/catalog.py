@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from lightning_resilient.errors import BucketNotFoundError, CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths
-from lightning_resilient.io.folders import REPLACED_DIR, commit_epoch
+from lightning_resilient.io.folders import REPLACED_DIR, writer_epoch_of
 from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
@@ -126,7 +126,7 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
     """
     url = _follow_local_link(url)
     name = _paths.basename(url)
-    if commit_epoch(name) is not None:
+    if writer_epoch_of(name) is not None:
         # <root>/<name>/<commit>: what resuming passes. The root's pointer knows the commit and its lineage.
         root = root_for(_paths.dirname(_paths.dirname(url)))
         commit = f"{_paths.basename(_paths.dirname(url))}/{name}"

@@ -62,7 +62,8 @@ def add_commands(subparsers: Any) -> None:
                                            " branches a rollback left behind. Safe beside a running job.")
     gc.add_argument("root", help="the checkpoint root")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
-    gc.add_argument("--grace", type=float, default=3600.0,
+    # Named as the plugin's setting (AtomicCheckpointIO(orphan_grace_seconds=...)); --grace is the short form.
+    gc.add_argument("--orphan-grace-seconds", "--grace", dest="grace", type=float, default=3600.0, metavar="SECONDS",
                     help="seconds a crashed save of a fenced-off job is left alone, by the store's clock (default"
                          " 3600); a save of the current job is never collected")
     gc.add_argument("--keep-last", type=int, default=None,
@@ -191,7 +192,7 @@ def _check(root: CheckpointRoot, entry: Entry, quick: bool) -> str:
 def _ls(args: argparse.Namespace) -> int:
     from lightning_resilient.io.catalog import stock_checkpoints
     from lightning_resilient.io.fencing import RESUMED
-    from lightning_resilient.io.folders import commit_epoch
+    from lightning_resilient.io.folders import writer_epoch_of
 
     root = _open(args)
     pointer = _pointer(root)
@@ -238,7 +239,7 @@ def _ls(args: argparse.Namespace) -> int:
             continue
         for child in root.store.list_dir(name):
             folder = f"{name}/{child}"
-            if commit_epoch(child) is None or folder in live:
+            if writer_epoch_of(child) is None or folder in live:
                 continue
             if folder in pointer.retired:
                 retired.append(folder)
@@ -341,7 +342,7 @@ def _print_stock(root: CheckpointRoot, stock: list[tuple[str, float]]) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from lightning_resilient.io.catalog import was_retired
-    from lightning_resilient.io.folders import commit_epoch
+    from lightning_resilient.io.folders import writer_epoch_of
 
     root = _open(args)
     if args.all:
@@ -363,7 +364,8 @@ def _verify(args: argparse.Namespace) -> int:
             if was_retired(root, entry):
                 # Retention of the job writing the root deleted it while it was read: nothing is damaged.
                 print(f"RETIRED {url}: deleted by retention while it was verified (not a failure)")
-                named = args.checkpoint is None or commit_epoch(args.checkpoint.rstrip("/").rsplit("/", 1)[-1]) is None
+                named = (args.checkpoint is None
+                         or writer_epoch_of(args.checkpoint.rstrip("/").rsplit("/", 1)[-1]) is None)
                 if args.all:
                     continue
                 if not named:
@@ -387,7 +389,7 @@ def _target(root: CheckpointRoot, checkpoint: str | None) -> Entry:
     """The entry ``checkpoint`` names: a name (last.ckpt), a commit folder, either relative to the root or as a
     URL under it; the latest of the current run when None."""
     from lightning_resilient.io.catalog import normalize
-    from lightning_resilient.io.folders import commit_epoch
+    from lightning_resilient.io.folders import writer_epoch_of
 
     pointer = _pointer(root)
     if checkpoint is None:
@@ -402,7 +404,7 @@ def _target(root: CheckpointRoot, checkpoint: str | None) -> Entry:
     known = {e.commit: e for e in pointer.entries()} if pointer is not None else {}
     if rel in known:
         return known[rel]
-    if commit_epoch(rel.rsplit("/", 1)[-1]) is not None:
+    if writer_epoch_of(rel.rsplit("/", 1)[-1]) is not None:
         try:
             return Entry.from_manifest(root.read_manifest(rel))
         except CheckpointCorruptedError as exc:
@@ -424,7 +426,7 @@ def _progress(total: int, name: str) -> Any:
 
 def _gc(args: argparse.Namespace) -> int:
     if args.grace < 0:
-        raise _Usage(f"--grace must be >= 0 seconds, got {args.grace}")
+        raise _Usage(f"--orphan-grace-seconds/--grace must be >= 0 seconds, got {args.grace}")
     if args.keep_last is not None and args.keep_last < 1:
         raise _Usage(f"--keep-last must be >= 1, got {args.keep_last}")
     root = _open(args, grace=args.grace)

@@ -12,7 +12,7 @@ import re
 import socket
 import uuid
 
-__all__ = ["REPLACED_DIR", "SKELETON_NAME", "commit_epoch", "commit_time", "new_commit_folder", "writer_identity"]
+__all__ = ["REPLACED_DIR", "SKELETON_NAME", "commit_time", "new_commit_folder", "writer_epoch_of", "writer_identity"]
 
 _COMMIT_RE = re.compile(r"^c(\d{13})-e(\d+)-[0-9a-f]{8}$")
 # The non-tensor part of a checkpoint (torch.save of the checkpoint with its tensors replaced by slots).
@@ -37,7 +37,7 @@ def commit_time(folder: str) -> float | None:
     return int(match.group(1)) / 1000 if match else None
 
 
-def commit_epoch(folder: str) -> int | None:
+def writer_epoch_of(folder: str) -> int | None:
     """The writer epoch a commit folder was written under (its name carries it), or None if it is not one."""
     match = _COMMIT_RE.match(folder.rsplit("/", 1)[-1])
     return int(match.group(2)) if match else None

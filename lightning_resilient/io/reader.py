@@ -20,7 +20,7 @@ import torch
 
 from lightning_resilient.errors import CheckpointCorruptedError, ShardedCheckpointError, UnsupportedFormatError
 from lightning_resilient.io import layout
-from lightning_resilient.io.folders import commit_epoch
+from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.lineage import ORIGINS_DIR, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, ObjectEntry, hasher
 from lightning_resilient.io.pointer import LEGACY_NAMES, Pointer
@@ -127,23 +127,23 @@ class RootReader:
         self.store = store
         self._executor = executor
 
-    def read_manifest(self, commit: str) -> Manifest:
-        where = self.store.url(f"{commit}/{MANIFEST_NAME}")
+    def read_manifest(self, folder: str) -> Manifest:
+        where = self.store.url(f"{folder}/{MANIFEST_NAME}")
         try:
-            data = self.store.read(f"{commit}/{MANIFEST_NAME}")
+            data = self.store.read(f"{folder}/{MANIFEST_NAME}")
         except FileNotFoundError as exc:
-            raise CheckpointCorruptedError(f"{where} is missing: {self.store.url(commit)} was never committed or"
+            raise CheckpointCorruptedError(f"{where} is missing: {self.store.url(folder)} was never committed or"
                                            " was deleted", object=where) from exc
         manifest = Manifest.from_bytes(data, where=where)
-        if manifest.commit != commit:
-            raise CheckpointCorruptedError(f"{where} describes {manifest.commit!r}, not {commit!r}", object=where)
+        if manifest.commit != folder:
+            raise CheckpointCorruptedError(f"{where} describes {manifest.commit!r}, not {folder!r}", object=where)
         return manifest
 
-    def check_sizes(self, commit: str, manifest: Manifest | None = None) -> Manifest:
+    def check_sizes(self, folder: str, manifest: Manifest | None = None) -> Manifest:
         """Cheap structural check, before anything is allocated or read: every object the manifest names is stored
         with the size it declares (one listing per folder), and every tensor's byte count matches its dtype and
         shape. A manifest can therefore never make a load allocate more than the stored bytes."""
-        manifest = manifest if manifest is not None else self.read_manifest(commit)
+        manifest = manifest if manifest is not None else self.read_manifest(folder)
         stored = self.stored_sizes(o.path for o in manifest.objects)
         for obj in manifest.objects:
             url = self.store.url(obj.path)
@@ -152,7 +152,7 @@ class RootReader:
                 raise CheckpointCorruptedError(f"{url} is missing", object=url)
             if size != obj.size:
                 raise CheckpointCorruptedError(f"{url} has {size} bytes, the manifest says {obj.size}", object=url)
-        where = self.store.url(f"{commit}/{MANIFEST_NAME}")
+        where = self.store.url(f"{folder}/{MANIFEST_NAME}")
         for t in manifest.tensors:
             try:
                 itemsize = layout.parse_dtype(t.dtype).itemsize
@@ -235,7 +235,7 @@ class RootReader:
                     future.cancel()
                 raise
 
-    def load(self, commit: str, *, map_location: Any, weights_only: bool | None,
+    def load(self, folder: str, *, map_location: Any, weights_only: bool | None,
              pin_memory: bool = False, sharded_rest: bool = False,
              tee: Callable[[str, int, memoryview], None] | None = None, manifest: Manifest | None = None) -> Loaded:
         """Read, verify and rebuild one commit: one manifest read, then every chunk of every object in parallel,
@@ -249,13 +249,13 @@ class RootReader:
         """
         started = time.perf_counter()
         if manifest is None:
-            manifest = self.read_manifest(commit)
-        elif manifest.commit != commit:
-            raise ValueError(f"the manifest given is {manifest.commit!r}'s, not {commit!r}'s")
-        self.check_sizes(commit, manifest)  # before anything is allocated from the manifest's declared sizes
+            manifest = self.read_manifest(folder)
+        elif manifest.commit != folder:
+            raise ValueError(f"the manifest given is {manifest.commit!r}'s, not {folder!r}'s")
+        self.check_sizes(folder, manifest)  # before anything is allocated from the manifest's declared sizes
         if manifest.sharded is not None and not sharded_rest:
             raise ShardedCheckpointError(
-                f"{self.store.url(commit)} is a sharded checkpoint written by {manifest.sharded.world_size}"
+                f"{self.store.url(folder)} is a sharded checkpoint written by {manifest.sharded.world_size}"
                 " processes (torch.distributed.checkpoint): resume it with the strategy that wrote it,"
                 " lightning_resilient.AtomicModelParallelStrategy (FSDP2) or AtomicFSDPStrategy (FSDP1), on any"
                 " number of processes (it reshards), or"
@@ -297,7 +297,7 @@ class RootReader:
         except Exception as exc:
             # The bytes passed their checksums, so this is not corruption (no fallback): under weights_only, torch
             # refused an object the checkpoint holds, or a class it names cannot be imported here.
-            _add_note(exc, f"{skeleton_url} (the non-tensor part of {self.store.url(commit)}) verified against its"
+            _add_note(exc, f"{skeleton_url} (the non-tensor part of {self.store.url(folder)}) verified against its"
                            " checksums but does not load here. If torch refused an object under weights_only and you"
                            " trust this checkpoint, allow it with torch.serialization.add_safe_globals([...]) or load"
                            " with weights_only=False; otherwise make the classes it names importable.")
@@ -308,7 +308,7 @@ class RootReader:
             try:
                 tensor = layout.tensor_view(buffer, layout.parse_dtype(t.dtype), t.shape)
             except (ValueError, RuntimeError) as exc:
-                where = self.store.url(f"{commit}/{MANIFEST_NAME}")
+                where = self.store.url(f"{folder}/{MANIFEST_NAME}")
                 raise CheckpointCorruptedError(f"tensor {layout.key_id(t.key)!r} in {where}: {exc}",
                                                object=where) from exc
             mapped = _map(tensor, t.device, map_location, non_blocking=pin_memory)
@@ -319,19 +319,19 @@ class RootReader:
         try:
             checkpoint = layout.unflatten(skeleton, tensors)
         except ValueError as exc:
-            where = self.store.url(f"{commit}/{MANIFEST_NAME}")
+            where = self.store.url(f"{folder}/{MANIFEST_NAME}")
             raise CheckpointCorruptedError(f"{where} does not match its skeleton: {exc}", object=where) from exc
-        stats = LoadStats(commit=commit, bytes=manifest.total_bytes, objects=len(manifest.objects),
+        stats = LoadStats(commit=folder, bytes=manifest.total_bytes, objects=len(manifest.objects),
                           requests=len(jobs), host_buffer_bytes=sum(allocated), host_buffers=len(allocated),
                           seconds=time.perf_counter() - started)
-        return Loaded(checkpoint, commit, manifest, stats)
+        return Loaded(checkpoint, folder, manifest, stats)
 
-    def verify(self, commit: str, progress: Callable[[int], None] | None = None) -> Manifest:
+    def verify(self, folder: str, progress: Callable[[int], None] | None = None) -> Manifest:
         """Read every byte of a commit and check every checksum, keeping nothing; raises on the first failure.
 
         ``progress`` is called with the number of bytes of each chunk verified.
         """
-        manifest = self.check_sizes(commit)
+        manifest = self.check_sizes(folder)
         jobs: list[Job] = []
         for index in range(len(manifest.objects)):
             jobs += self.read_chunks(manifest, index, _discard_piece)
@@ -353,18 +353,18 @@ class RootReader:
             if name in LEGACY_NAMES or name.startswith("."):
                 continue
             for child in self.store.list_dir(name):
-                written_by = commit_epoch(child)
+                written_by = writer_epoch_of(child)
                 if written_by is None:
                     continue
                 scan.max_epoch = max(scan.max_epoch, written_by)
-                commit = f"{name}/{child}"
+                folder = f"{name}/{child}"
                 try:
-                    scan.manifests.append(self.read_manifest(commit))
+                    scan.manifests.append(self.read_manifest(folder))
                 except (CheckpointCorruptedError, UnsupportedFormatError) as exc:
-                    if self.store.exists(f"{commit}/{MANIFEST_NAME}"):
-                        scan.unreadable[commit] = str(exc)
+                    if self.store.exists(f"{folder}/{MANIFEST_NAME}"):
+                        scan.unreadable[folder] = str(exc)
                     else:
-                        scan.uncommitted.append(commit)
+                        scan.uncommitted.append(folder)
         return scan
 
     def stored_sizes(self, paths: Iterable[str]) -> dict[str, int]:

@@ -29,7 +29,7 @@ import time
 
 from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
 from lightning_resilient.io.fencing import WriterFence, is_resumed
-from lightning_resilient.io.folders import commit_epoch
+from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.lineage import ORIGINS_DIR, Lineage
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
@@ -198,7 +198,7 @@ class Retention:
             if name in LEGACY_NAMES or name.startswith("."):
                 continue
             for child in self.store.list_dir(name):
-                epoch, folder = commit_epoch(child), f"{name}/{child}"
+                epoch, folder = writer_epoch_of(child), f"{name}/{child}"
                 if epoch is None or folder in live:
                     continue
                 if folder in pointer.retired:

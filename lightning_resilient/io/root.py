@@ -138,7 +138,8 @@ class CheckpointRoot:
         return self.writer.prepare(checkpoint, name, snapshot, before_fill)
 
     def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
-        return self.writer.save(checkpoint, name)
+        """Capture and commit ``checkpoint`` as ``name`` (a synchronous save), through :meth:`commit`."""
+        return self.commit(self.prepare(checkpoint, name))
 
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Entry:

@@ -40,7 +40,7 @@ from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths, layout
 from lightning_resilient.io.async_save import raise_from_background
 from lightning_resilient.io.catalog import NOT_FOUND, Together
-from lightning_resilient.io.folders import commit_epoch
+from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.lineage import Lineage
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
 from lightning_resilient.io.pointer import Entry, Pointer
@@ -449,7 +449,7 @@ def resolve_tiered(url: str, local_tier: str, root_for: Callable[[str], Checkpoi
         if not candidates:
             return None
         return TieredResolved(durable_url, candidates[0], candidates[1:])
-    if commit_epoch(rel) is not None:
+    if writer_epoch_of(rel) is not None:
         entry = view.entry(rel)
         if entry is None:
             raise FileNotFoundError(f"{NOT_FOUND}{url}. Neither {durable_url} nor its local tier"
@@ -495,7 +495,7 @@ def _split(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot])
         durable = durable_of(root_for(os.path.join(base, inside[0])))
         return durable, "/".join(inside[1:])
     name = _paths.basename(url)
-    if commit_epoch(name) is not None:
+    if writer_epoch_of(name) is not None:
         return _paths.dirname(_paths.dirname(url)), f"{_paths.basename(_paths.dirname(url))}/{name}"
     if _has_pointer(root_for(url)) or root_for(local_tier_url(local_tier, url)).store.exists(TIER_RECORD):
         return url, ""

@@ -140,9 +140,6 @@ class RootWriter:
                         created=time.time(), skeleton=skeleton_bytes, tensors=tensors, total=total,
                         pieces=pieces, ready=ready)
 
-    def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
-        return self.commit(self.prepare(checkpoint, name))
-
     def new_commit_folder(self, name: str, created: float) -> str:
         """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
         epoch = self.fence.writer_epoch if self.fence.writer_epoch is not None else self._claim()

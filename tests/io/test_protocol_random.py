@@ -33,7 +33,7 @@ import torch
 
 from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, find_latest_checkpoint
 from lightning_resilient.io.catalog import reader
-from lightning_resilient.io.folders import commit_epoch
+from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.lineage import ORIGINS_DIR
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME
@@ -251,7 +251,7 @@ class Run:
             return
         head = self.oracle.head()
         known = head.epoch if head is not None and head.epoch is not None else 0
-        seen = [commit_epoch(c) or 0 for n in self.root.store.list_dir("") if not n.startswith(".")
+        seen = [writer_epoch_of(c) or 0 for n in self.root.store.list_dir("") if not n.startswith(".")
                 for c in self.root.store.list_dir(n)]
         seen += [int(r[1:-5]) for r in self.root.store.list_dir(ORIGINS_DIR)]
         pointer, _ = self.root.read_pointer()
