@@ -56,7 +56,8 @@ class CheckpointCorruptedError(CheckpointError):
 
 
 class UnsupportedFormatError(CheckpointError):
-    """A pointer or manifest was written by a newer lightning_resilient than the one reading it."""
+    """A pointer, manifest or resume record has a format this lightning_resilient does not read: a newer version
+    wrote it, or a development build from before the first release (format 1). Never garbage: it is kept."""
 
 
 class ShardedCheckpointError(CheckpointError, ValueError):
