@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -129,6 +130,39 @@ BACKENDS = ["local", "memory", "s3", "gcs"]
 def backend(request: pytest.FixtureRequest) -> Backend:
     """The same protocol test on every store: local disk, memory://, S3 (moto) and GCS (fake-gcs-server)."""
     return request.getfixturevalue(f"{request.param}_backend")
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _training_command(process: Any) -> str | None:
+    """The command line of a process a test started to train, save or be killed (a script under tests/, or
+    torchrun's); None for a session server (moto, fake-gcs-server) or Python's own helpers (the resource tracker)."""
+    import psutil
+
+    try:
+        command = " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    return command if TESTS_DIR in command or "torch.distributed.run" in command else None
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_training_processes() -> Iterator[None]:
+    """Kill what a test's training subprocesses left running: a failed assertion between a child's start and its
+    kill or wait must not leave it training (and writing into a bucket) through the next tests."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    strays = [(p, command) for p in me.children(recursive=True)
+              if p.pid not in before and (command := _training_command(p)) is not None]
+    for process, command in strays:
+        log.warning("killing process %s, left running by the test: %s", process.pid, command)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs([p for p, _ in strays], timeout=30)
 
 
 @pytest.fixture(autouse=True)
