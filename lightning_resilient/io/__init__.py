@@ -6,8 +6,9 @@ without Lightning.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_resilient._lazy import lazy_exports
 
 _WHERE = {
     "AtomicCheckpointIO": "lightning_resilient.io.checkpoint_io",
@@ -24,14 +25,4 @@ if TYPE_CHECKING:
     from lightning_resilient.io.retry import RetryPolicy
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_resilient.io' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

@@ -19,7 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
-from lightning_resilient._checks import check_bool, check_int, check_optional_bool
+from lightning_resilient._checks import SettingTypeError, check_bool, check_optional_bool
 from lightning_resilient._namespaces import register_checkpoint_io
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
@@ -41,6 +41,7 @@ from lightning_resilient.io.store import LocalStore, MemoryStore
 from lightning_resilient.io.tiered import (
     TieredResolved,
     TieredRoot,
+    TierSettings,
     is_local_tier_url,
     load_tiered,
     local_tier_url,
@@ -164,14 +165,8 @@ class AtomicCheckpointIO(CheckpointIO):
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs a CUDA device, and this process sees none: use pin_memory=None"
                              " to pin only where CUDA is available")
-        self.local_tier = _check_local_tier(local_tier)
-        self.persist_every = check_int("persist_every", persist_every, minimum=1, typed=False,
-                                       hint="persist every N-th saved step")
-        self.local_keep = check_int("local_keep", local_keep, minimum=1, typed=False,
-                                    hint="checkpoints kept in the local tier")
-        if self.local_tier is None and persist_every != 1:
-            raise ValueError(f"persist_every={persist_every} needs local_tier: without a local tier every save goes to"
-                             " the durable root. Pass local_tier='/local/nvme/ckpt' (a node-local folder).")
+        tier = TierSettings.given(local_tier, persist_every, local_keep)
+        self.local_tier, self.persist_every, self.local_keep = tier.local_tier, tier.persist_every, tier.local_keep
         self.retry = RetryPolicy(retry_attempts, retry_base_delay, retry_max_delay)
         self.max_concurrency = max_concurrency
         self.claim_on_load = claim_on_load
@@ -179,7 +174,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._async = AsyncSaver(pin_memory=self.pin_memory) if async_save else None
         if node_cache_dir is not None and not isinstance(node_cache_dir, str):
-            raise TypeError(f"node_cache_dir must be a local folder path or None, got {node_cache_dir!r}")
+            raise SettingTypeError(f"node_cache_dir must be a local folder path or None, got {node_cache_dir!r}")
         self.node_cache = node_cache
         self.node_cache_dir = node_cache_dir
         #: Timings of the most recent saves (what the training loop was blocked for, waits, uploads).
@@ -497,21 +492,6 @@ def _check_storage_options(value: Any, field: str) -> dict[str, Any]:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise TypeError(f"{field} must be a dict of fsspec options with str keys or None, got {value!r}")
     return dict(value)
-
-
-def _check_local_tier(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)):
-        raise TypeError(f"local_tier must be a node-local folder path or None, got {value!r}")
-    path = str(os.fspath(value))
-    protocol = _paths.split_protocol(path)[0]
-    if protocol not in (None, "file", "local"):
-        raise ValueError(f"local_tier must be a node-local folder (local NVMe, /dev/shm), not a {protocol}:// URL"
-                         f" ({path!r}): the durable tier is the ModelCheckpoint dirpath")
-    if protocol is not None:
-        path = path.split("://", 1)[1]
-    return os.path.realpath(os.path.expanduser(path))
 
 
 def _fspath(path: Any) -> str:

@@ -36,6 +36,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_resilient._checks import SettingTypeError, check_int
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths, layout
 from lightning_resilient.io.async_save import raise_from_background
@@ -46,8 +47,8 @@ from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_diges
 from lightning_resilient.io.pointer import Entry, Pointer
 from lightning_resilient.io.root import CheckpointRoot, Loaded, Prepared
 
-__all__ = ["TIER_RECORD", "TierView", "TieredResolved", "TieredRoot", "durable_of", "find_latest_tiered", "load_tiered",
-           "local_tier_url", "resolve_tiered"]
+__all__ = ["TIER_RECORD", "TierSettings", "TierView", "TieredResolved", "TieredRoot", "durable_of",
+           "find_latest_tiered", "load_tiered", "local_tier_url", "resolve_tiered"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,45 @@ def _save_key(entry: Entry) -> tuple[int, int] | str:
 
 
 # -- writing -------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TierSettings:
+    """``AtomicCheckpointIO(local_tier=..., persist_every=..., local_keep=...)``, checked when made."""
+
+    local_tier: str | None  # a node-local folder, absolute with symlinks resolved (see given()); None: no local tier
+    persist_every: int = 1
+    local_keep: int = 2
+
+    @classmethod
+    def given(cls, local_tier: Any, persist_every: Any, local_keep: Any) -> TierSettings:
+        """The settings as a user gives them: ``local_tier`` a path or ``os.PathLike`` (checked, made absolute)."""
+        return cls(_check_local_tier(local_tier), persist_every, local_keep)
+
+    def __post_init__(self) -> None:
+        check_int("persist_every", self.persist_every, minimum=1, typed=False, hint="persist every N-th saved step")
+        check_int("local_keep", self.local_keep, minimum=1, typed=False, hint="checkpoints kept in the local tier")
+        if self.local_tier is None and self.persist_every != 1:
+            raise ValueError(f"persist_every={self.persist_every} needs local_tier: without a local tier every save"
+                             " goes to the durable root. Pass local_tier='/local/nvme/ckpt' (a node-local folder).")
+
+
+def _check_local_tier(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)):
+        raise SettingTypeError(f"local_tier must be a node-local folder path or None, got {value!r}")
+    path = str(os.fspath(value))
+    protocol = _paths.split_protocol(path)[0]
+    if protocol not in (None, "file", "local"):
+        raise ValueError(f"local_tier must be a node-local folder (local NVMe, /dev/shm), not a {protocol}:// URL"
+                         f" ({path!r}): the durable tier is the ModelCheckpoint dirpath")
+    if protocol is not None:
+        path = path.split("://", 1)[1]
+    return os.path.realpath(os.path.expanduser(path))
+
+
+
+
 class TieredRoot:
     """The save side of one durable root and its local tier, for one plugin (see the module docstring).
 
