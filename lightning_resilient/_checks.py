@@ -14,14 +14,12 @@ import numbers
 from collections.abc import Collection
 from typing import Any, TypeVar
 
+from lightning_resilient.errors import SettingTypeError
+
 __all__ = ["SettingTypeError", "check_bool", "check_choice", "check_fraction", "check_int", "check_non_negative",
            "check_number", "check_optional_bool", "check_optional_int", "check_positive", "check_positive_int"]
 
 T = TypeVar("T")
-
-
-class SettingTypeError(TypeError, ValueError):
-    """A setting of the wrong type (a ``TypeError``; also a ``ValueError`` for callers of earlier releases)."""
 
 
 def _hint(hint: str) -> str:

@@ -12,6 +12,7 @@ __all__ = [
     "BucketNotFoundError",
     "CheckpointCorruptedError",
     "CheckpointError",
+    "SettingTypeError",
     "ShardedCheckpointError",
     "StaleWriterError",
     "StoreCredentialsError",
@@ -19,6 +20,12 @@ __all__ = [
     "StoreURLError",
     "UnsupportedFormatError",
 ]
+
+
+class SettingTypeError(TypeError, ValueError):
+    """An argument of the wrong type (``keep_last="3"``), raised when the object is made. It is a ``TypeError``, and
+    also a ``ValueError``: earlier versions raised one or the other for different settings, and code that catches
+    either keeps working."""
 
 
 class CheckpointError(Exception):

@@ -19,8 +19,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
-from lightning_resilient._checks import SettingTypeError, check_bool, check_optional_bool
+from lightning_resilient._checks import check_bool, check_optional_bool
 from lightning_resilient._namespaces import register_checkpoint_io
+from lightning_resilient.errors import SettingTypeError
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.catalog import (

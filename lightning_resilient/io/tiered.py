@@ -36,8 +36,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_resilient._checks import SettingTypeError, check_int
-from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
+from lightning_resilient._checks import check_int
+from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError, SettingTypeError
 from lightning_resilient.io import _paths, layout
 from lightning_resilient.io.async_save import raise_from_background
 from lightning_resilient.io.catalog import NOT_FOUND, Together

@@ -1,0 +1,63 @@
+"""CheckpointRoot's settings and the one way a root is opened (the protocol itself: test_protocol*.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lightning_resilient import SettingTypeError
+from lightning_resilient.io.root import INSPECTING, RootSettings, SerialExecutor, open_root
+
+from .helpers import assert_same, make_checkpoint
+
+
+@pytest.mark.parametrize(("field", "value", "error", "message"), [
+    ("keep_last", 0, ValueError, "keep_last must be an int >= 1 or None, got 0"),
+    ("keep_last", 1.5, SettingTypeError, "keep_last must be an int >= 1 or None, got 1.5"),
+    ("shard_size", 6 * 2**30, ValueError, "shard_size must be a number of bytes from 1 to 5 GiB"),
+    ("chunk_size", 0, ValueError, "chunk_size must be a positive number of bytes, got 0"),
+    ("max_concurrency", True, SettingTypeError, "max_concurrency must be an int >= 1, got True"),
+    ("orphan_grace_seconds", -1, ValueError, "orphan_grace_seconds must be a number >= 0, got -1"),
+    ("fallback_on_corruption", "yes", SettingTypeError, "fallback_on_corruption must be True or False"),
+])
+def test_root_settings_refuse_a_bad_field_by_name(field, value, error, message):
+    base = {"keep_last": None, "shard_size": 1, "orphan_grace_seconds": 0.0, "fallback_on_corruption": True}
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RootSettings(**{**base, field: value})
+
+
+def test_a_setting_type_error_is_caught_as_either_built_in():
+    with pytest.raises(TypeError):
+        RootSettings(keep_last="3", shard_size=1, orphan_grace_seconds=0.0, fallback_on_corruption=True)
+    with pytest.raises(ValueError):
+        RootSettings(keep_last="3", shard_size=1, orphan_grace_seconds=0.0, fallback_on_corruption=True)
+
+
+def test_a_root_opened_to_inspect_reads_in_the_calling_thread(backend, make_io):
+    ckpt = make_checkpoint(3)
+    make_io(backend).save_checkpoint(ckpt, backend.url("step=3.ckpt"))
+    root = open_root(backend.root, backend.storage_options)
+    assert root.settings == INSPECTING and root.writer_epoch is None  # reading claims nothing
+    pointer, _ = root.read_pointer()
+    assert pointer is not None and pointer.latest is not None
+    readers: set[int] = set()
+    for method in ("read_range", "read_into"):
+        real = getattr(root.store, method)
+
+        def recorded(*args, _real=real, **kwargs):
+            readers.add(threading.get_ident())
+            return _real(*args, **kwargs)
+
+        setattr(root.store, method, recorded)
+    loaded = root.load(pointer.latest.commit, map_location=None, weights_only=True)
+    assert readers == {threading.get_ident()}  # every read in this thread: no pool was started
+    assert_same(loaded.checkpoint["state_dict"], ckpt["state_dict"])
+
+
+def test_the_serial_executor_completes_each_job_or_holds_its_error():
+    with SerialExecutor() as pool:
+        assert pool.submit(lambda a, b: a + b, 2, b=3).result() == 5
+        failed = pool.submit(lambda: 1 / 0)
+        assert isinstance(failed.exception(), ZeroDivisionError)
+        assert list(pool.map(lambda x: x * 2, [1, 2])) == [2, 4]
