@@ -90,14 +90,14 @@ def check_optional_int(name: str, value: Any, *, minimum: int | None = None, max
 
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, above: float | None = None,
-                 below: float | None = None, hint: str = "", rule: str | None = None) -> float:
+                 below: float | None = None, hint: str = "", rule: str | None = None, finite: bool = True) -> float:
     """``value`` as a float if it is a finite real number (not a bool) with ``value >= minimum``, ``value > above``
     and ``value < below`` (each bound when given); else an error naming ``name`` (``rule`` replaces the ">= minimum"
-    of its message)."""
+    of its message). ``finite=False`` also accepts infinity ("never", "no limit"); NaN is refused either way."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SettingTypeError(f"{name} must be a number{_hint(hint)}, got {type(value).__name__} {value!r}")
     number = float(value)
-    if not math.isfinite(number):
+    if math.isnan(number) or (finite and math.isinf(number)):
         raise ValueError(f"{name} must be a finite number{_hint(hint)}, got {value!r}")
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be {rule or f'>= {minimum:g}'}{_hint(hint)}, got {value!r}")

@@ -222,10 +222,10 @@ def warmup_schedule(
             warnings.warn(f"training ends after {planned} optimizer steps, far before the LR schedule's"
                           f" {total_steps}: it will never decay fully", RuntimeWarning, stacklevel=2)
     assert total_steps is not None
-    check_number("warmup_steps", warmup_steps, minimum=0, hint="a number of steps, or a fraction of them below 1")
-    # a float below 1 is a fraction of the schedule; anything else (5, 5.0) a number of steps
-    warmup = round(float(warmup_steps) * total_steps) if isinstance(warmup_steps, float) and warmup_steps < 1 \
-        else int(warmup_steps)
+    steps = check_number("warmup_steps", warmup_steps, minimum=0,
+                         hint="a number of steps, or a fraction of them below 1")
+    # Below 1, a fraction of the schedule (0.05; 0 is no warmup either way); from 1 on, a number of steps (5, 5.0).
+    warmup = round(steps * total_steps) if steps < 1 else int(steps)
     if warmup >= total_steps and kind != "constant":
         raise ValueError(f"warmup_steps ({warmup}) must be shorter than the schedule ({total_steps} steps)")
     if not 0.0 <= check_number("min_lr_ratio", min_lr_ratio) <= 1.0:

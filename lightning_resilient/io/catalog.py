@@ -275,13 +275,15 @@ def load_resolved(url: str, root_for: Callable[[str], CheckpointRoot], *, fallba
 def _load_first_valid(root: CheckpointRoot, plan: _Plan, load: Callable[..., Loaded], together: Together,
                       load_kwargs: dict[str, Any]) -> tuple[Resolved, Loaded] | None:
     """Load the first of ``plan.candidates`` that verifies (on every rank); None when one was retired meanwhile
-    (resolve again). The one fallback loop of the package: a damaged checkpoint is reported loudly, never loaded."""
+    (resolve again). The catalog's one fallback loop (a tiered load has its own, over two roots): a damaged checkpoint
+    is reported loudly, never loaded."""
     first_error: CheckpointCorruptedError | None = None
+    error: CheckpointCorruptedError | None = None
     tried: list[str] = []
     every = "" if together.alone else " on every rank"
     for candidate in plan.candidates:
         url = root.store.url(candidate.commit)
-        error: CheckpointCorruptedError | None = None
+        error = None
         try:
             loaded = load(candidate.commit, **load_kwargs)
         except CheckpointCorruptedError as exc:
@@ -307,11 +309,12 @@ def _load_first_valid(root: CheckpointRoot, plan: _Plan, load: Callable[..., Loa
         raise CheckpointCorruptedError(
             f"no valid checkpoint to load: {first_error}" + (f" (also tried {', '.join(tried[1:])})"
                                                               if len(tried) > 1 else ""), object=first_error.object)
+    # Under a strategy, what this rank found wrong with the last one tried (another rank may have failed it instead).
     last = plan.candidates[-1]
     raise CheckpointCorruptedError(f"no valid checkpoint to load under {root.url}: the last one tried,"
                                    f" {root.store.url(last.commit)}, failed on at least one rank"
-                                   + (f" ({first_error})" if first_error is not None else ""),
-                                   object=first_error.object if first_error is not None else None)
+                                   + (f" ({error})" if error is not None else ""),
+                                   object=error.object if error is not None else None)
 
 
 def _loud(message: str) -> None:

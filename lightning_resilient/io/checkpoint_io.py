@@ -50,7 +50,7 @@ from lightning_resilient.io.tiered import (
 )
 from lightning_resilient.io.writer import step_of
 
-__all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "repair_pointer"]
+__all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "mark_resumed_step_saved", "repair_pointer"]
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,8 @@ class AtomicCheckpointIO(CheckpointIO):
                              " to pin only where CUDA is available")
         tier = TierSettings.given(local_tier, persist_every, local_keep)
         self.local_tier, self.persist_every, self.local_keep = tier.local_tier, tier.persist_every, tier.local_keep
-        self.retry = RetryPolicy(retry_attempts, retry_base_delay, retry_max_delay)
+        # float() as before: a delay given as a string ("0.5", from a config file) is still read as seconds.
+        self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
         self.max_concurrency = max_concurrency
         self.claim_on_load = claim_on_load
         self.async_save = async_save

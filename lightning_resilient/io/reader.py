@@ -26,7 +26,7 @@ from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, ObjectEntry
 from lightning_resilient.io.pointer import LEGACY_NAMES, Pointer
 from lightning_resilient.io.store import Store
 
-__all__ = ["READ_SPAN", "Job", "LoadStats", "Loaded", "RootReader", "Scan"]
+__all__ = ["Job", "LoadStats", "Loaded", "READ_SPAN", "RootReader", "Scan"]
 
 # Consecutive checksummed chunks are read with one request of at least this many bytes: the number of requests
 # depends on the bytes read, never on a manifest's chunk size (a chunk size of 1 must not mean a request per byte).

@@ -84,9 +84,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         # Named as the setting users give (AtomicCheckpointIO(retry_attempts=...)), which is checked here only.
-        check_int("retry_attempts", self.attempts, minimum=1, typed=False)
-        check_number("base_delay", self.base_delay)
-        check_number("max_delay", self.max_delay)
+        object.__setattr__(self, "attempts", check_int("retry_attempts", self.attempts, minimum=1, typed=False))
+        object.__setattr__(self, "base_delay", check_number("retry_base_delay", self.base_delay, finite=False))
+        object.__setattr__(self, "max_delay", check_number("retry_max_delay", self.max_delay, finite=False))
         if self.base_delay < 0 or self.max_delay < 0:
             raise ValueError(f"retry delays must be >= 0, got base_delay={self.base_delay}, max_delay={self.max_delay}")
 

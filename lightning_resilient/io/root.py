@@ -35,7 +35,7 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store import Store, open_store
 from lightning_resilient.io.writer import Prepared, RootWriter
 
-__all__ = ["INSPECTING", "MAX_OBJECT_BYTES", "CheckpointRoot", "LoadStats", "Loaded", "Prepared", "RootSettings",
+__all__ = ["CheckpointRoot", "INSPECTING", "LoadStats", "Loaded", "MAX_OBJECT_BYTES", "Prepared", "RootSettings",
            "Scan", "SerialExecutor", "open_root"]
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,21 @@ class RootSettings:
     max_concurrency: int = 8  # upload threads: a stream is cut into at least this many objects (see object_size)
 
     def __post_init__(self) -> None:
-        check_optional_int("keep_last", self.keep_last, minimum=1, typed=False)
-        check_int("shard_size", self.shard_size, minimum=1, maximum=MAX_OBJECT_BYTES, typed=False,
-                  rule="a number of bytes from 1 to 5 GiB (S3's single-PUT limit)")
-        check_int("chunk_size", self.chunk_size, minimum=1, rule="a positive number of bytes", typed=False)
-        check_int("max_concurrency", self.max_concurrency, minimum=1, typed=False)
-        check_number("orphan_grace_seconds", self.orphan_grace_seconds, minimum=0, rule="a number >= 0")
-        check_bool("fallback_on_corruption", self.fallback_on_corruption)
+        # Each field keeps its checked value (a numpy int becomes an int: a manifest must serialize it).
+        checked = {
+            "keep_last": check_optional_int("keep_last", self.keep_last, minimum=1, typed=False),
+            "shard_size": check_int("shard_size", self.shard_size, minimum=1, maximum=MAX_OBJECT_BYTES, typed=False,
+                                    rule="a number of bytes from 1 to 5 GiB (S3's single-PUT limit)"),
+            "chunk_size": check_int("chunk_size", self.chunk_size, minimum=1, rule="a positive number of bytes",
+                                    typed=False),
+            "max_concurrency": check_int("max_concurrency", self.max_concurrency, minimum=1, typed=False),
+            # Infinity is "never collect a crashed save of a fenced writer".
+            "orphan_grace_seconds": check_number("orphan_grace_seconds", self.orphan_grace_seconds, minimum=0,
+                                                 rule="a number >= 0", finite=False),
+            "fallback_on_corruption": check_bool("fallback_on_corruption", self.fallback_on_corruption),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
 
 class CheckpointRoot:

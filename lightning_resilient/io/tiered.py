@@ -109,8 +109,11 @@ class TierSettings:
         return cls(_check_local_tier(local_tier), persist_every, local_keep)
 
     def __post_init__(self) -> None:
-        check_int("persist_every", self.persist_every, minimum=1, typed=False, hint="persist every N-th saved step")
-        check_int("local_keep", self.local_keep, minimum=1, typed=False, hint="checkpoints kept in the local tier")
+        # Frozen: the checked values (plain ints) are set once, here.
+        object.__setattr__(self, "persist_every", check_int("persist_every", self.persist_every, minimum=1,
+                                                            typed=False, hint="persist every N-th saved step"))
+        object.__setattr__(self, "local_keep", check_int("local_keep", self.local_keep, minimum=1, typed=False,
+                                                         hint="checkpoints kept in the local tier"))
         if self.local_tier is None and self.persist_every != 1:
             raise ValueError(f"persist_every={self.persist_every} needs local_tier: without a local tier every save"
                              " goes to the durable root. Pass local_tier='/local/nvme/ckpt' (a node-local folder).")

@@ -185,9 +185,9 @@ class RootWriter:
             raise
 
     def make_room(self, name: str) -> None:
-        """Before a commit of ``name`` that did not come through :meth:`new_commit` (a persist from a local tier):
-        what stock Lightning left under that name goes aside until the commit is published (:meth:`put_back` on
-        failure)."""
+        """Before a commit of ``name`` that did not come through :meth:`new_commit_folder` (a persist from a local
+        tier): what stock Lightning left under that name goes aside until the commit is published (:meth:`put_back`
+        on failure)."""
         self._make_room(name)
 
     def put_back(self, name: str) -> None:
