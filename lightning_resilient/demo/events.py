@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import Any, TextIO
 
 from typing_extensions import override
@@ -37,6 +38,10 @@ def announce(kind: str, *fields: object) -> None:
         _stream.flush()
 
 
+# The roots whose saves are announced already (a root is opened once per URL, and again after a new fit reopens it).
+_ANNOUNCING: weakref.WeakSet[CheckpointRoot] = weakref.WeakSet()
+
+
 class AnnouncingCheckpointIO(AtomicCheckpointIO):
     """An :class:`~lightning_resilient.AtomicCheckpointIO` that reports saves, stored objects, commits and loads.
 
@@ -47,7 +52,7 @@ class AnnouncingCheckpointIO(AtomicCheckpointIO):
     @override
     def root(self, url: str, storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
         root = super().root(url, storage_options)
-        if not getattr(root, "_announcing", False):
+        if root not in _ANNOUNCING:
             store, write_pieces, commit = root.store, root.store.write_pieces, root.commit
 
             def announced_write(rel: str, pieces: Any) -> None:
@@ -62,7 +67,7 @@ class AnnouncingCheckpointIO(AtomicCheckpointIO):
 
             store.write_pieces = announced_write  # type: ignore[method-assign]
             root.commit = announced_commit  # type: ignore[method-assign]
-            root._announcing = True  # type: ignore[attr-defined]
+            _ANNOUNCING.add(root)
         return root
 
     @override

@@ -172,15 +172,15 @@ class RootWriter:
         A sharded save (``sharded.py``) passes the commit folder its ranks already wrote into, their objects
         (``extra``), and a function giving the manifest's ``sharded`` record from the final object list.
         """
-        commit = folder or self.new_commit_folder(prepared.name, prepared.created)
+        folder = folder or self.new_commit_folder(prepared.name, prepared.created)
         try:
             prepared.ready()
-            return self._commit(prepared, commit, extra, sharded)
+            return self._commit(prepared, folder, extra, sharded)
         except BaseException:
             # Not committed, so nothing refers to it: delete it now (a crash instead leaves it to gc). If the
             # pointer may have moved to it after all (a lost response), it is left alone.
-            if not self._maybe_referenced(commit):
-                self.retention.discard(commit)
+            if not self._maybe_referenced(folder):
+                self.retention.discard(folder)
                 self._put_back(prepared.name)
             raise
 
@@ -258,30 +258,30 @@ class RootWriter:
             return True
         return False
 
-    def abandon(self, commit: str) -> None:
+    def abandon(self, folder: str) -> None:
         """Delete the folder of a commit that failed before its pointer move, unless the pointer may name it after
         all (a lost response): what a failed save does, and a failed persist into this root."""
-        if not self._maybe_referenced(commit):
-            self.retention.discard(commit)
+        if not self._maybe_referenced(folder):
+            self.retention.discard(folder)
 
-    def _maybe_referenced(self, commit: str) -> bool:
+    def _maybe_referenced(self, folder: str) -> bool:
         try:
             pointer, _ = self.fence.read_pointer()
         except Exception:
             return True
-        return pointer is None or commit in pointer.live_folders()
+        return pointer is None or folder in pointer.live_folders()
 
-    def _commit(self, prepared: Prepared, commit: str, extra: list[ObjectEntry] | None,
+    def _commit(self, prepared: Prepared, folder: str, extra: list[ObjectEntry] | None,
                 sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None) -> Entry:
         assert self.fence.writer_epoch is not None and self.fence.origin is not None
         epoch, origin, name, step = self.fence.writer_epoch, self.fence.origin, prepared.name, prepared.step
-        objects = self.upload_stream(f"{commit}/", prepared.total, prepared.pieces, step)
+        objects = self.upload_stream(f"{folder}/", prepared.total, prepared.pieces, step)
         stream = list(range(len(objects)))
-        objects.append(self.put(f"{commit}/{SKELETON_NAME}", [memoryview(prepared.skeleton)],
+        objects.append(self.put(f"{folder}/{SKELETON_NAME}", [memoryview(prepared.skeleton)],
                                  self._known if step == self._known_step else {}))
         skeleton = len(objects) - 1
         objects += extra or []
-        manifest = Manifest(name=name, commit=commit, step=step, epoch=prepared.epoch, created=prepared.created,
+        manifest = Manifest(name=name, commit=folder, step=step, epoch=prepared.epoch, created=prepared.created,
                             writer_epoch=epoch, chunk_size=self.chunk_size, skeleton=skeleton,
                             stream=stream, objects=objects, tensors=prepared.tensors,
                             sharded=sharded(objects) if sharded is not None else None, origin=origin)
@@ -294,21 +294,21 @@ class RootWriter:
         copied there first, the manifest the one the local tier committed: same commit, writer epoch and origin).
         """
         assert self.fence.writer_epoch is not None and manifest.writer_epoch == self.fence.writer_epoch
-        commit, name, step, origin = manifest.commit, manifest.name, manifest.step, manifest.origin
+        folder, name, step, origin = manifest.commit, manifest.name, manifest.step, manifest.origin
         epoch = self.fence.writer_epoch
-        self.store.sync_folder(commit)  # the data is durable before the manifest names it
-        self._check_stored(manifest.objects, commit)
+        self.store.sync_folder(folder)  # the data is durable before the manifest names it
+        self._check_stored(manifest.objects, folder)
         # The manifest goes last: until it exists, this folder is not a checkpoint.
-        self.store.write(f"{commit}/{MANIFEST_NAME}", manifest.to_bytes())
-        for folder in (commit, name, ""):  # and it, and the folders holding it, before the pointer names it
-            self.store.sync_folder(folder)
+        self.store.write(f"{folder}/{MANIFEST_NAME}", manifest.to_bytes())
+        for path in (folder, name, ""):  # and it, and the folders holding it, before the pointer names it
+            self.store.sync_folder(path)
         entry = Entry.from_manifest(manifest)
-        reused = set(entry.folders) - {commit}
+        reused = set(entry.folders) - {folder}
 
         def add(p: Pointer) -> Pointer:
             if not reused <= p.live_folders():  # shared bytes of an earlier commit must still be kept alive
                 gone = sorted(reused - p.live_folders())
-                raise CheckpointError(f"{self.store.url(commit)} shares objects with {gone},"
+                raise CheckpointError(f"{self.store.url(folder)} shares objects with {gone},"
                                       " which were retired while it uploaded: the save was not committed")
             if p.last_saved != [epoch, step]:  # save_last at the step of a top-k save is the same save
                 p.saves += 1
@@ -326,13 +326,13 @@ class RootWriter:
 
         new, _ = self.fence.update(add, fenced=True)
         self._remember(manifest, new)
-        log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(commit), entry.step,
+        log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(folder), entry.step,
                  len(manifest.objects), entry.size)
         self.retention.delete_retired(new)
         self._replaced(name)
         return entry
 
-    def _check_stored(self, objects: list[ObjectEntry], commit: str) -> None:
+    def _check_stored(self, objects: list[ObjectEntry], folder: str) -> None:
         """Every object the manifest will name is stored with its size: a commit never references what is gone."""
         found = self.reader.stored_sizes({o.path for o in objects})
         for obj in objects:
@@ -344,7 +344,7 @@ class RootWriter:
             if pointer is not None and mine is not None and pointer.writer_epoch > mine:
                 raise StaleWriterError(self.url, mine, pointer.writer_epoch, pointer.writer)
             what = "is missing" if size is None else f"has {size} bytes, not {obj.size}"
-            raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(commit)} was to be"
+            raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(folder)} was to be"
                                   " committed (something deleted or replaced it): the save was not committed")
 
     def _remember(self, manifest: Manifest, pointer: Pointer | None = None) -> None:
