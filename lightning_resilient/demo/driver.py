@@ -16,11 +16,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
+
+from lightning_resilient.testing.lines import LineReader
 
 __all__ = ["run_demo", "scenario_error"]
 
@@ -48,48 +50,31 @@ class Job:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=(events_w,))
         os.close(events_w)
-        self.events: list[Event] = []
-        self.cond = threading.Condition()
-        self.reader = threading.Thread(target=self._pump, args=(events_r,), daemon=True)
-        self.reader.start()
+        self.events = LineReader(os.fdopen(events_r, "r"), _event, _echo if echo else None)
 
-    def _pump(self, fd: int) -> None:
-        with os.fdopen(fd, "r") as stream:
-            for line in stream:
-                kind, *rest = line.strip().split()
-                event = Event(time.monotonic(), kind.lstrip("@"), rest)
-                if self.echo:
-                    _echo(event)
-                with self.cond:
-                    self.events.append(event)
-                    self.cond.notify_all()
-        with self.cond:
-            self.cond.notify_all()
-
-    def wait_for(self, test: Any, what: str, timeout: float = 300) -> Event:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for event in self.events:
-                    if test(event):
-                        return event
-                if not self.reader.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"the training job ended before {what} (exit status {self.proc.poll()})")
-                self.cond.wait(0.05)
+    def wait_for(self, test: Callable[[Event], bool], what: str, timeout: float = 300) -> Event:
+        found = self.events.wait_for(test, timeout)
+        if found is None:
+            raise RuntimeError(f"the training job ended before {what} (exit status {self.proc.poll()})")
+        return found
 
     def of(self, kind: str) -> list[Event]:
-        with self.cond:
-            return [e for e in self.events if e.kind == kind]
+        return [e for e in self.events.items() if e.kind == kind]
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        self.reader.join()
+        self.events.join()
 
     def finish(self, timeout: float = 600) -> None:
         if self.proc.wait(timeout=timeout) != 0:
             raise RuntimeError(f"the training job failed (exit status {self.proc.returncode})")
-        self.reader.join()
+        self.events.join()
+
+
+def _event(line: str) -> Event:
+    kind, *rest = line.strip().split()
+    return Event(time.monotonic(), kind.lstrip("@"), rest)
 
 
 def _echo(event: Event) -> None:
@@ -406,7 +391,7 @@ def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str
     noticed = time.monotonic()
     first.proc.send_signal(signal.SIGTERM)
     status = first.proc.wait(timeout=120)
-    first.reader.join()
+    first.events.join()
     emergency = [e for e in first.of("commit") if e.fields[1].endswith("preemption.ckpt")]
     saved_step = int(emergency[0].fields[0]) if emergency else None
     took = (emergency[0].at - noticed) if emergency else None

@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.folders import commit_time
+from lightning_resilient.testing.lines import LineReader
 
 from .helpers import read_pointer
 
@@ -29,35 +29,33 @@ KILLS_IN_SAVES = 6  # on local disk; the randomized protocol test (test_protocol
 # instant, and test_tiered_crash.py during local-tier saves and persists to S3
 
 
+def _stamped(line: str) -> tuple[float, str]:
+    return time.monotonic(), line.strip()
+
+
 class Job:
-    """A child process whose stdout lines are collected by a reader thread (so reads never block)."""
+    """A child process (in a session of its own, so a kill takes its helpers too) and the lines it prints, each with
+    when it arrived."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self.cond = threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self.proc = proc
+        self.output = LineReader(proc.stdout, _stamped)
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self.cond:
-                self.lines.append((time.monotonic(), line.strip()))
-                self.cond.notify_all()
+    @classmethod
+    def start(cls, args: list[str], env: dict[str, str]) -> Job:
+        return cls(subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True))
+
+    @property
+    def lines(self) -> list[tuple[float, str]]:
+        return self.output.items()
 
     def wait_for(self, predicate, timeout: float = 120) -> tuple[float, str]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                for item in self.lines:
-                    if predicate(item[1]):
-                        return item
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and not self.reader.is_alive()):
-                    raise AssertionError(f"child never printed the expected line; got {self.lines[-5:]}")
-                self.cond.wait(min(left, 0.5))
+        found = self.output.wait_for(lambda item: predicate(item[1]), timeout)
+        if found is None:
+            raise AssertionError(f"child never printed the expected line; got {self.lines[-5:]}")
+        return found
 
     def wait_for_nth(self, prefix: str, n: int, timeout: float = 120) -> tuple[float, str]:
         """The n-th line starting with ``prefix`` (1-based), once the child has printed it."""
@@ -67,7 +65,7 @@ class Job:
     def kill(self) -> list[str]:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
-        self.reader.join(timeout=30)
+        self.output.join(timeout=30)
         return [line for _, line in self.lines]
 
 
@@ -80,7 +78,7 @@ def run_crash_loop(backend, env: dict[str, str]) -> None:
     while kills_in_saves < KILLS_IN_SAVES:
         launches += 1
         assert launches <= KILLS_IN_SAVES + 10, "too few kills landed inside saves"
-        job = Job([backend.root, options], env)
+        job = Job.start([backend.root, options], env)
         resumed = job.wait_for(lambda line: line.startswith("RESUME"))[1]
         if committed:
             assert resumed != "RESUME None", "a restart did not find the committed checkpoint"

@@ -11,7 +11,6 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,11 @@ MAX_STEPS = 36
 
 
 def start(backend, local: Path, out: Path, *extra: str) -> Job:
-    job = Job.__new__(Job)  # test_crash's reader of a child's lines, around this test's own child
-    job.proc = subprocess.Popen([sys.executable, str(CHILD), backend.root, json.dumps(backend.storage_options),
+    # test_crash's child and its lines, around this test's own child script
+    return Job(subprocess.Popen([sys.executable, str(CHILD), backend.root, json.dumps(backend.storage_options),
                                  str(local), str(out), "--max-steps", str(MAX_STEPS), *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                env=_env(AWS_ENDPOINT_URL=backend.endpoint or ""), start_new_session=True)
-    job.lines, job.cond = [], threading.Condition()
-    job.reader = threading.Thread(target=job._read, daemon=True)
-    job.reader.start()
-    return job
+                                env=_env(AWS_ENDPOINT_URL=backend.endpoint or ""), start_new_session=True))
 
 
 def started_at(job: Job) -> int:
