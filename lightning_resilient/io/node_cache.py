@@ -144,8 +144,6 @@ class NodeCache:
                 os.close(fd)
 
         loaded = root.load(commit, tee=tee, manifest=manifest, **load_kwargs)
-        if not loaded.manifest.chunk_size:
-            return loaded  # a format-1 checkpoint: the node's other processes read it from the store themselves
         # The manifest (for the copy's layout; verification uses the store's) and the marker go last: a copy
         # interrupted half-way is never used.
         path = os.path.join(folder, commit, MANIFEST_NAME)
