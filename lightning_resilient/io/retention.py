@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 
 from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
 from lightning_resilient.io.fencing import WriterFence, is_resumed
@@ -69,30 +70,22 @@ class Retention:
         Does not claim the root: a job writing it is not fenced, and the conditional pointer update makes this
         safe to run beside it. Returns what was (would be) dropped.
         """
-        pointer, _ = self.fence.read_pointer()
-        if pointer is None or dry_run:
-            return _beyond(pointer, keep_last) if pointer is not None else []
-        dropped: list[Entry] = []
-
-        def drop(p: Pointer) -> Pointer | None:
-            dropped[:] = _beyond(p, keep_last)
-            for entry in dropped:
-                del p.checkpoints[entry.name]
-            return p if dropped else None
-
-        new, _ = self.fence.update(drop, fenced=False, retire_now=True)
-        self.delete_retired(new)
-        return dropped
+        return self._drop_now(lambda p: _beyond(p, keep_last), dry_run)
 
     def drop_abandoned(self, *, dry_run: bool = False) -> list[Entry]:
         """Drop from the catalog every checkpoint outside the current lineage (an operator's ``gc --abandoned``)."""
+        return self._drop_now(_abandoned, dry_run)
+
+    def _drop_now(self, select: Callable[[Pointer], list[Entry]], dry_run: bool) -> list[Entry]:
+        """An operator's drop of what ``select`` picks from the pointer (chosen again on every try of the update):
+        retired at once, deleted now. Returns what was (would be) dropped."""
         pointer, _ = self.fence.read_pointer()
         if pointer is None or dry_run:
-            return _abandoned(pointer) if pointer is not None else []
+            return select(pointer) if pointer is not None else []
         dropped: list[Entry] = []
 
         def drop(p: Pointer) -> Pointer | None:
-            dropped[:] = _abandoned(p)
+            dropped[:] = select(p)
             for entry in dropped:
                 del p.checkpoints[entry.name]
             return p if dropped else None
