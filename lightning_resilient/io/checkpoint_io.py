@@ -55,7 +55,6 @@ __all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "mark_resumed_step_sa
 log = logging.getLogger(__name__)
 
 
-
 class AtomicCheckpointIO(CheckpointIO):
     """Save Lightning checkpoints to any fsspec URL as immutable, checksummed objects.
 
@@ -170,7 +169,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self.local_tier, self.persist_every, self.local_keep = tier.local_tier, tier.persist_every, tier.local_keep
         # float() as before: a delay given as a string ("0.5", from a config file) is still read as seconds.
         self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
-        self.max_concurrency = max_concurrency
+        self.max_concurrency = self.settings.max_concurrency  # checked (a plain int)
         self.claim_on_load = claim_on_load
         self.async_save = async_save
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory

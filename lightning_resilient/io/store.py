@@ -880,7 +880,6 @@ def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPol
     return cls(fs, url.rstrip("/") or url, path.rstrip("/") or path, retry)
 
 
-
 def _unknown_protocol(exc: BaseException) -> bool:
     """fsspec's errors for a protocol it does not know, or whose filesystem package is not installed."""
     return isinstance(exc, ImportError) or str(exc).startswith("Protocol not known")

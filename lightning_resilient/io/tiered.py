@@ -134,8 +134,6 @@ def _check_local_tier(value: Any) -> str | None:
     return os.path.realpath(os.path.expanduser(path))
 
 
-
-
 class TieredRoot:
     """The save side of one durable root and its local tier, for one plugin (see the module docstring).
 
