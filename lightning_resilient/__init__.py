@@ -35,7 +35,7 @@ _WHERE = {
     "TransferAudit": "lightning_resilient.planning",
     "UnsupportedFormatError": "lightning_resilient.errors",
     "export_checkpoint": "lightning_resilient.io.loading",
-    "find_latest_checkpoint": "lightning_resilient.io.catalog",
+    "find_latest_checkpoint": "lightning_resilient.io.latest",
     "load_checkpoint": "lightning_resilient.io.loading",
     "load_from_checkpoint": "lightning_resilient.io.loading",
     "repair_pointer": "lightning_resilient.io.catalog",
@@ -87,8 +87,9 @@ if TYPE_CHECKING:
         StoreURLError,
         UnsupportedFormatError,
     )
-    from lightning_resilient.io.catalog import find_latest_checkpoint, repair_pointer
+    from lightning_resilient.io.catalog import repair_pointer
     from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+    from lightning_resilient.io.latest import find_latest_checkpoint
     from lightning_resilient.io.loading import export_checkpoint, load_checkpoint, load_from_checkpoint
     from lightning_resilient.planning import CheckpointCadence, TransferAudit
     from lightning_resilient.precision import AutoPrecision, select_precision

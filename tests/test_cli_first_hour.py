@@ -259,10 +259,10 @@ def test_python_credentials_errors_name_the_python_argument(s3_endpoint, no_cred
 def test_gcs_refusals_name_google_application_credentials():
     from gcsfs.retry import HttpError
 
-    from lightning_resilient.io.store import _translate
+    from lightning_resilient.io.store.errors import translate_error
 
-    refused = _translate(HttpError({"code": 401, "message": "Anonymous caller does not have storage.objects.list"}),
-                         "gs://bucket/run", "list")
+    denied = HttpError({"code": 401, "message": "Anonymous caller does not have storage.objects.list"})
+    refused = translate_error(denied, "gs://bucket/run", "list")
     assert isinstance(refused, lightning_resilient.StoreCredentialsError)
     assert "GOOGLE_APPLICATION_CREDENTIALS" in str(refused) and "Anonymous caller" in str(refused)
     assert "--storage-options '{\"token\": " in refused.cli_message

@@ -24,7 +24,7 @@ from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.root import INSPECTING, CheckpointRoot, Loaded, open_root
 from lightning_resilient.io.store import Store
 
-__all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "check_bucket", "find_latest_checkpoint", "load_resolved",
+__all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "check_bucket", "latest_in_root", "load_resolved",
            "normalize", "reader", "repair_pointer", "resolve", "stock_checkpoints", "was_retired"]
 
 log = logging.getLogger(__name__)
@@ -322,31 +322,9 @@ def _loud(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
-def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None, *,
-                           local_tier: str | None = None) -> str | None:
-    """The newest committed checkpoint of the current run under ``root``, for ``trainer.fit(ckpt_path=...)``.
-
-    With ``local_tier`` (the plugin's ``local_tier`` folder), the newest of the root's lineage in either tier: a
-    checkpoint this node's local tier holds but the root does not (yet) is returned as a URL in the root, which a
-    plugin with that ``local_tier`` reads from the local tier (and falls back to the root's copy, or older, when the
-    local copy fails verification).
-
-    Returns None when the root holds no committed checkpoint of the current run (a first run). It reads the
-    pointer and the newest checkpoint's manifest (which must verify); every byte of the data is verified when the
-    checkpoint is loaded, and a damaged one is then replaced by the previous committed checkpoint of the same
-    lineage, with a loud warning. A checkpoint of a branch abandoned by a rollback is never returned. A missing
-    bucket raises ``FileNotFoundError``, and a root whose every checkpoint is damaged raises
-    :class:`~lightning_resilient.CheckpointCorruptedError`, rather than returning None: either would otherwise
-    silently restart training from scratch.
-    """
-    checkpoint_root = reader(root, storage_options)
-    if local_tier is not None:
-        from lightning_resilient.io.tiered import find_latest_tiered, local_tier_url  # it builds on this module
-
-        local = reader(local_tier_url(local_tier, checkpoint_root.url))
-        found_tiered = find_latest_tiered(checkpoint_root, local)
-        if found_tiered is not None:
-            return found_tiered
+def latest_in_root(checkpoint_root: CheckpointRoot) -> str | None:
+    """The newest committed checkpoint of the current run in one root (see :func:`~lightning_resilient.io.latest.
+    find_latest_checkpoint`, which also looks in a local tier), read again while retention retires the candidates."""
     for _ in range(_RESOLVE_ATTEMPTS):
         found = _find_latest(checkpoint_root)
         if found is not _RETIRED:
@@ -359,7 +337,7 @@ _RETIRED = object()
 
 
 def _find_latest(checkpoint_root: CheckpointRoot) -> str | object | None:
-    """One attempt of find_latest_checkpoint; ``_RETIRED`` when retention retired the candidates meanwhile."""
+    """One attempt of latest_in_root; ``_RETIRED`` when retention retired the candidates meanwhile."""
     store = checkpoint_root.store
     pointer, _ = checkpoint_root.read_pointer()
     unreadable: dict[str, str] = {}

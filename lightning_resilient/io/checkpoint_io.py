@@ -28,11 +28,11 @@ from lightning_resilient.io.catalog import (
     ALONE,
     Together,
     check_bucket,
-    find_latest_checkpoint,
     load_resolved,
     normalize,
     repair_pointer,
 )
+from lightning_resilient.io.latest import find_latest_checkpoint
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.node_cache import NodeCache
 from lightning_resilient.io.pointer import Entry

@@ -1,0 +1,54 @@
+"""The few storage operations the checkpoint protocol needs, one module per fsspec backend.
+
+- ``base.py``: the :class:`Store` interface and the generic backend (no conditional write: last writer wins, with a
+  one-time warning that writer fencing is off), :class:`ObjectInfo`, :data:`PROTOCOL_DIR`, :func:`probe_fencing`;
+- ``local.py``: local disk, an ``flock`` held across read-compare-replace (:func:`file_lock`);
+- ``memory.py``: ``memory://``, a process-wide lock;
+- ``s3.py``: ``If-None-Match: *`` to create, ``If-Match: <etag>`` to replace;
+- ``gcs.py``: ``ifGenerationMatch`` (0 to create);
+- ``errors.py``: backend errors mapped to messages that name the URL and the fix.
+
+:func:`open_store` picks the backend for a URL.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.store.base import PROTOCOL_DIR, ObjectInfo, Store, probe_fencing
+from lightning_resilient.io.store.errors import check_default_client, is_unknown_protocol, open_error
+from lightning_resilient.io.store.gcs import GCSStore
+from lightning_resilient.io.store.local import LocalStore, file_lock
+from lightning_resilient.io.store.memory import MemoryStore
+from lightning_resilient.io.store.s3 import GatherReader, S3Store
+
+__all__ = ["GCSStore", "GatherReader", "LocalStore", "MemoryStore", "ObjectInfo", "PROTOCOL_DIR", "S3Store", "Store",
+           "check_default_client", "file_lock", "open_store", "probe_fencing"]
+
+
+def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy) -> Store:
+    """Build the :class:`Store` for the checkpoint root ``url``; :class:`StoreURLError` for a URL no installed
+    filesystem can open."""
+    try:
+        fs, path = url_to_fs(url, **(storage_options or {}))
+    except (ValueError, ImportError) as exc:
+        if not is_unknown_protocol(exc):
+            raise  # a bad storage option, say: fsspec's own words name it
+        raise open_error(url, exc) from None
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if "file" in protocols or "local" in protocols:
+        cls: type[Store] = LocalStore
+        path = os.path.abspath(path)
+    elif "memory" in protocols:
+        cls = MemoryStore
+    elif "s3" in protocols:
+        cls = S3Store
+    elif "gs" in protocols or "gcs" in protocols:
+        cls = GCSStore
+    else:
+        cls = Store
+    return cls(fs, url.rstrip("/") or url, path.rstrip("/") or path, retry)

@@ -1,0 +1,322 @@
+"""The storage interface the checkpoint protocol sees, and the generic fsspec backend behind it.
+
+Everything above the store package sees one small interface (:class:`Store`): read and write whole objects, list a
+folder, delete, and a compare-and-swap write (``write_if``) for the pointer. This generic class serves any fsspec
+filesystem without a conditional write that we know of: ``write_if`` is last-writer-wins, with a one-time warning
+that writer fencing is off. The backends that enforce the swap subclass it, one module each (``local``,
+``memory``, ``s3``, ``gcs``).
+
+Every call goes through :class:`~lightning_resilient.io.retry.RetryPolicy`, and backend errors are mapped (in
+``errors.py``) to built-in exceptions whose messages name the URL and what to fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import fsspec
+
+from lightning_resilient.io._paths import join
+from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.store.errors import translate_error
+
+__all__ = ["ObjectInfo", "PROTOCOL_DIR", "Pieces", "READ_PIECE", "Store", "content_version", "probe_fencing"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Pieces = list[memoryview]
+Consume = Callable[[Iterable[memoryview]], T]
+
+# Ranged reads hand their bytes on in pieces of this size, so a read in flight holds one piece, not its range.
+READ_PIECE = 4 * 2**20
+
+_warned_no_cas: set[str] = set()
+_warned_lock = threading.Lock()
+
+#: Under the root, the folder for the protocol's own objects other than the pointer (probes, ...). Listings of
+#: the root skip dot-names, so nothing in it is ever taken for a checkpoint.
+PROTOCOL_DIR = ".lightning_resilient"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a listing says of one stored object: its size, and when the store last wrote it (the store's clock)."""
+
+    size: int
+    modified: float | None
+
+
+def _timestamp(detail: dict[str, Any]) -> float | None:
+    """The store's modification time in a listing entry, whatever the backend calls it."""
+    for key in ("mtime", "LastModified", "updated", "created", "timeCreated"):
+        value = detail.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
+def content_version(data: bytes) -> str:
+    """The version token of a store whose conditional write compares contents (local disk, ``memory://``)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _joined(pieces: Pieces) -> bytes | memoryview:
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+class Store:
+    """Generic fsspec backend: no conditional write, so ``write_if`` is last-writer-wins."""
+
+    supports_cas = False
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root_url: str, root_path: str, retry: RetryPolicy) -> None:
+        self.fs = fs
+        self.root_url = root_url
+        self.root_path = root_path
+        self.retry = retry
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+    def path(self, rel: str) -> str:
+        """Backend path of a root-relative object."""
+        return join(self.root_path, rel) if rel else self.root_path
+
+    def url(self, rel: str = "") -> str:
+        return join(self.root_url, rel) if rel else self.root_url
+
+    def _call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
+        try:
+            return self.retry.call(f"{what} {self.url(rel)}", fn)
+        except Exception as exc:
+            raise translate_error(exc, self.url(rel), what) from exc
+
+    # -- plain objects -----------------------------------------------------------------------------------------
+    def read(self, rel: str) -> bytes:
+        data: bytes = self._call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+        return data
+
+    def read_range(self, rel: str, start: int, end: int, consume: Consume[T]) -> T:
+        """Read bytes ``[start, end)`` of ``rel`` and pass them, as consecutive pieces, to ``consume``.
+
+        A retry re-runs ``consume`` over a fresh stream, so it must not depend on an earlier, failed attempt
+        (writing each piece at its absolute offset is fine). An object shorter than ``end`` yields fewer
+        bytes; the caller's checksum catches that.
+        """
+        return self._call("read", rel, lambda: consume(self._range_pieces(self.path(rel), start, end)))
+
+    def _range_pieces(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        if end > start:
+            yield memoryview(self.fs.cat_file(path, start=start, end=end))
+
+    def write(self, rel: str, data: bytes | bytearray | memoryview) -> None:
+        """Write an immutable object (its name is unique to one save, so a retry rewrites the same bytes)."""
+        self.write_pieces(rel, [memoryview(data)])
+
+    def sync_folder(self, rel: str) -> None:
+        """Make the objects written under ``rel`` durable before anything refers to them (local disk only)."""
+
+    # Reading straight into the caller's buffers (no intermediate copy), where the backend can: local disk.
+    supports_read_into = False
+
+    def read_into(self, rel: str, start: int, views: list[memoryview]) -> int:
+        """Fill ``views`` in order with the object's bytes from ``start``; returns how many bytes were read."""
+        raise NotImplementedError
+
+    def write_pieces(self, rel: str, pieces: Pieces) -> None:
+        """Write an immutable object whose bytes are ``pieces`` in order, copying them only if the client must."""
+        self._call("write", rel, lambda: self._write(self.path(rel), pieces))
+
+    def _write(self, path: str, pieces: Pieces) -> None:
+        self.fs.pipe_file(path, _joined(pieces))
+
+    def exists(self, rel: str) -> bool:
+        return self._call("stat", rel, lambda: self._exists(self.path(rel)))
+
+    def remove_object(self, rel: str) -> None:
+        """Delete one object (never a folder or a prefix of the same name); a missing one is fine."""
+
+        def rm() -> None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            with suppress(FileNotFoundError):
+                self.fs.rm_file(path)
+
+        self._call("delete", rel, rm)
+
+    def move(self, rel: str, to: str) -> None:
+        """Move one object (a rename on disk, a copy then a delete on object stores)."""
+
+        def mv() -> None:
+            source, target = self.path(rel), self.path(to)
+            self.fs.invalidate_cache(source)
+            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.mv(source, target)
+
+        self._call("move", rel, mv)
+
+    def is_link(self, rel: str) -> bool:
+        """Whether ``rel`` is a symbolic link (local disk: ``ModelCheckpoint(save_last="link")``); never elsewhere."""
+        return False
+
+    def _exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return bool(self.fs.exists(path))
+
+    def is_file(self, rel: str) -> bool:
+        def isfile() -> bool:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            return bool(self.fs.isfile(path))
+
+        return self._call("stat", rel, isfile)
+
+    def size(self, rel: str) -> int:
+        return int(self._call("stat", rel, lambda: self.fs.size(self.path(rel))))
+
+    def list_dir(self, rel: str) -> list[str]:
+        """Names directly under ``rel``; empty when it does not exist."""
+
+        def ls() -> list[str]:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+
+        return self._call("list", rel, ls)
+
+    def list_detail(self, rel: str) -> dict[str, ObjectInfo]:
+        """The objects directly under ``rel`` (not sub-folders) with their sizes and store timestamps."""
+
+        def ls() -> dict[str, ObjectInfo]:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return {}
+            out = {}
+            for e in entries:
+                name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+                if name and e.get("type", "file") == "file":
+                    out[name] = ObjectInfo(int(e.get("size") or 0), _timestamp(e))
+            return out
+
+        return self._call("list", rel, ls)
+
+    def modified(self, rel: str) -> float | None:
+        """When the store last wrote ``rel``, by the store's own clock; None when it does not exist."""
+
+        def info() -> float | None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                return _timestamp(self.fs.info(path))
+            except FileNotFoundError:
+                return None
+
+        return self._call("stat", rel, info)
+
+    def check_fencing(self) -> str | None:
+        """Whether this store enforces :meth:`write_if`: None when it does, else what it does not enforce."""
+        return f"the {type(self.fs).__name__} filesystem has no conditional write that lightning_resilient knows"
+
+    def remove_stale_temp_files(self, rel: str) -> list[str]:
+        """Delete temp files left by interrupted :meth:`write_if` calls on ``rel``; returns their names."""
+        return []
+
+    def remove(self, rel: str) -> None:
+        """Delete an object or a folder recursively; a missing one is fine."""
+
+        def rm() -> None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            with suppress(FileNotFoundError):
+                self.fs.rm(path, recursive=True)
+
+        self._call("delete", rel, rm)
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        """Abort incomplete multipart uploads under the root started before ``older_than``; S3 only."""
+        return []
+
+    def bucket_exists(self, bucket: str) -> bool:
+        """Whether ``bucket`` exists; missing credentials raise (a clear PermissionError), they are not a "no"."""
+        return bool(self._call("stat bucket", "", lambda: self.fs.exists(bucket)))
+
+    # -- the pointer -------------------------------------------------------------------------------------------
+    def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
+        """The object's bytes and a version token for :meth:`write_if`, or None when it does not exist."""
+
+        def read() -> tuple[bytes, str] | None:
+            path = self.path(rel)
+            self.fs.invalidate_cache(path)
+            try:
+                data = self.fs.cat_file(path)
+            except (FileNotFoundError, NotADirectoryError):  # a parent that is a file: nothing there either
+                return None
+            return data, content_version(data)
+
+        return self._call("read", rel, read)
+
+    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+        """Replace ``rel`` with ``data`` only if its version is still ``expected`` (None: it must not exist).
+
+        Returns False when the condition failed (someone else wrote first); the caller re-reads and retries.
+        """
+        key = f"{type(self.fs).__name__}:{self.root_url}"
+        with _warned_lock:
+            first = key not in _warned_no_cas
+            _warned_no_cas.add(key)
+        if first:
+            warnings.warn(
+                f"the {type(self.fs).__name__} filesystem behind {self.root_url!r} has no conditional write that"
+                " lightning_resilient knows how to use: writer fencing is OFF (last writer wins). Two jobs"
+                " writing this root at once can overwrite each other's pointer. Use local disk, S3 or GCS for"
+                " fenced writes.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.write(rel, data)
+        return True
+
+
+def probe_fencing(store: Store, bogus_version: str) -> str | None:
+    """Check with a probe object that ``store`` really refuses conditional writes it must refuse.
+
+    An S3-compatible server may accept ``If-Match`` / ``If-None-Match`` and ignore them: both jobs would then
+    "fence" each other while both write. Writes a probe under :data:`PROTOCOL_DIR`, then a create of the existing
+    object and a replace against a wrong version (both must be refused), and deletes it. Returns None when both
+    were refused, else what was not enforced.
+    """
+    rel = f"{PROTOCOL_DIR}/fencing-probe-{uuid.uuid4().hex}"
+    try:
+        if not store.write_if(rel, b"probe 1", None):
+            return "a create-only write of a new object was refused"
+        if store.write_if(rel, b"probe 2", None):
+            return "a create-only write (If-None-Match: *) replaced an existing object"
+        if store.write_if(rel, b"probe 3", bogus_version):
+            return "a replace against a wrong version (If-Match / ifGenerationMatch) was accepted"
+        return None
+    finally:
+        try:
+            store.remove(rel)
+        except Exception as exc:  # a leftover probe is harmless: dot-folders are never read as checkpoints
+            log.warning("could not delete the fencing probe %s: %s", store.url(rel), exc)

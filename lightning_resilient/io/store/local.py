@@ -1,0 +1,167 @@
+"""Local (or shared POSIX) disk: the conditional write is an ``flock`` held across read-compare-replace, with a
+temp file in the same folder, fsync and ``os.replace``; saves write straight to their unique names and fsync.
+
+:func:`file_lock` is also the node cache's lock (one flock helper for the package).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+from lightning_resilient.io.store.base import READ_PIECE, Pieces, Store, content_version
+
+__all__ = ["LocalStore", "file_lock"]
+
+_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
+
+
+@contextmanager
+def file_lock(path: str, mode: int = fcntl.LOCK_EX, *, private: bool = False) -> Iterator[None]:
+    """Hold an ``flock`` on the file ``path`` (created if missing) for the block: processes on one host (or one
+    POSIX shared filesystem) serialize on it. ``private``: created mode 0600, never opened through a symlink."""
+    flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_NOFOLLOW", 0) if private else 0)
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+class LocalStore(Store):
+    """Local (or shared POSIX) filesystem: fsync'ed temp file + ``os.replace`` under an ``flock``."""
+
+    supports_cas = True
+
+    def check_fencing(self) -> str | None:
+        return None  # the swap is this package's own flock + os.replace
+
+    def is_link(self, rel: str) -> bool:
+        return os.path.islink(self.path(rel))
+
+    def remove_stale_temp_files(self, rel: str) -> list[str]:
+        # A conditional write holds the lock from its temp file's creation to its rename, so a temp file found
+        # while holding the lock belongs to a writer that died: it can go. Without the lock, it may be a live one's.
+        path = self.path(rel)
+        removed = []
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with file_lock(path + ".lock"):
+            directory = os.path.dirname(path)
+            for name in os.listdir(directory) if os.path.isdir(directory) else []:
+                if name.startswith(".tmp-") and name.endswith(f"-{os.path.basename(path)}"):
+                    try:
+                        os.unlink(os.path.join(directory, name))
+                        removed.append(name)
+                    except FileNotFoundError:
+                        pass
+        return removed
+
+    def _write(self, path: str, pieces: Pieces) -> None:
+        # Objects of a save are immutable and named uniquely: a crash mid-write leaves a short file in a folder
+        # with no manifest, which nothing reads. So no temp file and rename: write, fsync, and the folder is
+        # fsynced once (sync_folder) before the manifest refers to it. The pointer goes through write_if.
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for piece in pieces:
+                view = memoryview(piece).cast("B")
+                while len(view):
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def sync_folder(self, rel: str) -> None:
+        def sync() -> None:
+            try:
+                fd = os.open(self.path(rel), os.O_RDONLY)
+            except FileNotFoundError:
+                return  # nothing written there yet (a save whose data all lives in an earlier commit)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        self._call("sync", rel, sync)
+
+    supports_read_into = True
+
+    def read_into(self, rel: str, start: int, views: list[memoryview]) -> int:
+        def read() -> int:
+            total = 0
+            with open(self.path(rel), "rb", buffering=0) as f:
+                pending = [v for v in views if len(v)]
+                pos = start
+                while pending:
+                    got = os.preadv(f.fileno(), pending[:_IOV_MAX], pos)
+                    if got <= 0:
+                        break  # the file is shorter than the manifest says: the caller's length check catches it
+                    total += got
+                    pos += got
+                    while got and pending:  # drop what was filled; keep the unfilled tail of a partial view
+                        if got >= len(pending[0]):
+                            got -= len(pending.pop(0))
+                        else:
+                            pending[0] = pending[0][got:]
+                            got = 0
+            return total
+
+        return self._call("read", rel, read)
+
+    def _range_pieces(self, path: str, start: int, end: int) -> Iterator[memoryview]:
+        buf = bytearray(min(READ_PIECE, max(end - start, 0)))
+        with open(path, "rb", buffering=0) as f:
+            pos = start
+            while pos < end:
+                want = min(len(buf), end - pos)
+                got = os.preadv(f.fileno(), [memoryview(buf)[:want]], pos)
+                if got <= 0:
+                    return  # the file is shorter than the manifest says
+                yield memoryview(buf)[:got]
+                pos += got
+
+    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+        path = self.path(rel)
+
+        def swap() -> bool:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with file_lock(path + ".lock"):
+                try:
+                    with open(path, "rb") as f:
+                        current: str | None = content_version(f.read())
+                except FileNotFoundError:
+                    current = None
+                if current != expected:
+                    return False
+                _atomic_local_write(path, [memoryview(data)])
+                return True
+
+        return self._call("conditional write", rel, swap)
+
+
+def _atomic_local_write(path: str, pieces: Pieces) -> None:
+    # Same-folder temp file: os.replace is atomic only within one filesystem, and a crash mid-write must
+    # leave either the old object or nothing under the final name, never a torn one.
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+    try:
+        with open(tmp, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable before anyone is told about it
+    finally:
+        os.close(dir_fd)
