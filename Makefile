@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+# pytest-xdist workers: one per core (tests that start processes are dealt out first; see tests/conftest.py).
+TEST_WORKERS ?= auto
 
-.PHONY: install test demo lint clean
+.PHONY: install test test-fast demo lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +19,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests that start processes (kills, DDP, FSDP, the demo, benchmark runs).
+test-fast: install
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 # ruff over the whole tree, mypy --strict over the package (settings in pyproject.toml); zero findings expected.
 lint: install

