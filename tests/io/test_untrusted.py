@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import tracemalloc
 import warnings
 from pathlib import PosixPath
 
@@ -87,6 +88,31 @@ def test_a_huge_declared_size_is_refused_before_anything_is_allocated(local_back
     _reseal(backend, lie)
     with pytest.raises(CheckpointCorruptedError, match=r"has \d+ bytes, the manifest says 1000000000000000"):
         make_io(backend, fallback_on_corruption=False).load_checkpoint(backend.root)
+
+
+@pytest.mark.parametrize("size", [10**15, 2 * 10**6 * 16 * 2**20])
+def test_a_huge_object_at_the_default_chunk_size_is_damage_found_before_any_per_chunk_structure(backend, size,
+                                                                                                make_io):
+    """1e15 bytes at the default chunk size (16 MiB) would be 6e7 chunk ranges: the digest count is compared with
+    arithmetic, so the manifest is damaged at once (and the load falls back), with no per-chunk list built. The
+    second size is small enough to show that without exhausting memory: 2e6 ranges would be ~200 MB."""
+    _two_saves(make_io, backend)
+
+    def lie(body, commit):
+        assert body["chunk_size"] == 16 * 2**20
+        body["objects"][body["stream"][0]]["size"] = size
+
+    _reseal(backend, lie)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptedError, match=r"chunk digest\(s\) for \d+ bytes"):
+            make_io(backend, fallback_on_corruption=False).load_checkpoint(backend.root)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20, peak  # nothing was built per chunk
+    with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):  # damaged: the fallback applies
+        assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 1
 
 
 def test_a_tiny_chunk_size_cannot_turn_a_load_into_a_request_per_byte(backend, make_io):
