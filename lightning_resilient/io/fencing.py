@@ -45,6 +45,10 @@ class WriterFence:
         self.reader = reader  # rebuilds a missing pointer from the manifests
         self.writer = writer_identity()
         self.writer_epoch: int | None = None  # the writer epoch this process claimed, once it did
+        #: The incarnation of the root (the pointer's ``root_id``) this process claimed, once it did: a root deleted
+        #: and written again under the same URL starts its writer epochs over, so an epoch alone cannot tell a
+        #: writer of the old incarnation from the new one's.
+        self.root_id: str | None = None
         self.origin: Origin | None = None  # where this writer's training came from, once it claimed
         self.resumed_from: str | None = None
         #: What this process last loaded from the root: a fit that resumed from it claims the root with it as
@@ -121,8 +125,8 @@ class WriterFence:
                     protect(base, self._resumed_entry, self.writer)  # this writer's own protection, lost with it
             else:
                 base = current
-            if fenced and self.writer_epoch is not None and base.writer_epoch > self.writer_epoch:
-                raise StaleWriterError(self.url, self.writer_epoch, base.writer_epoch, base.writer)
+            if fenced:
+                self.check_current(base)
             new = base.copy()
             for folder in self._deleted & set(new.retired):
                 del new.retired[folder]
@@ -134,7 +138,8 @@ class WriterFence:
             for folder in [f for f in new.retired if f in live]:  # referenced again (a rebuilt catalog): keep it
                 del new.retired[folder]
             new.txn = uuid.uuid4().hex
-            new.root_id = new.root_id or uuid.uuid4().hex
+            # A pointer rebuilt from the manifests (lost, repaired) has none: this writer's own incarnation goes on.
+            new.root_id = new.root_id or self.root_id or uuid.uuid4().hex
             if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
                 if legacy:
                     self._drop_legacy_pointer()
@@ -148,6 +153,17 @@ class WriterFence:
             time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
         raise TimeoutError(f"could not update {self.store.url(POINTER_NAME)}: {_CAS_ATTEMPTS} conditional writes"
                            " in a row lost to other writers")
+
+    def check_current(self, pointer: Pointer) -> None:
+        """Raise ``StaleWriterError`` when ``pointer`` is no longer this writer's to change: a newer writer epoch
+        claimed it, or it is another incarnation of the root (deleted and written again since this claim). A
+        pointer without a ``root_id`` (rebuilt from the manifests) is this root's, whoever rebuilt it."""
+        if self.writer_epoch is None:
+            return
+        if self.root_id and pointer.root_id and pointer.root_id != self.root_id:
+            raise StaleWriterError(self.url, self.writer_epoch, pointer.writer_epoch, pointer.writer, recreated=True)
+        if pointer.writer_epoch > self.writer_epoch:
+            raise StaleWriterError(self.url, self.writer_epoch, pointer.writer_epoch, pointer.writer)
 
     def _remove_manifest(self, folder: str) -> None:
         try:
@@ -207,7 +223,7 @@ class WriterFence:
         new, _ = self.update(bump, fenced=False)
         if self.store.exists(LEGACY_POINTER_NAME):  # a migration that died before deleting it
             self._drop_legacy_pointer()
-        self.writer_epoch = new.writer_epoch
+        self.writer_epoch, self.root_id = new.writer_epoch, new.root_id
         self.origin = origin
         self._resumed_entry = resumed_from if not elsewhere else None
         # After the swap (a record is only ever written for an epoch that was claimed): a crash between the two loses
@@ -283,7 +299,7 @@ class WriterFence:
             return p
 
         new, _ = self.update(bump, fenced=False)
-        self.writer_epoch, self.origin = epoch, origin
+        self.writer_epoch, self.origin, self.root_id = epoch, origin, new.root_id
         return new
 
     def hold(self, folders: Iterable[str], why: str) -> None:

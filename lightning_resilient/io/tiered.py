@@ -211,7 +211,7 @@ class TieredRoot:
         path = self.local.store.path("").rstrip("/")
         aside = f"{path}.set-aside-{int(time.time())}"
         os.rename(path, aside)
-        self.local.fence.writer_epoch = None  # set aside: the next save adopts again
+        self.local.fence.writer_epoch = self.local.fence.root_id = None  # set aside: the next save adopts again
         warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
                       " you no longer need it.", RuntimeWarning, stacklevel=4)
 
