@@ -50,7 +50,7 @@ from lightning_resilient.io.tiered import (
 )
 from lightning_resilient.io.writer import step_of
 
-__all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "mark_resumed_step_saved", "repair_pointer"]
+__all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "fit_roots", "mark_resumed_step_saved", "repair_pointer"]
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +108,14 @@ class AtomicCheckpointIO(CheckpointIO):
         fallback_on_corruption: when a checkpoint fails verification on load, load the previous committed one
             of the same lineage (with a loud warning) instead of raising.
         claim_on_load: when loading claims the root (becomes its writer, fencing off the job that wrote it
-            before). None (the default): a ``fit`` that resumes claims at once, with the checkpoint it loaded as the
-            origin of its lineage; every other load (``trainer.validate/test/predict(ckpt_path=...)``, evaluation
-            scripts, notebooks, ``load_checkpoint`` outside a Trainer) is read-only and never fences the job
-            training into the root. False: a resuming fit claims only at its first save (the old job, if still
-            running, keeps writing until then). True: every load claims, for a process that will train outside
-            ``Trainer.fit``. A job that starts without a checkpoint claims at its first save.
+            before). None (the default): a ``fit`` that resumes claims at once the roots it writes (its
+            ModelCheckpoint dirpaths), with the checkpoint it loaded as the origin of their lineage; a root it only
+            reads from (a fork into another dirpath) is never claimed; every other load
+            (``trainer.validate/test/predict(ckpt_path=...)``, evaluation scripts, notebooks, ``load_checkpoint``
+            outside a Trainer) is read-only and never fences the job training into the root. False: a resuming fit
+            claims only at its first save (the old job, if still running, keeps writing until then). True: every
+            load claims, for a process that will train outside ``Trainer.fit``. A job that starts without a
+            checkpoint claims at its first save.
         local_tier: a node-local folder (local NVMe, ``/dev/shm``) to commit every save to first: each save is a
             checkpoint there (same protocol: manifest, pointer, fencing, verification), and every ``persist_every``-th
             saved step, the last save of ``fit`` and every emergency save of ``PreemptionCheckpoint`` are also
@@ -340,21 +342,39 @@ class AtomicCheckpointIO(CheckpointIO):
 
     def _continue_from(self, root: CheckpointRoot, entry: Entry, trainer: Any, *,
                        elsewhere: bool = False) -> CheckpointRoot:
-        """What loading ``entry`` of ``root`` means for writing it (``elsewhere``: only the local tier holds it);
-        returns the root this process writes from now on."""
+        """What loading ``entry`` of ``root`` means for writing (``elsewhere``: only the local tier holds it);
+        returns the root this process writes from now on.
+
+        A fit claims the roots it writes (its checkpoint folders, see :func:`fit_roots`), and only those: ``root``
+        with ``entry`` as the origin of its lineage when the fit writes it, any other with ``entry`` as the checkpoint
+        of another root it was forked from. A fit that forks a run into a folder of its own so never fences the job
+        still writing the run it forked from, nor abandons that run's later checkpoints."""
         fit = trainer is not None and _fn(trainer) == "fit"
         if fit and root.writer_epoch is not None:
             # This plugin already wrote this root in an earlier fit (a notebook, an in-process retry); a fit that
             # resumes is a new job: it claims anew, with what it loaded as its origin (a rollback stays a rollback).
             root = self._reopen(root)
-        if fit or self.claim_on_load:
-            # What this job's training continues: the origin of its lineage when it claims the root (now, for a
-            # resuming fit on the writing rank, so the job it replaces is stopped before it can retire this
-            # checkpoint; else at its first save). Any other load is read-only: it never fences anyone.
-            root.resumed(entry, elsewhere=elsewhere)
-            claim_now = self.claim_on_load if self.claim_on_load is not None else fit
-            if claim_now and _global_rank() == 0 and root.writer_epoch is None:
-                root.claim()
+        if not (fit or self.claim_on_load):
+            return root  # any other load is read-only: it never fences anyone
+        # The origin of this root's lineage if this process writes it (at its first save, if not claimed below).
+        root.resumed(entry, elsewhere=elsewhere)
+        targets = [root]
+        if fit:
+            targets = []
+            for other in (self.root(url) for url in fit_roots(trainer)):
+                if other.url == root.url:
+                    targets.append(root)
+                    continue
+                if other.writer_epoch is not None:
+                    other = self._reopen(other)  # a new job of this plugin: it claims anew
+                other.forked(entry, root.url)
+                targets.append(other)
+        claim_now = self.claim_on_load if self.claim_on_load is not None else fit
+        if claim_now and _global_rank() == 0:
+            # Now, on the writing rank: the job each replaces is stopped before it can retire this checkpoint.
+            for target in targets:
+                if target.writer_epoch is None:
+                    target.claim()
         return root
 
     def _load_tiered(self, url: str, trainer: Any, together: Together | None,
@@ -485,6 +505,21 @@ class AtomicCheckpointIO(CheckpointIO):
         saves of fenced writers, retired folders whose time has come and, with ``abandoned``, checkpoints of
         branches a rollback left behind. Returns the URLs."""
         return [url for url, _ in self.root(root).collect_garbage(dry_run=dry_run, abandoned=abandoned)]
+
+
+def fit_roots(trainer: Any) -> list[str]:
+    """The checkpoint folders a ``fit`` of ``trainer`` writes: every ``ModelCheckpoint`` dirpath and a
+    ``PreemptionCheckpoint``'s own ``dirpath`` (each once, in the order of the callbacks). Lightning resolves a
+    ModelCheckpoint's dirpath in its ``setup``, before a resume loads."""
+    from lightning_resilient.preemption import PreemptionCheckpoint
+
+    found: list[str] = []
+    for callback in getattr(trainer, "callbacks", []):
+        dirpath = getattr(callback, "dirpath", None)
+        writes = callback in getattr(trainer, "checkpoint_callbacks", []) or isinstance(callback, PreemptionCheckpoint)
+        if writes and isinstance(dirpath, (str, os.PathLike)) and str(dirpath) and str(dirpath) not in found:
+            found.append(str(dirpath))
+    return found
 
 
 def _check_storage_options(value: Any, field: str) -> dict[str, Any]:

@@ -55,6 +55,9 @@ class WriterFence:
         #: origin at its first save. A process that only reads never writes, so never claims (never fences).
         self.pending_resume: Entry | None = None
         self.pending_resume_elsewhere = False  # ``pending_resume`` is held by another tier (io/tiered.py), not here
+        #: A checkpoint of another root this process's fit resumed from, to write this root (a fork): the origin of
+        #: its claim when nothing of this root was loaded.
+        self.pending_fork: Origin | None = None
         self._resumed_entry: Entry | None = None  # what this writer claimed with as its origin
         # Retired folders this process deleted: their records leave the pointer at its next update.
         self._deleted: set[str] = set()
@@ -185,7 +188,8 @@ class WriterFence:
 
         ``resumed_from`` (default: what this process loaded from the root) is the origin of this writer's lineage:
         it becomes the latest, and checkpoints of older epochs after it are an abandoned branch from now on. None
-        is a fresh start: every older checkpoint is then an abandoned branch (kept until ``gc --abandoned``).
+        is a fresh start, or a fork when this process's fit resumed a checkpoint of another root (:meth:`forked`):
+        every older checkpoint is then an abandoned branch (kept until ``gc --abandoned``).
 
         An origin that only the node-local tier holds (see :mod:`~lightning_resilient.io.tiered`, where
         ``pending_resume_elsewhere`` is set) is recorded as the lineage's origin all the same; this root cannot
@@ -195,8 +199,11 @@ class WriterFence:
         if resumed_from is None:
             resumed_from = self.pending_resume
         self.check_fencing()
-        origin = Origin(None) if resumed_from is None else Origin(resumed_from.commit, resumed_from.writer_epoch,
-                                                                  resumed_from.step)
+        fork = self.pending_fork if resumed_from is None else None
+        if resumed_from is not None:
+            origin = Origin(resumed_from.commit, resumed_from.writer_epoch, resumed_from.step)
+        else:
+            origin = fork or Origin(None)
         if resumed_from is not None and not elsewhere \
                 and not self.store.exists(f"{resumed_from.commit}/{MANIFEST_NAME}"):
             raise self._origin_gone(resumed_from)
@@ -233,7 +240,14 @@ class WriterFence:
         self.resumed_from = resumed_from.commit if resumed_from else None
         self.pending_resume = None
         self.pending_resume_elsewhere = False
-        if fresh_over:
+        self.pending_fork = None
+        if fresh_over and fork is not None:
+            warnings.warn(
+                f"this job forked {fork.root}'s checkpoint {fork.commit} (step {fork.step}) into {self.url}, which"
+                f" holds another run up to step {fresh_over[0].step}; that run is kept as an abandoned branch (until"
+                " gc --abandoned). Give the fork a ModelCheckpoint dirpath of its own to keep the two apart.",
+                RuntimeWarning, stacklevel=3)
+        elif fresh_over:
             # Legitimate (a new experiment in the same folder), but more often a resume that found nothing:
             # ckpt_path="last" on S3/GCS (Lightning lists last*.ckpt without the protocol and finds none) or a
             # forgotten ckpt_path. Nothing is lost: the old run stays, an abandoned branch, until gc --abandoned.
@@ -244,7 +258,8 @@ class WriterFence:
                 " Lightning"
                 " lists last.ckpt without its protocol).", RuntimeWarning, stacklevel=3)
         log.info("claimed %s as writer epoch %d (%s), %s", self.url, self.writer_epoch, self.writer,
-                 f"resuming {resumed_from.commit}" if resumed_from else "starting fresh")
+                 f"resuming {resumed_from.commit}" if resumed_from else
+                 f"forked from {fork.root}/{fork.commit}" if fork else "starting fresh")
         return self.writer_epoch
 
     def _origin_gone(self, resumed: Entry) -> CheckpointError:
@@ -325,6 +340,12 @@ class WriterFence:
 
         new, _ = self.update(drop, fenced=False)
         return new
+
+    def forked(self, entry: Entry, root: str) -> None:
+        """Record that this process's fit, which writes this root, resumed ``entry`` of the root ``root`` (a fork):
+        the origin of its claim here, unless it loads from this root too."""
+        if self.writer_epoch is None:
+            self.pending_fork = Origin(entry.commit, entry.writer_epoch, entry.step, root=root)
 
     def resumed(self, entry: Entry, *, elsewhere: bool = False) -> None:
         """Record that this process loaded ``entry`` from the root (a fit's resume claims with it as origin);

@@ -170,7 +170,9 @@ class Manifest:
         return [(a, min(a + self.chunk_size, size)) for a in range(0, size, self.chunk_size)] or [(0, 0)]
 
     def to_bytes(self) -> bytes:
-        return seal({"format": FORMAT, "kind": KIND, **asdict(self)})
+        body = asdict(self)
+        body["origin"] = self.origin.to_json() if self.origin is not None else None
+        return seal({"format": FORMAT, "kind": KIND, **body})
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:

@@ -132,6 +132,10 @@ class CheckpointRoot:
         ``elsewhere``: only the root's node-local tier holds it."""
         self.fence.resumed(entry, elsewhere=elsewhere)
 
+    def forked(self, entry: Entry, root: str) -> None:
+        """Record that this process's fit writes this root from ``entry`` of another root ``root`` (a fork)."""
+        self.fence.forked(entry, root)
+
     def _collect_quietly(self) -> None:
         try:
             self.retention.collect_garbage()
