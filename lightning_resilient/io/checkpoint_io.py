@@ -7,10 +7,11 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
 
@@ -187,6 +188,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self._roots: dict[tuple[str, str], CheckpointRoot] = {}
         self._tiers: dict[str, TieredRoot] = {}  # durable root URL -> its two tiers, for saves
         self._lock = threading.Lock()
+        self._last_fit: _FitEnd | None = None  # where the last fit ended (a next fit may continue it)
 
     # -- pickling ----------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -194,7 +196,7 @@ class AtomicCheckpointIO(CheckpointIO):
         # objects that hold the Trainer copy them: a copy keeps the settings and starts with no open roots, no
         # claimed writer epoch and no save in flight (those belong to the original; a copy that saves claims anew).
         state = self.__dict__.copy()
-        for runtime in ("_roots", "_tiers", "_lock", "_async"):
+        for runtime in ("_roots", "_tiers", "_lock", "_async", "_last_fit"):
             state.pop(runtime, None)
         return state
 
@@ -203,6 +205,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self._roots = {}
         self._tiers = {}
         self._lock = threading.Lock()
+        self._last_fit = None
         self._async = AsyncSaver(pin_memory=self.pin_memory) if self.async_save else None
 
     # -- plumbing ----------------------------------------------------------------------------------------------
@@ -477,16 +480,27 @@ class AtomicCheckpointIO(CheckpointIO):
         if errors:
             raise errors[0]
 
-    def begin_fit(self, *, resumed: bool) -> None:
-        """A ``fit`` starts (called by the fit-start check callback). One that resumed nothing is a new job: the
-        roots an earlier ``fit`` of this plugin claimed are claimed anew at its first save (it starts a new lineage,
-        as a new process would), instead of continuing the earlier fit's writer epoch with steps from 0."""
-        if resumed:
+    def begin_fit(self, *, resumed: bool, trainer: Any = None, pl_module: Any = None) -> None:
+        """A ``fit`` of ``trainer`` on ``pl_module`` starts (called by the fit-start check callback).
+
+        One that resumed a checkpoint claimed what it writes when it loaded. One that continues the previous fit of
+        this plugin from its state in memory (the same Trainer and LightningModule objects, at the global step that
+        fit ended at: ``trainer.fit`` called again with a higher ``max_steps``) is the same job: it goes on with that
+        fit's writer epoch and lineage. Any other fit is a new job: the roots an earlier fit of this plugin claimed
+        are claimed anew at its first save (it starts a new lineage, as a new process would) instead of continuing
+        the earlier fit's writer epoch with another model's steps, or with steps from 0."""
+        last, self._last_fit = self._last_fit, None
+        if resumed or (last is not None and trainer is not None and last.continued_by(trainer, pl_module)):
             return
         with self._lock:
             claimed = [root for root in self._roots.values() if root.writer_epoch is not None]
         for root in claimed:
             self._reopen(root)
+
+    def end_fit(self, trainer: Any, pl_module: Any) -> None:
+        """A ``fit`` of ``trainer`` on ``pl_module`` ended normally (called by the fit-start check callback): a next
+        fit of the same two that starts where this one ended continues this job (see :meth:`begin_fit`)."""
+        self._last_fit = _FitEnd(weakref.ref(trainer), weakref.ref(pl_module), int(getattr(trainer, "global_step", 0)))
 
     # -- extras ------------------------------------------------------------------------------------------------
     def check_root(self, root: str) -> None:
@@ -505,6 +519,20 @@ class AtomicCheckpointIO(CheckpointIO):
         saves of fenced writers, retired folders whose time has come and, with ``abandoned``, checkpoints of
         branches a rollback left behind. Returns the URLs."""
         return [url for url, _ in self.root(root).collect_garbage(dry_run=dry_run, abandoned=abandoned)]
+
+
+@dataclass(frozen=True)
+class _FitEnd:
+    """Where the last fit of a plugin ended: its Trainer and LightningModule (weakly held) and its global step."""
+
+    trainer: weakref.ref[Any]
+    module: weakref.ref[Any]
+    step: int
+
+    def continued_by(self, trainer: Any, pl_module: Any) -> bool:
+        """Whether a fit of ``trainer`` on ``pl_module`` starts where this one ended, from its state in memory."""
+        return (self.step > 0 and self.trainer() is trainer and self.module() is pl_module
+                and int(getattr(trainer, "global_step", -1)) == self.step)
 
 
 def fit_roots(trainer: Any) -> list[str]:

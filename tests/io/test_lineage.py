@@ -245,3 +245,55 @@ def test_a_fork_into_another_root_never_claims_the_root_it_forked_from(request, 
     assert pointer_y.origins[pointer_y.writer_epoch] == Origin(step2.commit, step2.writer_epoch, 2, root=x)
     assert [e.step for e in pointer_y.candidates()] == [6, 4]
     assert find_latest_checkpoint(y, options).endswith(pointer_y.latest.commit) and pointer_y.latest.step == 6
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_second_fit_that_continues_training_is_the_same_job(request, monkeypatch, plugins, store):
+    """fit to step 4, then fit again on the same Trainer and model to step 8: one job, one writer epoch and one
+    lineage (no "started from scratch"), so with fit 2's checkpoints damaged a resume falls back to step 4, bit for
+    bit. A fit with another model on the same Trainer is a new run: it starts a lineage of its own."""
+    import copy
+
+    import torch
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_resilient import AtomicCheckpointIO
+
+    from ..models import TinyModel, tiny_loader
+
+    backend = request.getfixturevalue(f"{store}_backend")
+    if backend.endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", backend.endpoint)
+    io = plugins.track(AtomicCheckpointIO(storage_options=backend.storage_options))
+    trainer = Trainer(max_steps=4, plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False,
+                      callbacks=[ModelCheckpoint(dirpath=backend.root, every_n_train_steps=2, save_top_k=-1)])
+    model = TinyModel()
+    trainer.fit(model, tiny_loader())
+    at_4 = copy.deepcopy(model.state_dict())
+    epoch = read_pointer(backend).writer_epoch
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(model, tiny_loader())  # continues from its own state in memory: step 4 -> 8
+    assert trainer.global_step == 8
+    assert not [str(w.message) for w in seen if "started from scratch" in str(w.message)]
+    pointer = read_pointer(backend)
+    assert pointer.writer_epoch == epoch and pointer.abandoned() == []
+    assert [e.step for e in pointer.candidates()] == [8, 6, 4, 2]
+    for entry in pointer.candidates()[:2]:  # fit 2's checkpoints
+        _damage(backend, f"{entry.commit}/skeleton.pt")
+    with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):
+        loaded = plugins.track(AtomicCheckpointIO(storage_options=backend.storage_options)).load_checkpoint(
+            backend.root)
+    assert loaded["global_step"] == 4
+    for name, tensor in at_4.items():
+        assert torch.equal(loaded["state_dict"][name], tensor), name
+    # Another model on the same Trainer: a new run, whatever the step counter says.
+    trainer.fit_loop.epoch_loop.max_steps = 10
+    with pytest.warns(RuntimeWarning, match="started from scratch"):
+        trainer.fit(TinyModel(width=4), tiny_loader())
+    pointer = read_pointer(backend)
+    assert pointer.writer_epoch == epoch + 1 and pointer.origins[pointer.writer_epoch] == Origin(None)
+    assert [e.step for e in pointer.candidates()] == [10]
