@@ -51,7 +51,8 @@ from lightning_resilient.io.tiered import (
 )
 from lightning_resilient.io.writer import step_of
 
-__all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "fit_roots", "mark_resumed_step_saved", "repair_pointer"]
+__all__ = ["AtomicCheckpointIO", "check_filenames", "find_latest_checkpoint", "fit_roots", "mark_resumed_step_saved",
+           "repair_pointer"]
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self._tiers: dict[str, TieredRoot] = {}  # durable root URL -> its two tiers, for saves
         self._lock = threading.Lock()
         self._last_fit: _FitEnd | None = None  # where the last fit ended (a next fit may continue it)
+        self._fit_dirpaths: list[str] = []  # the checkpoint folders of the current (or last) fit
 
     # -- pickling ----------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -273,7 +275,7 @@ class AtomicCheckpointIO(CheckpointIO):
             raise ValueError(f"checkpoint name {name!r} starts with '.': such names are hidden from the root's listing"
                              " (find_latest_checkpoint and retention would never see it). Use a ModelCheckpoint"
                              " filename that does not start with '.'.")
-        _check_not_nested(url, checkpoint)
+        _check_not_nested(url, checkpoint, self._fit_dirpaths)
         root: CheckpointRoot | TieredRoot = (self.root(_paths.dirname(url), storage_options) if self.local_tier is None
                                              else self.tiers(_paths.dirname(url), storage_options))
         started = time.perf_counter()
@@ -490,6 +492,8 @@ class AtomicCheckpointIO(CheckpointIO):
         are claimed anew at its first save (it starts a new lineage, as a new process would) instead of continuing
         the earlier fit's writer epoch with another model's steps, or with steps from 0."""
         last, self._last_fit = self._last_fit, None
+        if trainer is not None:
+            self._fit_dirpaths = [normalize(d) for d in fit_roots(trainer)]
         if resumed or (last is not None and trainer is not None and last.continued_by(trainer, pl_module)):
             return
         with self._lock:
@@ -657,21 +661,39 @@ def mark_resumed_step_saved(trainer: Any, checkpoint: dict[str, Any]) -> None:
             callback._last_global_step_saved = step
 
 
-def _check_not_nested(url: str, checkpoint: dict[str, Any]) -> None:
+def _check_not_nested(url: str, checkpoint: dict[str, Any], fit_dirpaths: list[str]) -> None:
     """Refuse a save into a sub-folder of a ModelCheckpoint's dirpath (``filename="{epoch}/{step}"``).
 
     The checkpoint root is the folder a checkpoint is saved in; a sub-folder would be a root of its own, with its
-    own pointer, fencing and retention, and ``find_latest_checkpoint(dirpath)`` would find nothing.
+    own pointer, fencing and retention, and ``find_latest_checkpoint(dirpath)`` would find nothing. The dirpaths are
+    those of the fit (``fit_dirpaths``) and those the checkpoint's callback state names (a full checkpoint's; a
+    weights-only one has none).
     """
+    dirpaths = list(fit_dirpaths)
     for state in (checkpoint.get("callbacks") or {}).values():  # ModelCheckpoint's, or a subclass's (keyed by its name)
         dirpath = state.get("dirpath") if isinstance(state, dict) else None
-        if not isinstance(dirpath, str) or not dirpath:
-            continue
-        root = normalize(dirpath)
-        parent = _paths.dirname(url)
+        if isinstance(dirpath, str) and dirpath:
+            dirpaths.append(normalize(dirpath))
+    parent = _paths.dirname(url)
+    for root in dirpaths:
         if parent != root and parent.startswith(root.rstrip("/") + "/"):
             raise ValueError(
                 f"checkpoint {url!r} would be saved in a sub-folder of the ModelCheckpoint dirpath {root!r} (its"
                 f" filename contains '/'): with AtomicCheckpointIO every folder is a separate checkpoint root, so the"
                 f" run would be split across roots and find_latest_checkpoint({root!r}) would not see it. Use a"
+                " filename without '/', e.g. ModelCheckpoint(filename='{epoch}-{step}').")
+
+
+def check_filenames(trainer: Any) -> None:
+    """Refuse, when a fit starts, a checkpoint callback whose ``filename`` has a folder in it (``"{epoch}/{step}"``):
+    each of its saves would go to a sub-folder of the dirpath, a separate checkpoint root (see
+    :func:`_check_not_nested`, which also refuses such a save; this stops the fit before its first step)."""
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        filename = getattr(callback, "filename", None)
+        if isinstance(filename, str) and ("/" in filename or os.sep in filename):
+            dirpath = getattr(callback, "dirpath", None)
+            raise ValueError(
+                f"{type(callback).__name__}(filename={filename!r}) would save each checkpoint in a sub-folder of its"
+                f" dirpath {str(dirpath)!r}: with AtomicCheckpointIO every folder is a separate checkpoint root, so"
+                " the run would be split across roots and find_latest_checkpoint(dirpath) would not see it. Use a"
                 " filename without '/', e.g. ModelCheckpoint(filename='{epoch}-{step}').")

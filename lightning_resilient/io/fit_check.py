@@ -47,16 +47,14 @@ class _Check:
         plugin = _plugin(trainer)
         if plugin is None:
             return
+        from lightning_resilient.io.checkpoint_io import check_filenames, fit_roots
+
+        check_filenames(trainer)
         # A fit that resumed nothing is a new job, also with a plugin an earlier fit of this process used, unless it
         # continues that fit from its state in memory.
         plugin.begin_fit(resumed=getattr(trainer, "ckpt_path", None) is not None, trainer=trainer, pl_module=pl_module)
-        check = plugin.check_root
-        seen: set[str] = set()
-        for callback in trainer.checkpoint_callbacks:
-            dirpath = getattr(callback, "dirpath", None)
-            if isinstance(dirpath, (str, os.PathLike)) and str(dirpath) and str(dirpath) not in seen:
-                seen.add(str(dirpath))
-                check(str(dirpath))
+        for dirpath in fit_roots(trainer):
+            plugin.check_root(dirpath)
 
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
