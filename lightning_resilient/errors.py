@@ -18,6 +18,7 @@ __all__ = [
     "StoreCredentialsError",
     "StoreSetupError",
     "StoreURLError",
+    "UnfencedStoreError",
     "UnsupportedFormatError",
 ]
 
@@ -107,3 +108,11 @@ class StoreCredentialsError(StoreSetupError, PermissionError):
 
 class StoreURLError(StoreSetupError, ValueError):
     """A URL no installed fsspec filesystem can open (an unknown protocol, or its filesystem is not installed)."""
+
+
+class UnfencedStoreError(StoreSetupError):
+    """The store accepts conditional writes without enforcing them (a server, or a proxy in front of it, that ignores
+    ``If-Match`` / ``If-None-Match`` or ``ifGenerationMatch``), so writer fencing cannot work: two jobs writing the
+    root at once would overwrite each other's pointer and lose checkpoints. Raised when ``fit`` starts (and before a
+    job's first write), unless ``AtomicCheckpointIO(allow_unfenced_store=True)`` says that one job at a time writes
+    the root."""

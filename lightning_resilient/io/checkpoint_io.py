@@ -109,6 +109,11 @@ class AtomicCheckpointIO(CheckpointIO):
             incomplete multipart uploads. A save of the current writer is never deleted, whatever its age.
         fallback_on_corruption: when a checkpoint fails verification on load, load the previous committed one
             of the same lineage (with a loud warning) instead of raising.
+        allow_unfenced_store: write a store that accepts conditional writes without enforcing them (a server, or a
+            proxy in front of it, that ignores ``If-Match``/``If-None-Match`` or ``ifGenerationMatch``: a probe finds
+            out before the first write), with a warning. False (the default): ``fit`` refuses to start on such a
+            store (``UnfencedStoreError``), since two jobs writing one root at once would overwrite each other's
+            pointer and lose checkpoints. Set it only for a root you know one job at a time writes.
         claim_on_load: when loading claims the root (becomes its writer, fencing off the job that wrote it
             before). None (the default): a ``fit`` that resumes claims at once the roots it writes (its
             ModelCheckpoint dirpaths), with the checkpoint it loaded as the origin of their lineage; a root it only
@@ -147,6 +152,7 @@ class AtomicCheckpointIO(CheckpointIO):
         node_cache_dir: str | None = None,
         orphan_grace_seconds: float = 3600.0,
         fallback_on_corruption: bool = True,
+        allow_unfenced_store: bool = False,
         claim_on_load: bool | None = None,
         local_tier: str | os.PathLike[str] | None = None,
         persist_every: int = 1,
@@ -161,7 +167,8 @@ class AtomicCheckpointIO(CheckpointIO):
         # Checked in the order of the signature, each by the object that keeps it.
         self.settings = RootSettings(keep_last=keep_last, shard_size=shard_size, chunk_size=chunk_size,
                                      max_concurrency=max_concurrency, orphan_grace_seconds=orphan_grace_seconds,
-                                     fallback_on_corruption=fallback_on_corruption)
+                                     fallback_on_corruption=fallback_on_corruption,
+                                     allow_unfenced_store=allow_unfenced_store)
         check_bool("async_save", async_save)
         check_bool("node_cache", node_cache)
         check_optional_bool("claim_on_load", claim_on_load, none_means="a resuming fit claims", none_first=True)
@@ -508,11 +515,14 @@ class AtomicCheckpointIO(CheckpointIO):
 
     # -- extras ------------------------------------------------------------------------------------------------
     def check_root(self, root: str) -> None:
-        """Raise now, naming what to fix, when ``root`` cannot hold checkpoints: its bucket does not exist, or the
-        credentials cannot see it. ``ResumeStateCallback`` calls it for every ModelCheckpoint dirpath when ``fit``
-        starts, so a wrong bucket stops the run before its first step rather than at its first save."""
-        check_bucket(self.root(root).store)
-        self.root(root).store.list_dir("")  # credentials that can name the bucket but not list it fail here
+        """Raise now, naming what to fix, when ``root`` cannot hold checkpoints: its bucket does not exist, the
+        credentials cannot see it, or the store ignores conditional writes (``UnfencedStoreError``, unless
+        ``allow_unfenced_store``). The fit-start check calls it for every checkpoint folder of the fit, so a wrong
+        bucket or an unfenced store stops the run before its first step rather than at its first save."""
+        checked = self.root(root)
+        check_bucket(checked.store)
+        checked.store.list_dir("")  # credentials that can name the bucket but not list it fail here
+        checked.check_fencing()
 
     def find_latest_checkpoint(self, root: str) -> str | None:
         """Like :func:`find_latest_checkpoint`, with this plugin's storage options and local tier."""

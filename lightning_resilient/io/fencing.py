@@ -17,9 +17,10 @@ import re
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 
-from lightning_resilient.errors import CheckpointError, StaleWriterError
+from lightning_resilient.errors import CheckpointError, StaleWriterError, UnfencedStoreError
 from lightning_resilient.io.folders import writer_identity
 from lightning_resilient.io.lineage import ORIGINS_DIR, Origin, origin_record_name
 from lightning_resilient.io.manifest import MANIFEST_NAME
@@ -35,14 +36,17 @@ _CAS_ATTEMPTS = 50
 # The protection reason of the checkpoint a job resumed from starts with this (retention never drops it).
 RESUMED = "resumed from"
 _warned_fencing: set[str] = set()
+# What a probe of each store client found (None: conditional writes enforced), so it runs once per client.
+_probed: weakref.WeakKeyDictionary[Store, str | None] = weakref.WeakKeyDictionary()
 
 
 class WriterFence:
     """One process's view of a root's pointer: reads it, updates it conditionally, claims the root as its writer."""
 
-    def __init__(self, store: Store, reader: RootReader) -> None:
+    def __init__(self, store: Store, reader: RootReader, *, allow_unfenced_store: bool = False) -> None:
         self.store = store
         self.reader = reader  # rebuilds a missing pointer from the manifests
+        self.allow_unfenced_store = allow_unfenced_store
         self.writer = writer_identity()
         self.writer_epoch: int | None = None  # the writer epoch this process claimed, once it did
         #: The incarnation of the root (the pointer's ``root_id``) this process claimed, once it did: a root deleted
@@ -279,17 +283,34 @@ class WriterFence:
             log.warning("could not record the origin of writer epoch %d under %s: %s", epoch, self.url, exc)
 
     def check_fencing(self) -> None:
-        """Once per root and process, before the first write: warn when the store ignores conditional writes."""
-        if self.url in _warned_fencing or not self.store.supports_cas:  # a store without any says so itself
+        """Before this process writes the root as its writer (and when ``fit`` starts): refuse a store that accepts
+        conditional writes without enforcing them (a server, or a proxy in front of it, that ignores the conditions),
+        since two jobs would then overwrite each other's pointer, silently losing checkpoints; with
+        ``allow_unfenced_store`` (the user knows one job at a time writes the root), warn once instead. The store is
+        probed once per store client. A store without any conditional write warns by itself (see ``Store``)."""
+        if not self.store.supports_cas:
             return
-        _warned_fencing.add(self.url)
-        reason = self.store.check_fencing()
-        if reason is not None:
+        if self.store not in _probed:
+            _probed[self.store] = self.store.check_fencing()
+        reason = _probed[self.store]
+        if reason is None:
+            return
+        conditions = getattr(self.store, "conditions", None)
+        ignored = f"{conditions.replace} / {conditions.create}" if conditions is not None else "its conditions"
+        if not self.allow_unfenced_store:
+            raise UnfencedStoreError(
+                f"writer fencing cannot work on {self.url}: {reason}, so the store (or a proxy in front of it) ignores"
+                f" the conditions of conditional writes ({ignored}). Two jobs writing this root at once would"
+                " overwrite each other's pointer and lose checkpoints without an error. Reach the store through an"
+                " endpoint that enforces them, or, if you are sure only one job at a time ever writes this root, pass"
+                " AtomicCheckpointIO(allow_unfenced_store=True).")
+        if self.url not in _warned_fencing:
+            _warned_fencing.add(self.url)
             warnings.warn(
-                f"writer fencing is OFF for {self.url}: {reason}, so two jobs writing this root at once can overwrite"
-                " each other's pointer (last writer wins). Checkpoints stay atomic and verified; make sure only one"
-                " job writes the root (stop the old one before starting its replacement), or use a store that"
-                " enforces conditional writes (AWS S3, GCS, local disk).", RuntimeWarning, stacklevel=5)
+                f"writer fencing is OFF for {self.url}: {reason} (the store ignores {ignored}), so two jobs writing"
+                " this root at once can overwrite each other's pointer (last writer wins); allowed by"
+                " allow_unfenced_store=True. Checkpoints stay atomic and verified; make sure only one job writes the"
+                " root (stop the old one before starting its replacement).", RuntimeWarning, stacklevel=5)
 
     def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin]) -> Pointer:
         """Write this root as writer epoch ``epoch`` of another root: the node-local tier of a durable root whose

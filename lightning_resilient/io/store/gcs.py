@@ -8,7 +8,7 @@ import hashlib
 import json
 from contextlib import suppress
 
-from lightning_resilient.io.store.base import Store, probe_fencing
+from lightning_resilient.io.store.base import Conditions, Store, probe_fencing
 
 __all__ = ["GCSStore"]
 
@@ -17,9 +17,10 @@ class GCSStore(Store):
     """Google Cloud Storage: generation preconditions (``ifGenerationMatch``)."""
 
     supports_cas = True
+    conditions = Conditions(create="ifGenerationMatch=0", replace="ifGenerationMatch", version="generation")
 
     def check_fencing(self) -> str | None:
-        return probe_fencing(self, "1")
+        return probe_fencing(self, "1", self.conditions)
 
     def remove(self, rel: str) -> None:
         # gcsfs deletes many objects through the JSON batch endpoint, which emulators (fake-gcs-server)
