@@ -124,7 +124,8 @@ class PreemptionCheckpoint(Callback):
         self.requeue_slurm = check_bool("requeue_slurm", requeue_slurm)
         #: The notice this process received (None until one arrives).
         self.notice: Notice | None = None
-        #: What the emergency save did: {"step", "path", "seconds", "committed"} (None until it ran).
+        #: What the emergency save did: {"step", "path", "seconds", "committed", "earlier_error"} (None until it
+        #: ran; ``earlier_error``: what an earlier save, asynchronous or a persist, had failed with, if anything).
         self.saved: dict[str, Any] | None = None
         self._previous: dict[int, Any] = {}
         self._stop = threading.Event()
@@ -219,7 +220,8 @@ class PreemptionCheckpoint(Callback):
             self.notify("signal", "another rank's notice")
         assert self.notice is not None
         self._acted = True
-        self.saved = {"step": trainer.global_step, "path": None, "seconds": 0.0, "committed": False}
+        self.saved = {"step": trainer.global_step, "path": None, "seconds": 0.0, "committed": False,
+                      "earlier_error": None}
         rank_zero_warn(f"PreemptionCheckpoint: preemption notice ({self.notice.what}) {when}: no training step was"
                        " taken, so there is nothing new to save; the restart resumes where this fit began. Exiting"
                        f" with status {self.unsaved_exit_code}.")
@@ -288,11 +290,15 @@ class PreemptionCheckpoint(Callback):
             rank_zero_warn(f"PreemptionCheckpoint: {left:.1f} s left of the {notice.deadline:.0f} s after the notice"
                            f" ({notice.what}), a save takes about {estimate:.1f} s here: no emergency checkpoint;"
                            " the previous committed checkpoint stays the latest")
-            self.saved = {"step": trainer.global_step, "path": path, "seconds": 0.0, "committed": False}
+            self.saved = {"step": trainer.global_step, "path": path, "seconds": 0.0, "committed": False,
+                          "earlier_error": None}
             self._exit(trainer, self.unsaved_exit_code)
         watchdog = _Watchdog(left, lambda: self._too_late(notice), self.unsaved_exit_code)
         started = time.monotonic()
         try:
+            # What failed before (an async save, a persist) is reported, never a reason not to save now: the plugin
+            # would raise it from this save, and the emergency checkpoint would be lost to an old error.
+            earlier = _settle(io)
             trainer.save_checkpoint(path)
             wait = getattr(io, "persist_latest", None) or getattr(io, "wait", None)
             if callable(wait):
@@ -302,10 +308,12 @@ class PreemptionCheckpoint(Callback):
         finally:
             watchdog.cancel()
         seconds = time.monotonic() - started
-        self.saved = {"step": trainer.global_step, "path": path, "seconds": seconds, "committed": True}
+        self.saved = {"step": trainer.global_step, "path": path, "seconds": seconds, "committed": True,
+                      "earlier_error": None if earlier is None else f"{type(earlier).__name__}: {earlier}"}
         rank_zero_info(f"PreemptionCheckpoint: emergency checkpoint {path} (step {trainer.global_step}) committed"
                        f" {seconds:.2f} s after the save began, {time.monotonic() - notice.at:.2f} s after the notice"
-                       f" ({notice.what}); exiting with status {self.exit_code}")
+                       f" ({notice.what}); exiting with status {self.exit_code}"
+                       + ("" if earlier is None else " (an earlier save had failed; see above)"))
         self._exit(trainer, self.exit_code)
 
     def _too_late(self, notice: Notice) -> None:
@@ -338,6 +346,22 @@ class _Watchdog:
 
     def cancel(self) -> None:
         self._timer.cancel()
+
+
+def _settle(io: Any) -> BaseException | None:
+    """Wait for what the checkpoint plugin has in flight (an async save, a persist to the durable tier) and take the
+    error of what failed before, if any, so that the emergency save does not raise it; it is logged here and
+    returned (``saved["earlier_error"]``)."""
+    wait = getattr(io, "wait", None)
+    if not callable(wait):
+        return None
+    try:
+        wait()
+    except Exception as exc:
+        log.error("PreemptionCheckpoint: an earlier save had failed (%s: %s); the emergency save goes ahead",
+                  type(exc).__name__, exc)
+        return exc
+    return None
 
 
 def _estimate_save_seconds(io: Any) -> float | None:

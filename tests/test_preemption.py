@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import os
 import re
 import signal
@@ -192,7 +193,8 @@ def test_a_notice_before_training_starts_exits_non_zero_and_the_restart_resumes_
         else:
             trainer.fit(SignalledWhileItsLoaderIsBuilt(), ckpt_path=find_latest_checkpoint(root))
     assert exited.value.code == 124 and steps.steps == []  # non-zero, before any training step
-    assert preemption.saved == {"step": 0 if sanity else 4, "path": None, "seconds": 0.0, "committed": False}
+    assert preemption.saved == {"step": 0 if sanity else 4, "path": None, "seconds": 0.0, "committed": False,
+                                "earlier_error": None}
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_signal  # handlers given back
     if sanity:
         assert not Path(root, POINTER_NAME).exists()  # nothing saved
@@ -202,6 +204,56 @@ def test_a_notice_before_training_starts_exits_non_zero_and_the_restart_resumes_
     _, reference = run(str(tmp_path / "reference"), max_steps=8)
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_an_earlier_failed_async_save_never_stops_the_emergency_one(tmp_path, plugins, caplog):
+    """Step 4's background save fails for real (the pointer's bytes are damaged in the store while it uploads, so its
+    pointer update is refused; they are put back before the notice); a SIGTERM follows. The emergency save is
+    attempted and committed all the same (exit 143), and step 4's failure is reported beside it (it used to be raised
+    by the emergency save: exit 1, nothing committed)."""
+    root = tmp_path / "ckpt"
+    pointer_file, kept = root / POINTER_NAME, []
+    io = plugins.track(AtomicCheckpointIO(async_save=True))
+
+    def settled() -> None:  # the background save in flight has committed or failed
+        for _ in range(1200):
+            if io.save_stats[-1].upload is not None:
+                return
+            threading.Event().wait(0.05)
+        raise AssertionError("the background save did not end within a minute")
+
+    class BlockStep4Save(Callback):
+        def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 3:  # step 4 ends this batch, and its save begins
+                settled()
+                assert io.save_stats[-1].step == 2 and io.save_stats[-1].committed
+                kept.append(pointer_file.read_bytes())
+                pointer_file.write_bytes(b"damaged")
+            elif batch_idx == 4:
+                settled()
+                assert io.save_stats[-1].step == 4 and not io.save_stats[-1].committed
+                pointer_file.write_bytes(kept[0])
+
+    preemption = PreemptionCheckpoint()
+    caplog.set_level(logging.ERROR, logger="lightning_resilient")
+    with pytest.raises(PreemptedExit) as exited:
+        run_on(str(root), io, preemption, [BlockStep4Save(), SignalAt(4)], every=2)
+    assert exited.value.code == 143 and preemption.saved["committed"] and preemption.saved["step"] == 5
+    assert "latest.json" in preemption.saved["earlier_error"]  # what failed step 4's save
+    assert "an earlier save had failed" in caplog.text
+    latest = pointer(str(root)).latest
+    assert latest.name == "preemption.ckpt" and latest.step == 5
+    assert [e.step for e in pointer(str(root)).candidates()] == [5, 2]  # step 4 never committed
+
+
+def run_on(root: str, io: AtomicCheckpointIO, preemption: PreemptionCheckpoint, extra: list[Any], *,
+           every: int) -> None:
+    seed_everything(0)
+    trainer = Trainer(max_steps=20, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[io],
+                      callbacks=[ResumeStateCallback(), preemption, *extra,
+                                 ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1)])
+    trainer.fit(DropoutModel(), loader())
 
 class Metadata(http.server.ThreadingHTTPServer):
     """A loopback stand-in for the AWS (IMDSv2) and GCE metadata servers; ``preempted`` flips the answer."""
