@@ -370,6 +370,7 @@ def test_garbage_pointer_is_a_clear_error_and_loses_nothing(backend, garbage, ma
     with pytest.raises(CheckpointCorruptedError, match="repair_pointer") as info:
         find_latest_checkpoint(backend.root, backend.storage_options)
     assert info.value.object == backend.url(POINTER_NAME)
+    assert f"repair_pointer({backend.root!r})" in str(info.value)  # the root, not the folder the pointer is in
     writer = make_io(backend)
     with pytest.raises(CheckpointCorruptedError, match="Nothing committed is lost"):
         writer.save_checkpoint(make_checkpoint(3), backend.url("c.ckpt"))
