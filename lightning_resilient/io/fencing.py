@@ -295,7 +295,7 @@ class WriterFence:
         reason = _probed[self.store]
         if reason is None:
             return
-        conditions = getattr(self.store, "conditions", None)
+        conditions = self.store.conditions
         ignored = f"{conditions.replace} / {conditions.create}" if conditions is not None else "its conditions"
         if not self.allow_unfenced_store:
             raise UnfencedStoreError(

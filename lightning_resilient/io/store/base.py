@@ -77,6 +77,17 @@ def content_version(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclass(frozen=True)
+class Conditions:
+    """How a store words its conditional writes, for messages: the create-only condition, the replace condition,
+    and what the version is called (S3: ``If-None-Match: *``, ``If-Match``, ETag; GCS: ``ifGenerationMatch=0``,
+    ``ifGenerationMatch``, generation)."""
+
+    create: str
+    replace: str
+    version: str
+
+
 def _joined(pieces: Pieces) -> bytes | memoryview:
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
@@ -85,6 +96,8 @@ class Store:
     """Generic fsspec backend: no conditional write, so ``write_if`` is last-writer-wins."""
 
     supports_cas = False
+    #: How the store words its conditional writes (messages about them); None: it has none, or they need no words.
+    conditions: Conditions | None = None
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root_url: str, root_path: str, retry: RetryPolicy) -> None:
         self.fs = fs
@@ -297,17 +310,6 @@ class Store:
             )
         self.write(rel, data)
         return True
-
-
-@dataclass(frozen=True)
-class Conditions:
-    """How a store words its conditional writes, for messages: the create-only condition, the replace condition,
-    and what the version is called (S3: ``If-None-Match: *``, ``If-Match``, ETag; GCS: ``ifGenerationMatch=0``,
-    ``ifGenerationMatch``, generation)."""
-
-    create: str
-    replace: str
-    version: str
 
 
 def probe_fencing(store: Store, bogus_version: str, conditions: Conditions) -> str | None:

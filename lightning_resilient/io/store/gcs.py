@@ -13,14 +13,17 @@ from lightning_resilient.io.store.base import Conditions, Store, probe_fencing
 __all__ = ["GCSStore"]
 
 
+_GCS = Conditions(create="ifGenerationMatch=0", replace="ifGenerationMatch", version="generation")
+
+
 class GCSStore(Store):
     """Google Cloud Storage: generation preconditions (``ifGenerationMatch``)."""
 
     supports_cas = True
-    conditions = Conditions(create="ifGenerationMatch=0", replace="ifGenerationMatch", version="generation")
+    conditions = _GCS
 
     def check_fencing(self) -> str | None:
-        return probe_fencing(self, "1", self.conditions)
+        return probe_fencing(self, "1", _GCS)
 
     def remove(self, rel: str) -> None:
         # gcsfs deletes many objects through the JSON batch endpoint, which emulators (fake-gcs-server)

@@ -17,6 +17,9 @@ from lightning_resilient.io.store.base import READ_PIECE, Conditions, Pieces, St
 __all__ = ["GatherReader", "S3Store"]
 
 
+_S3 = Conditions(create="If-None-Match: *", replace="If-Match", version="ETag")
+
+
 def precondition_failed(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None:
@@ -34,10 +37,10 @@ class S3Store(Store):
     """S3 (and S3-compatible stores that enforce conditional PUTs, as AWS and moto do)."""
 
     supports_cas = True
-    conditions = Conditions(create="If-None-Match: *", replace="If-Match", version="ETag")
+    conditions = _S3
 
     def check_fencing(self) -> str | None:
-        return probe_fencing(self, '"00000000000000000000000000000000"', self.conditions)
+        return probe_fencing(self, '"00000000000000000000000000000000"', _S3)
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(path)
