@@ -33,6 +33,7 @@ _WHERE = {
     "StoreSetupError": "lightning_resilient.errors",
     "StoreURLError": "lightning_resilient.errors",
     "TransferAudit": "lightning_resilient.planning",
+    "UnfencedStoreError": "lightning_resilient.errors",
     "UnsupportedFormatError": "lightning_resilient.errors",
     "export_checkpoint": "lightning_resilient.io.loading",
     "find_latest_checkpoint": "lightning_resilient.io.latest",
@@ -63,6 +64,7 @@ __all__ = [
     "StoreSetupError",
     "StoreURLError",
     "TransferAudit",
+    "UnfencedStoreError",
     "UnsupportedFormatError",
     "__version__",
     "export_checkpoint",
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
         StoreCredentialsError,
         StoreSetupError,
         StoreURLError,
+        UnfencedStoreError,
         UnsupportedFormatError,
     )
     from lightning_resilient.io.catalog import repair_pointer

@@ -18,6 +18,7 @@ __all__ = [
     "StoreCredentialsError",
     "StoreSetupError",
     "StoreURLError",
+    "UnfencedStoreError",
     "UnsupportedFormatError",
 ]
 
@@ -39,16 +40,25 @@ class StaleWriterError(CheckpointError):
     stop, because another job is now training from the same root.
     """
 
-    def __init__(self, root: str, own_epoch: int, current_epoch: int, current_writer: str) -> None:
+    def __init__(self, root: str, own_epoch: int, current_epoch: int, current_writer: str, *,
+                 recreated: bool = False) -> None:
         self.root = root
         self.own_epoch = own_epoch
         self.current_epoch = current_epoch
         self.current_writer = current_writer
-        super().__init__(
-            f"this job writes {root!r} as writer epoch {own_epoch}, but writer epoch {current_epoch}"
-            f" ({current_writer}) has claimed it since: another job resumed from this root, so this job is"
-            " stale and its save was not committed. Stop this job; the newer one continues the run."
-        )
+        #: The root was deleted and written again since this job claimed it (another incarnation of it, whatever
+        #: its writer epoch), rather than claimed by a newer job.
+        self.recreated = recreated
+        if recreated:
+            message = (f"this job writes {root!r} as writer epoch {own_epoch}, but that root was deleted and written"
+                       f" again since (now by {current_writer}, writer epoch {current_epoch}): it holds another run,"
+                       " so this job is stale and its save was not committed. Stop this job; to keep training it,"
+                       " resume it into a ModelCheckpoint dirpath of its own.")
+        else:
+            message = (f"this job writes {root!r} as writer epoch {own_epoch}, but writer epoch {current_epoch}"
+                       f" ({current_writer}) has claimed it since: another job resumed from this root, so this job is"
+                       " stale and its save was not committed. Stop this job; the newer one continues the run.")
+        super().__init__(message)
 
 
 class CheckpointCorruptedError(CheckpointError):
@@ -98,3 +108,11 @@ class StoreCredentialsError(StoreSetupError, PermissionError):
 
 class StoreURLError(StoreSetupError, ValueError):
     """A URL no installed fsspec filesystem can open (an unknown protocol, or its filesystem is not installed)."""
+
+
+class UnfencedStoreError(StoreSetupError):
+    """The store accepts conditional writes without enforcing them (a server, or a proxy in front of it, that ignores
+    ``If-Match`` / ``If-None-Match`` or ``ifGenerationMatch``), so writer fencing cannot work: two jobs writing the
+    root at once would overwrite each other's pointer and lose checkpoints. Raised when ``fit`` starts (and before a
+    job's first write), unless ``AtomicCheckpointIO(allow_unfenced_store=True)`` says that one job at a time writes
+    the root."""

@@ -10,6 +10,10 @@ agrees on that step with one collective per optimizer step (a notice reaching on
 saved synchronously through the Trainer's CheckpointIO (an async save in flight is awaited first) and committed by the
 same atomic protocol, and the process exits with ``exit_code``. When the save cannot finish before the deadline, the
 previous committed checkpoint stays the latest, the log says so, and the exit code is ``unsaved_exit_code``.
+
+The whole fit is covered: a notice before the first training step (the sanity check, the loaders being built) ends
+the fit at once with ``unsaved_exit_code``, as there is nothing new to save; never with Lightning's
+``SIGTERMException`` and its exit status 0, which a scheduler would take for success.
 """
 
 from __future__ import annotations
@@ -71,9 +75,10 @@ class PreemptionCheckpoint(Callback):
                            ModelCheckpoint(dirpath=root, every_n_train_steps=500)])
 
     Args:
-        signals: signals that are a notice (names or numbers). While ``fit`` trains, this callback's handler replaces
-            Lightning's for them (Lightning's SIGTERM handler broadcasts from inside the handler and exits without
-            saving); the previous handlers come back after the fit.
+        signals: signals that are a notice (names or numbers). From the sanity check (or the start of training) to
+            the end of ``fit``, this callback's handler replaces Lightning's for them (Lightning's SIGTERM handler
+            broadcasts from inside the handler and exits without saving); the previous handlers come back after the
+            fit. A notice before the first training step exits with ``unsaved_exit_code`` (nothing new to save).
         aws_spot: poll the AWS Spot ``instance-action`` metadata endpoint: True for the real one, a URL for another
             (tests use a loopback server). IMDSv2 (a session token) first, then IMDSv1.
         gce: poll the GCE ``preempted`` metadata endpoint (True, or a URL).
@@ -119,7 +124,8 @@ class PreemptionCheckpoint(Callback):
         self.requeue_slurm = check_bool("requeue_slurm", requeue_slurm)
         #: The notice this process received (None until one arrives).
         self.notice: Notice | None = None
-        #: What the emergency save did: {"step", "path", "seconds", "committed"} (None until it ran).
+        #: What the emergency save did: {"step", "path", "seconds", "committed", "earlier_error"} (None until it
+        #: ran; ``earlier_error``: what an earlier save, asynchronous or a persist, had failed with, if anything).
         self.saved: dict[str, Any] | None = None
         self._previous: dict[int, Any] = {}
         self._stop = threading.Event()
@@ -163,11 +169,16 @@ class PreemptionCheckpoint(Callback):
     # -- wiring --------------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         require_lightning_pytorch(trainer, "PreemptionCheckpoint")
+        if stage == "fit":
+            self.notice, self.saved, self._acted = None, None, False
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # After Lightning registered its own handlers (they run after setup): ours replace them for the fit.
-        self.notice, self.saved, self._acted = None, None, False
-        self._last_step = trainer.global_step
+    def _install(self) -> None:
+        """Our handlers for ``signals``, for the rest of the fit (once; the previous ones come back at teardown).
+
+        Installed after Lightning registered its own (they run after ``on_fit_start``), which they replace:
+        Lightning's SIGTERM handler would end the fit with a ``SIGTERMException``, exit status 0, nothing saved."""
+        if self._previous:
+            return
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 self._previous[signum] = signal.getsignal(signum)
@@ -175,13 +186,57 @@ class PreemptionCheckpoint(Callback):
         elif self.signals:
             rank_zero_warn("PreemptionCheckpoint: fit runs outside the main thread, where signal handlers cannot be"
                            " set; only the pollers give notices")
+
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The sanity check (and the validation loader it builds) runs before training: covered as well.
+        self._install()
+        self._exit_if_noticed_before_training(trainer, "before the sanity check")
+
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._exit_if_noticed_before_training(trainer, "during the sanity check")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._install()
+        self._last_step = trainer.global_step
+        # A notice while the training loader was set up (or between Lightning's handlers and ours) ends the fit now.
+        self._exit_if_noticed_before_training(trainer, "before training started")
         if self.aws_spot or self.gce or self.notice_file:
             self._stop.clear()
             self._poller = threading.Thread(target=self._poll, name="lightning_resilient-preemption", daemon=True)
             self._poller.start()
 
+    def _exit_if_noticed_before_training(self, trainer: Trainer, when: str) -> None:
+        """A notice before the first training step: nothing to save (the state is what the fit resumed, or its
+        start), so exit at once with ``unsaved_exit_code``: the restart resumes where this fit began. A SIGTERM that
+        reached Lightning's handler before ours was in place counts (``trainer.received_sigterm``)."""
+        if self.notice is None and trainer.received_sigterm:
+            self.notify("signal", "SIGTERM (received by Lightning's handler)")
+        noticed = self.notice is not None
+        if trainer.world_size > 1:  # every rank reaches this point: all leave together, or none does
+            noticed = trainer.strategy.reduce_boolean_decision(noticed, all=False)
+        if not noticed:
+            return
+        if self.notice is None:
+            self.notify("signal", "another rank's notice")
+        assert self.notice is not None
+        self._acted = True
+        self.saved = {"step": trainer.global_step, "path": None, "seconds": 0.0, "committed": False,
+                      "earlier_error": None}
+        rank_zero_warn(f"PreemptionCheckpoint: preemption notice ({self.notice.what}) {when}: no training step was"
+                       " taken, so there is nothing new to save; the restart resumes where this fit began. Exiting"
+                       f" with status {self.unsaved_exit_code}.")
+        self._exit(trainer, self.unsaved_exit_code)
+
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")  # Lightning calls teardown hooks only after a fit that succeeded
+        if (isinstance(exception, SystemExit) and not isinstance(exception, PreemptedExit) and not exception.code
+                and (self.notice is not None or trainer.received_sigterm)):
+            # Lightning's SIGTERMException (exit status 0) after a notice this callback could not act on: a
+            # scheduler must not take the preempted job for a finished one.
+            log.error("PreemptionCheckpoint: the fit ended on a preemption notice without an emergency checkpoint;"
+                      " exiting with status %d (the previous committed checkpoint is what the restart resumes)",
+                      self.unsaved_exit_code)
+            exception.code = self.unsaved_exit_code
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._stop.set()
@@ -235,11 +290,15 @@ class PreemptionCheckpoint(Callback):
             rank_zero_warn(f"PreemptionCheckpoint: {left:.1f} s left of the {notice.deadline:.0f} s after the notice"
                            f" ({notice.what}), a save takes about {estimate:.1f} s here: no emergency checkpoint;"
                            " the previous committed checkpoint stays the latest")
-            self.saved = {"step": trainer.global_step, "path": path, "seconds": 0.0, "committed": False}
+            self.saved = {"step": trainer.global_step, "path": path, "seconds": 0.0, "committed": False,
+                          "earlier_error": None}
             self._exit(trainer, self.unsaved_exit_code)
         watchdog = _Watchdog(left, lambda: self._too_late(notice), self.unsaved_exit_code)
         started = time.monotonic()
         try:
+            # What failed before (an async save, a persist) is reported, never a reason not to save now: the plugin
+            # would raise it from this save, and the emergency checkpoint would be lost to an old error.
+            earlier = _settle(io)
             trainer.save_checkpoint(path)
             wait = getattr(io, "persist_latest", None) or getattr(io, "wait", None)
             if callable(wait):
@@ -249,10 +308,12 @@ class PreemptionCheckpoint(Callback):
         finally:
             watchdog.cancel()
         seconds = time.monotonic() - started
-        self.saved = {"step": trainer.global_step, "path": path, "seconds": seconds, "committed": True}
+        self.saved = {"step": trainer.global_step, "path": path, "seconds": seconds, "committed": True,
+                      "earlier_error": None if earlier is None else f"{type(earlier).__name__}: {earlier}"}
         rank_zero_info(f"PreemptionCheckpoint: emergency checkpoint {path} (step {trainer.global_step}) committed"
                        f" {seconds:.2f} s after the save began, {time.monotonic() - notice.at:.2f} s after the notice"
-                       f" ({notice.what}); exiting with status {self.exit_code}")
+                       f" ({notice.what}); exiting with status {self.exit_code}"
+                       + ("" if earlier is None else " (an earlier save had failed; see above)"))
         self._exit(trainer, self.exit_code)
 
     def _too_late(self, notice: Notice) -> None:
@@ -285,6 +346,22 @@ class _Watchdog:
 
     def cancel(self) -> None:
         self._timer.cancel()
+
+
+def _settle(io: Any) -> BaseException | None:
+    """Wait for what the checkpoint plugin has in flight (an async save, a persist to the durable tier) and take the
+    error of what failed before, if any, so that the emergency save does not raise it; it is logged here and
+    returned (``saved["earlier_error"]``)."""
+    wait = getattr(io, "wait", None)
+    if not callable(wait):
+        return None
+    try:
+        wait()
+    except Exception as exc:
+        log.error("PreemptionCheckpoint: an earlier save had failed (%s: %s); the emergency save goes ahead",
+                  type(exc).__name__, exc)
+        return exc
+    return None
 
 
 def _estimate_save_seconds(io: Any) -> float | None:

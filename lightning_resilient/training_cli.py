@@ -28,22 +28,58 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.store import check_default_client
 
-__all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "main", "redact_storage_options", "resume_path"]
+__all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "is_secret_key", "main", "redact_storage_options",
+           "redact_url", "resume_path"]
 
 log = logging.getLogger(__name__)
 
 
 REDACTED = "<redacted>"
-# Keys of fsspec storage options that hold credentials (s3fs key/secret/token, botocore's aws_* names, gcsfs token,
-# adlfs account_key/sas_token/connection_string, passwords of ssh/ftp/webdav filesystems).
-_SECRET_KEY = re.compile(r"(^|_)(key|secret|token|password|passwd|credentials?|connection_string|sas)($|_)",
-                         re.IGNORECASE)
+# Words that make a key of fsspec storage options a credential: s3fs key/secret/token, botocore's aws_* and camelCase
+# names (accessKeyId, SecretAccessKey, sessionToken), gcsfs token, adlfs account_key/sas_token/connection_string,
+# passwords of ssh/ftp/webdav filesystems, HTTP headers (Authorization, Cookie, x-goog-api-key,
+# X-Amz-Security-Token) and basic auth (auth=[user, password]). A key is split into words (at _ - . and camelCase),
+# so signature_version or a key named "monkey" are no credential.
+_SECRET_WORDS = frozenset({"key", "apikey", "secret", "token", "password", "passwd", "pwd", "credential",
+                           "credentials", "sas", "auth", "authorization", "cookie"})
+_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+# Query parameters of a URL that carry a signature or a credential (pre-signed S3/GCS URLs, SAS tokens), besides
+# those named by the words above.
+_SECRET_QUERY = frozenset({"sig", "signature", "x-amz-signature", "x-goog-signature"})
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:(?P<userinfo>[^@/?#]*)@)?(?P<rest>[^?#]*)"
+                  r"(?:\?(?P<query>[^#]*))?(?P<fragment>#.*)?$", re.DOTALL)
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether a storage-options key (or an HTTP header name) names a credential (see ``_SECRET_WORDS``)."""
+    words = [w.lower() for w in _WORDS.findall(key)]
+    return bool(_SECRET_WORDS.intersection(words)) or "connectionstring" in "".join(words)
+
+
+def redact_url(value: str) -> str:
+    """``value`` with the credentials a URL may carry redacted: its userinfo (``https://user:pw@host``) and the
+    values of query parameters that are signatures or credentials; any other string as it is."""
+    match = _URL.match(value)
+    if match is None:
+        return value
+    userinfo, query = match.group("userinfo"), match.group("query")
+    out = match.group("scheme") + (f"{REDACTED}@" if userinfo else "") + match.group("rest")
+    if query is not None:
+        params = []
+        for param in query.split("&"):
+            name, eq, _ = param.partition("=")
+            secret = bool(eq) and (name.lower() in _SECRET_QUERY or is_secret_key(name))
+            params.append(f"{name}={REDACTED}" if secret else param)
+        out += "?" + "&".join(params)
+    return out + (match.group("fragment") or "")
 
 
 def redact_storage_options(config: Any, *, inside: bool = False) -> Any:
-    """A copy of ``config`` (dicts, lists, jsonargparse Namespaces) whose ``storage_options`` hold no credential:
-    every credential-like key in them (``key``, ``secret``, ``token``, ``aws_secret_access_key``, ...) maps to
-    :data:`REDACTED`. Everything else is kept as it is."""
+    """A copy of ``config`` (dicts, lists, jsonargparse Namespaces) that holds no credential: in any
+    ``storage_options``, every credential-like key (``key``, ``secret``, ``token``, ``aws_secret_access_key``,
+    ``accessKeyId``, ``apikey``, ``auth``, HTTP headers such as ``Authorization``, ``Cookie`` or ``x-goog-api-key``,
+    also as ``[name, value]`` pairs) maps to :data:`REDACTED`; anywhere in the config, a URL's userinfo and
+    signature or credential query parameters are redacted. Everything else is kept as it is."""
     if isinstance(config, Namespace):
         out = Namespace()  # type: ignore[no-untyped-call]  # jsonargparse leaves Namespace.__init__ unannotated
         for key, value in vars(config).items():
@@ -51,13 +87,19 @@ def redact_storage_options(config: Any, *, inside: bool = False) -> Any:
         return out
     if isinstance(config, dict):
         return {key: _redacted(key, value, inside) for key, value in config.items()}
-    if isinstance(config, list):
-        return [redact_storage_options(value, inside=inside) for value in config]
+    if isinstance(config, (list, tuple)):
+        if inside and len(config) == 2 and isinstance(config[0], str) and is_secret_key(config[0]):
+            pair = [config[0], REDACTED]  # a header as a (name, value) pair
+            return tuple(pair) if isinstance(config, tuple) else pair
+        items = [redact_storage_options(value, inside=inside) for value in config]
+        return tuple(items) if isinstance(config, tuple) else items
+    if isinstance(config, str):
+        return redact_url(config)
     return config
 
 
 def _redacted(key: Any, value: Any, inside: bool) -> Any:
-    if inside and isinstance(key, str) and _SECRET_KEY.search(key) and value is not None:
+    if inside and isinstance(key, str) and is_secret_key(key) and value is not None:
         return REDACTED
     return redact_storage_options(value, inside=inside or key == "storage_options")
 

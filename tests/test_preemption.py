@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import os
 import re
 import signal
@@ -134,6 +135,125 @@ def test_an_async_save_in_flight_is_committed_before_the_emergency_one(tmp_path)
                                                                         ("preemption.ckpt", 5, True)]
     assert pointer(root).latest.name == "preemption.ckpt"
 
+
+
+class SignalInSanityCheck(Callback):
+    """SIGTERM to this process as the sanity check's first batch starts (before any training step)."""
+
+    def on_validation_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.sanity_checking and batch_index(args) == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def batch_index(args: tuple[Any, ...]) -> int:
+    return int(args[2])  # (pl_module, batch, batch_idx, ...)
+
+
+class Validated(DropoutModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+class SignalledWhileItsLoaderIsBuilt(DropoutModel):
+    """SIGTERM to this process while Lightning asks for the training loader (after its signal handlers are set)."""
+
+    def train_dataloader(self) -> DataLoader:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return loader()
+
+
+class Steps(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("instant", ["sanity check", "training loader"])
+def test_a_notice_before_training_starts_exits_non_zero_and_the_restart_resumes_where_the_fit_began(tmp_path,
+                                                                                                    instant):
+    """Between Lightning installing its signal handlers and training (the sanity check, the loaders being built), a
+    SIGTERM used to end the fit through Lightning's SIGTERMException: exit status 0, a scheduler saw success. Lightning
+    runs no sanity check on a resume, so that attempt starts fresh; the other resumes a previous attempt's step 4."""
+    root = str(tmp_path / "ckpt")
+    sanity = instant == "sanity check"
+    if not sanity:
+        run(root, max_steps=4)  # a previous attempt: committed up to step 4
+    before = pointer(root).latest if not sanity else None
+    preemption, steps = PreemptionCheckpoint(), Steps()
+    seed_everything(0)
+    trainer = Trainer(max_steps=8, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[AtomicCheckpointIO()], num_sanity_val_steps=2,
+                      callbacks=[ResumeStateCallback(), preemption, steps, SignalInSanityCheck(),
+                                 ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1)])
+    with pytest.raises(PreemptedExit) as exited:
+        if sanity:
+            trainer.fit(Validated(), loader(), loader())
+        else:
+            trainer.fit(SignalledWhileItsLoaderIsBuilt(), ckpt_path=find_latest_checkpoint(root))
+    assert exited.value.code == 124 and steps.steps == []  # non-zero, before any training step
+    assert preemption.saved == {"step": 0 if sanity else 4, "path": None, "seconds": 0.0, "committed": False,
+                                "earlier_error": None}
+    assert signal.getsignal(signal.SIGTERM) is not preemption._on_signal  # handlers given back
+    if sanity:
+        assert not Path(root, POINTER_NAME).exists()  # nothing saved
+        return
+    assert pointer(root).latest == before  # nothing saved: the restart resumes where this fit began
+    _, resumed = run(root, max_steps=8, ckpt_path=find_latest_checkpoint(root))
+    _, reference = run(str(tmp_path / "reference"), max_steps=8)
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_an_earlier_failed_async_save_never_stops_the_emergency_one(tmp_path, plugins, caplog):
+    """Step 4's background save fails for real (the pointer's bytes are damaged in the store while it uploads, so its
+    pointer update is refused; they are put back before the notice); a SIGTERM follows. The emergency save is
+    attempted and committed all the same (exit 143), and step 4's failure is reported beside it (it used to be raised
+    by the emergency save: exit 1, nothing committed)."""
+    root = tmp_path / "ckpt"
+    pointer_file, kept = root / POINTER_NAME, []
+    io = plugins.track(AtomicCheckpointIO(async_save=True))
+
+    def settled() -> None:  # the background save in flight has committed or failed
+        for _ in range(1200):
+            if io.save_stats[-1].upload is not None:
+                return
+            threading.Event().wait(0.05)
+        raise AssertionError("the background save did not end within a minute")
+
+    class BlockStep4Save(Callback):
+        def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 3:  # step 4 ends this batch, and its save begins
+                settled()
+                assert io.save_stats[-1].step == 2 and io.save_stats[-1].committed
+                kept.append(pointer_file.read_bytes())
+                pointer_file.write_bytes(b"damaged")
+            elif batch_idx == 4:
+                settled()
+                assert io.save_stats[-1].step == 4 and not io.save_stats[-1].committed
+                pointer_file.write_bytes(kept[0])
+
+    preemption = PreemptionCheckpoint()
+    caplog.set_level(logging.ERROR, logger="lightning_resilient")
+    with pytest.raises(PreemptedExit) as exited:
+        run_on(str(root), io, preemption, [BlockStep4Save(), SignalAt(4)], every=2)
+    assert exited.value.code == 143 and preemption.saved["committed"] and preemption.saved["step"] == 5
+    assert "latest.json" in preemption.saved["earlier_error"]  # what failed step 4's save
+    assert "an earlier save had failed" in caplog.text
+    latest = pointer(str(root)).latest
+    assert latest.name == "preemption.ckpt" and latest.step == 5
+    assert [e.step for e in pointer(str(root)).candidates()] == [5, 2]  # step 4 never committed
+
+
+def run_on(root: str, io: AtomicCheckpointIO, preemption: PreemptionCheckpoint, extra: list[Any], *,
+           every: int) -> None:
+    seed_everything(0)
+    trainer = Trainer(max_steps=20, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[io],
+                      callbacks=[ResumeStateCallback(), preemption, *extra,
+                                 ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1)])
+    trainer.fit(DropoutModel(), loader())
 
 class Metadata(http.server.ThreadingHTTPServer):
     """A loopback stand-in for the AWS (IMDSv2) and GCE metadata servers; ``preempted`` flips the answer."""
@@ -296,6 +416,33 @@ def test_a_training_process_sigtermed_at_a_random_step_resumes_bit_identical(tmp
         for name in want:
             assert torch.equal(got[name], want[name]), (store, batch, name)
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", ["sanity", "loader"])
+def test_a_training_process_sigtermed_before_training_starts_exits_124_not_0(tmp_path, window):
+    """A real process, a real SIGTERM during the sanity check or while the training loader is built (Lightning's
+    handlers in place, ours not yet): it exits with the unsaved status (non-zero: a scheduler restarts it), having
+    written nothing, and says why."""
+    root = str(tmp_path / "ckpt")
+    env = {**os.environ, "PREEMPTION_WINDOW": window}
+    proc = subprocess.Popen([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), "local"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            assert not line.startswith("BATCH"), "training started before the window"
+            if line.startswith("WINDOW"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == 124, err[-3000:]
+    assert "no training step was taken, so there is nothing new to save" in err
+    assert not Path(root).exists() or not Path(root, POINTER_NAME).exists()  # nothing saved, nothing claimed
 
 @pytest.mark.slow
 def test_ddp_a_notice_to_rank_1_only_makes_both_ranks_save_one_step_and_exit(tmp_path):

@@ -136,18 +136,25 @@ def test_the_saved_config_never_holds_credentials(store_env, tmp_path):
     config = yaml.safe_load((CONFIGS / "local.yaml").read_text())
     plugin = next(p for p in config["trainer"]["plugins"] if p["class_path"].endswith("AtomicCheckpointIO"))
     plugin["init_args"]["storage_options"] = {"key": "AKIAEXAMPLEKEY", "secret": "s3cr3t-value",
-                                              "client_kwargs": {"aws_session_token": "t0ken-value", "verify": False}}
+                                              "client_kwargs": {"aws_session_token": "t0ken-value", "verify": False},
+                                              "headers": {"Authorization": "Bearer b3arer-value", "Accept": "*/*"},
+                                              "accessKeyId": "AKIACAMELKEY", "auth": ["alice", "pa55word"],
+                                              "endpoint_url": "https://alice:url-pa55@store.example:9000/x"}
     with_secrets = tmp_path / "with-secrets.yaml"
     with_secrets.write_text(yaml.safe_dump(config))
     main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(with_secrets), "--trainer.max_steps", "2",
           *QUIET])
     saved = (tmp_path / "runs" / "run-1" / "config.yaml").read_text()  # base.yaml's default_root_dir
-    for secret in ("AKIAEXAMPLEKEY", "s3cr3t-value", "t0ken-value"):
+    for secret in ("AKIAEXAMPLEKEY", "s3cr3t-value", "t0ken-value", "b3arer-value", "AKIACAMELKEY", "pa55word",
+                   "url-pa55"):
         assert secret not in saved
     options = next(p for p in yaml.safe_load(saved)["trainer"]["plugins"]
                    if p["class_path"].endswith("AtomicCheckpointIO"))["init_args"]["storage_options"]
     assert options == {"key": "<redacted>", "secret": "<redacted>",
-                       "client_kwargs": {"aws_session_token": "<redacted>", "verify": False}}
+                       "client_kwargs": {"aws_session_token": "<redacted>", "verify": False},
+                       "headers": {"Authorization": "<redacted>", "Accept": "*/*"},
+                       "accessKeyId": "<redacted>", "auth": "<redacted>",
+                       "endpoint_url": "https://<redacted>@store.example:9000/x"}
     assert pointer(root).latest.step == 2  # the run itself had the real options
 
 
@@ -172,3 +179,45 @@ def test_the_s3_config_with_a_local_tier_resumes_from_local_disk(store_env, tmp_
     assert "auto_resume: resuming from" in caplog.text
     assert "(step 6) from the local tier" in caplog.text
     assert pointer(root).latest.step == 9
+
+
+def test_every_credential_form_in_storage_options_is_redacted_and_nothing_else():
+    from lightning_resilient.training_cli import REDACTED, redact_storage_options
+
+    secret = {
+        # HTTP headers (gcsfs/s3fs/aiohttp clients), in a dict or as (name, value) pairs
+        "headers": {"Authorization": "Bearer a", "x-goog-api-key": "b", "Cookie": "c=d", "Proxy-Authorization": "e",
+                    "X-Amz-Security-Token": "f", "User-Agent": "kept/1.0"},
+        "client_kwargs": {"headers": [["Authorization", "Basic g"], ["Accept", "kept"]],
+                          "endpoint_url": "http://127.0.0.1:9000"},
+        # camelCase and other spellings of keys, secrets and tokens
+        "accessKeyId": "h", "SecretAccessKey": "i", "sessionToken": "j", "apikey": "k", "apiKey": "l",
+        "account_key": "m", "sas_token": "n", "connection_string": "o", "client_secret": "p", "password": "q",
+        "token": {"type": "service_account", "private_key": "r"},
+        # basic auth as a list, and credentials or signatures in URLs
+        "auth": ["user", "s"],
+        "proxy": "http://user:t@proxy.example:3128",
+        "url": "https://store.example/b?X-Amz-Signature=u&X-Amz-Credential=v&partNumber=1&sig=w",
+        # what is no secret stays
+        "config_kwargs": {"signature_version": "s3v4", "max_pool_connections": 50},
+        "anon": False, "use_ssl": True, "region_name": "eu-west-1", "profile": "dev", "monkey": "kept",
+    }
+    out = redact_storage_options({"storage_options": secret, "elsewhere": {"password": "not options: kept"}})
+    options = out["storage_options"]
+    assert options["headers"] == {**dict.fromkeys(["Authorization", "x-goog-api-key", "Cookie", "Proxy-Authorization",
+                                                   "X-Amz-Security-Token"], REDACTED), "User-Agent": "kept/1.0"}
+    assert options["client_kwargs"] == {"headers": [["Authorization", REDACTED], ["Accept", "kept"]],
+                                        "endpoint_url": "http://127.0.0.1:9000"}
+    for key in ("accessKeyId", "SecretAccessKey", "sessionToken", "apikey", "apiKey", "account_key", "sas_token",
+                "connection_string", "client_secret", "password", "token", "auth"):
+        assert options[key] == REDACTED, key
+    assert options["proxy"] == f"http://{REDACTED}@proxy.example:3128"
+    assert options["url"] == (f"https://store.example/b?X-Amz-Signature={REDACTED}&X-Amz-Credential={REDACTED}"
+                              f"&partNumber=1&sig={REDACTED}")
+    assert options["config_kwargs"] == {"signature_version": "s3v4", "max_pool_connections": 50}
+    assert {k: options[k] for k in ("anon", "use_ssl", "region_name", "profile", "monkey")} == \
+        {"anon": False, "use_ssl": True, "region_name": "eu-west-1", "profile": "dev", "monkey": "kept"}
+    assert out["elsewhere"] == {"password": "not options: kept"}  # keys are judged inside storage_options only
+    # A URL with credentials is one anywhere in a config (a logger's tracking URI, say).
+    assert redact_storage_options({"tracking_uri": "https://me:pw@mlflow.example"}) == \
+        {"tracking_uri": f"https://{REDACTED}@mlflow.example"}

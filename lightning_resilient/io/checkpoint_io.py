@@ -7,10 +7,11 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
 
@@ -50,7 +51,8 @@ from lightning_resilient.io.tiered import (
 )
 from lightning_resilient.io.writer import step_of
 
-__all__ = ["AtomicCheckpointIO", "find_latest_checkpoint", "mark_resumed_step_saved", "repair_pointer"]
+__all__ = ["AtomicCheckpointIO", "check_filenames", "find_latest_checkpoint", "fit_roots", "mark_resumed_step_saved",
+           "repair_pointer"]
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +109,20 @@ class AtomicCheckpointIO(CheckpointIO):
             incomplete multipart uploads. A save of the current writer is never deleted, whatever its age.
         fallback_on_corruption: when a checkpoint fails verification on load, load the previous committed one
             of the same lineage (with a loud warning) instead of raising.
+        allow_unfenced_store: write a store that accepts conditional writes without enforcing them (a server, or a
+            proxy in front of it, that ignores ``If-Match``/``If-None-Match`` or ``ifGenerationMatch``: a probe finds
+            out before the first write), with a warning. False (the default): ``fit`` refuses to start on such a
+            store (``UnfencedStoreError``), since two jobs writing one root at once would overwrite each other's
+            pointer and lose checkpoints. Set it only for a root you know one job at a time writes.
         claim_on_load: when loading claims the root (becomes its writer, fencing off the job that wrote it
-            before). None (the default): a ``fit`` that resumes claims at once, with the checkpoint it loaded as the
-            origin of its lineage; every other load (``trainer.validate/test/predict(ckpt_path=...)``, evaluation
-            scripts, notebooks, ``load_checkpoint`` outside a Trainer) is read-only and never fences the job
-            training into the root. False: a resuming fit claims only at its first save (the old job, if still
-            running, keeps writing until then). True: every load claims, for a process that will train outside
-            ``Trainer.fit``. A job that starts without a checkpoint claims at its first save.
+            before). None (the default): a ``fit`` that resumes claims at once the roots it writes (its
+            ModelCheckpoint dirpaths), with the checkpoint it loaded as the origin of their lineage; a root it only
+            reads from (a fork into another dirpath) is never claimed; every other load
+            (``trainer.validate/test/predict(ckpt_path=...)``, evaluation scripts, notebooks, ``load_checkpoint``
+            outside a Trainer) is read-only and never fences the job training into the root. False: a resuming fit
+            claims only at its first save (the old job, if still running, keeps writing until then). True: every
+            load claims, for a process that will train outside ``Trainer.fit``. A job that starts without a
+            checkpoint claims at its first save.
         local_tier: a node-local folder (local NVMe, ``/dev/shm``) to commit every save to first: each save is a
             checkpoint there (same protocol: manifest, pointer, fencing, verification), and every ``persist_every``-th
             saved step, the last save of ``fit`` and every emergency save of ``PreemptionCheckpoint`` are also
@@ -143,6 +152,7 @@ class AtomicCheckpointIO(CheckpointIO):
         node_cache_dir: str | None = None,
         orphan_grace_seconds: float = 3600.0,
         fallback_on_corruption: bool = True,
+        allow_unfenced_store: bool = False,
         claim_on_load: bool | None = None,
         local_tier: str | os.PathLike[str] | None = None,
         persist_every: int = 1,
@@ -157,7 +167,8 @@ class AtomicCheckpointIO(CheckpointIO):
         # Checked in the order of the signature, each by the object that keeps it.
         self.settings = RootSettings(keep_last=keep_last, shard_size=shard_size, chunk_size=chunk_size,
                                      max_concurrency=max_concurrency, orphan_grace_seconds=orphan_grace_seconds,
-                                     fallback_on_corruption=fallback_on_corruption)
+                                     fallback_on_corruption=fallback_on_corruption,
+                                     allow_unfenced_store=allow_unfenced_store)
         check_bool("async_save", async_save)
         check_bool("node_cache", node_cache)
         check_optional_bool("claim_on_load", claim_on_load, none_means="a resuming fit claims", none_first=True)
@@ -185,6 +196,8 @@ class AtomicCheckpointIO(CheckpointIO):
         self._roots: dict[tuple[str, str], CheckpointRoot] = {}
         self._tiers: dict[str, TieredRoot] = {}  # durable root URL -> its two tiers, for saves
         self._lock = threading.Lock()
+        self._last_fit: _FitEnd | None = None  # where the last fit ended (a next fit may continue it)
+        self._fit_dirpaths: list[str] = []  # the checkpoint folders of the current (or last) fit
 
     # -- pickling ----------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -192,7 +205,7 @@ class AtomicCheckpointIO(CheckpointIO):
         # objects that hold the Trainer copy them: a copy keeps the settings and starts with no open roots, no
         # claimed writer epoch and no save in flight (those belong to the original; a copy that saves claims anew).
         state = self.__dict__.copy()
-        for runtime in ("_roots", "_tiers", "_lock", "_async"):
+        for runtime in ("_roots", "_tiers", "_lock", "_async", "_last_fit"):
             state.pop(runtime, None)
         return state
 
@@ -201,6 +214,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self._roots = {}
         self._tiers = {}
         self._lock = threading.Lock()
+        self._last_fit = None
         self._async = AsyncSaver(pin_memory=self.pin_memory) if self.async_save else None
 
     # -- plumbing ----------------------------------------------------------------------------------------------
@@ -268,7 +282,7 @@ class AtomicCheckpointIO(CheckpointIO):
             raise ValueError(f"checkpoint name {name!r} starts with '.': such names are hidden from the root's listing"
                              " (find_latest_checkpoint and retention would never see it). Use a ModelCheckpoint"
                              " filename that does not start with '.'.")
-        _check_not_nested(url, checkpoint)
+        _check_not_nested(url, checkpoint, self._fit_dirpaths)
         root: CheckpointRoot | TieredRoot = (self.root(_paths.dirname(url), storage_options) if self.local_tier is None
                                              else self.tiers(_paths.dirname(url), storage_options))
         started = time.perf_counter()
@@ -340,21 +354,39 @@ class AtomicCheckpointIO(CheckpointIO):
 
     def _continue_from(self, root: CheckpointRoot, entry: Entry, trainer: Any, *,
                        elsewhere: bool = False) -> CheckpointRoot:
-        """What loading ``entry`` of ``root`` means for writing it (``elsewhere``: only the local tier holds it);
-        returns the root this process writes from now on."""
+        """What loading ``entry`` of ``root`` means for writing (``elsewhere``: only the local tier holds it);
+        returns the root this process writes from now on.
+
+        A fit claims the roots it writes (its checkpoint folders, see :func:`fit_roots`), and only those: ``root``
+        with ``entry`` as the origin of its lineage when the fit writes it, any other with ``entry`` as the checkpoint
+        of another root it was forked from. A fit that forks a run into a folder of its own so never fences the job
+        still writing the run it forked from, nor abandons that run's later checkpoints."""
         fit = trainer is not None and _fn(trainer) == "fit"
         if fit and root.writer_epoch is not None:
             # This plugin already wrote this root in an earlier fit (a notebook, an in-process retry); a fit that
             # resumes is a new job: it claims anew, with what it loaded as its origin (a rollback stays a rollback).
             root = self._reopen(root)
-        if fit or self.claim_on_load:
-            # What this job's training continues: the origin of its lineage when it claims the root (now, for a
-            # resuming fit on the writing rank, so the job it replaces is stopped before it can retire this
-            # checkpoint; else at its first save). Any other load is read-only: it never fences anyone.
-            root.resumed(entry, elsewhere=elsewhere)
-            claim_now = self.claim_on_load if self.claim_on_load is not None else fit
-            if claim_now and _global_rank() == 0 and root.writer_epoch is None:
-                root.claim()
+        if not (fit or self.claim_on_load):
+            return root  # any other load is read-only: it never fences anyone
+        # The origin of this root's lineage if this process writes it (at its first save, if not claimed below).
+        root.resumed(entry, elsewhere=elsewhere)
+        targets = [root]
+        if fit:
+            targets = []
+            for other in (self.root(url) for url in fit_roots(trainer)):
+                if other.url == root.url:
+                    targets.append(root)
+                    continue
+                if other.writer_epoch is not None:
+                    other = self._reopen(other)  # a new job of this plugin: it claims anew
+                other.forked(entry, root.url)
+                targets.append(other)
+        claim_now = self.claim_on_load if self.claim_on_load is not None else fit
+        if claim_now and _global_rank() == 0:
+            # Now, on the writing rank: the job each replaces is stopped before it can retire this checkpoint.
+            for target in targets:
+                if target.writer_epoch is None:
+                    target.claim()
         return root
 
     def _load_tiered(self, url: str, trainer: Any, together: Together | None,
@@ -457,24 +489,40 @@ class AtomicCheckpointIO(CheckpointIO):
         if errors:
             raise errors[0]
 
-    def begin_fit(self, *, resumed: bool) -> None:
-        """A ``fit`` starts (called by the fit-start check callback). One that resumed nothing is a new job: the
-        roots an earlier ``fit`` of this plugin claimed are claimed anew at its first save (it starts a new lineage,
-        as a new process would), instead of continuing the earlier fit's writer epoch with steps from 0."""
-        if resumed:
+    def begin_fit(self, *, resumed: bool, trainer: Any = None, pl_module: Any = None) -> None:
+        """A ``fit`` of ``trainer`` on ``pl_module`` starts (called by the fit-start check callback).
+
+        One that resumed a checkpoint claimed what it writes when it loaded. One that continues the previous fit of
+        this plugin from its state in memory (the same Trainer and LightningModule objects, at the global step that
+        fit ended at: ``trainer.fit`` called again with a higher ``max_steps``) is the same job: it goes on with that
+        fit's writer epoch and lineage. Any other fit is a new job: the roots an earlier fit of this plugin claimed
+        are claimed anew at its first save (it starts a new lineage, as a new process would) instead of continuing
+        the earlier fit's writer epoch with another model's steps, or with steps from 0."""
+        last, self._last_fit = self._last_fit, None
+        if trainer is not None:
+            self._fit_dirpaths = [normalize(d) for d in fit_roots(trainer)]
+        if resumed or (last is not None and trainer is not None and last.continued_by(trainer, pl_module)):
             return
         with self._lock:
             claimed = [root for root in self._roots.values() if root.writer_epoch is not None]
         for root in claimed:
             self._reopen(root)
 
+    def end_fit(self, trainer: Any, pl_module: Any) -> None:
+        """A ``fit`` of ``trainer`` on ``pl_module`` ended normally (called by the fit-start check callback): a next
+        fit of the same two that starts where this one ended continues this job (see :meth:`begin_fit`)."""
+        self._last_fit = _FitEnd(weakref.ref(trainer), weakref.ref(pl_module), int(getattr(trainer, "global_step", 0)))
+
     # -- extras ------------------------------------------------------------------------------------------------
     def check_root(self, root: str) -> None:
-        """Raise now, naming what to fix, when ``root`` cannot hold checkpoints: its bucket does not exist, or the
-        credentials cannot see it. ``ResumeStateCallback`` calls it for every ModelCheckpoint dirpath when ``fit``
-        starts, so a wrong bucket stops the run before its first step rather than at its first save."""
-        check_bucket(self.root(root).store)
-        self.root(root).store.list_dir("")  # credentials that can name the bucket but not list it fail here
+        """Raise now, naming what to fix, when ``root`` cannot hold checkpoints: its bucket does not exist, the
+        credentials cannot see it, or the store ignores conditional writes (``UnfencedStoreError``, unless
+        ``allow_unfenced_store``). The fit-start check calls it for every checkpoint folder of the fit, so a wrong
+        bucket or an unfenced store stops the run before its first step rather than at its first save."""
+        checked = self.root(root)
+        check_bucket(checked.store)
+        checked.store.list_dir("")  # credentials that can name the bucket but not list it fail here
+        checked.check_fencing()
 
     def find_latest_checkpoint(self, root: str) -> str | None:
         """Like :func:`find_latest_checkpoint`, with this plugin's storage options and local tier."""
@@ -485,6 +533,35 @@ class AtomicCheckpointIO(CheckpointIO):
         saves of fenced writers, retired folders whose time has come and, with ``abandoned``, checkpoints of
         branches a rollback left behind. Returns the URLs."""
         return [url for url, _ in self.root(root).collect_garbage(dry_run=dry_run, abandoned=abandoned)]
+
+
+@dataclass(frozen=True)
+class _FitEnd:
+    """Where the last fit of a plugin ended: its Trainer and LightningModule (weakly held) and its global step."""
+
+    trainer: weakref.ref[Any]
+    module: weakref.ref[Any]
+    step: int
+
+    def continued_by(self, trainer: Any, pl_module: Any) -> bool:
+        """Whether a fit of ``trainer`` on ``pl_module`` starts where this one ended, from its state in memory."""
+        return (self.step > 0 and self.trainer() is trainer and self.module() is pl_module
+                and int(getattr(trainer, "global_step", -1)) == self.step)
+
+
+def fit_roots(trainer: Any) -> list[str]:
+    """The checkpoint folders a ``fit`` of ``trainer`` writes: every ``ModelCheckpoint`` dirpath and a
+    ``PreemptionCheckpoint``'s own ``dirpath`` (each once, in the order of the callbacks). Lightning resolves a
+    ModelCheckpoint's dirpath in its ``setup``, before a resume loads."""
+    from lightning_resilient.preemption import PreemptionCheckpoint
+
+    found: list[str] = []
+    for callback in getattr(trainer, "callbacks", []):
+        dirpath = getattr(callback, "dirpath", None)
+        writes = callback in getattr(trainer, "checkpoint_callbacks", []) or isinstance(callback, PreemptionCheckpoint)
+        if writes and isinstance(dirpath, (str, os.PathLike)) and str(dirpath) and str(dirpath) not in found:
+            found.append(str(dirpath))
+    return found
 
 
 def _check_storage_options(value: Any, field: str) -> dict[str, Any]:
@@ -594,21 +671,39 @@ def mark_resumed_step_saved(trainer: Any, checkpoint: dict[str, Any]) -> None:
             callback._last_global_step_saved = step
 
 
-def _check_not_nested(url: str, checkpoint: dict[str, Any]) -> None:
+def _check_not_nested(url: str, checkpoint: dict[str, Any], fit_dirpaths: list[str]) -> None:
     """Refuse a save into a sub-folder of a ModelCheckpoint's dirpath (``filename="{epoch}/{step}"``).
 
     The checkpoint root is the folder a checkpoint is saved in; a sub-folder would be a root of its own, with its
-    own pointer, fencing and retention, and ``find_latest_checkpoint(dirpath)`` would find nothing.
+    own pointer, fencing and retention, and ``find_latest_checkpoint(dirpath)`` would find nothing. The dirpaths are
+    those of the fit (``fit_dirpaths``) and those the checkpoint's callback state names (a full checkpoint's; a
+    weights-only one has none).
     """
+    dirpaths = list(fit_dirpaths)
     for state in (checkpoint.get("callbacks") or {}).values():  # ModelCheckpoint's, or a subclass's (keyed by its name)
         dirpath = state.get("dirpath") if isinstance(state, dict) else None
-        if not isinstance(dirpath, str) or not dirpath:
-            continue
-        root = normalize(dirpath)
-        parent = _paths.dirname(url)
+        if isinstance(dirpath, str) and dirpath:
+            dirpaths.append(normalize(dirpath))
+    parent = _paths.dirname(url)
+    for root in dirpaths:
         if parent != root and parent.startswith(root.rstrip("/") + "/"):
             raise ValueError(
                 f"checkpoint {url!r} would be saved in a sub-folder of the ModelCheckpoint dirpath {root!r} (its"
                 f" filename contains '/'): with AtomicCheckpointIO every folder is a separate checkpoint root, so the"
                 f" run would be split across roots and find_latest_checkpoint({root!r}) would not see it. Use a"
+                " filename without '/', e.g. ModelCheckpoint(filename='{epoch}-{step}').")
+
+
+def check_filenames(trainer: Any) -> None:
+    """Refuse, when a fit starts, a checkpoint callback whose ``filename`` has a folder in it (``"{epoch}/{step}"``):
+    each of its saves would go to a sub-folder of the dirpath, a separate checkpoint root (see
+    :func:`_check_not_nested`, which also refuses such a save; this stops the fit before its first step)."""
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        filename = getattr(callback, "filename", None)
+        if isinstance(filename, str) and ("/" in filename or os.sep in filename):
+            dirpath = getattr(callback, "dirpath", None)
+            raise ValueError(
+                f"{type(callback).__name__}(filename={filename!r}) would save each checkpoint in a sub-folder of its"
+                f" dirpath {str(dirpath)!r}: with AtomicCheckpointIO every folder is a separate checkpoint root, so"
+                " the run would be split across roots and find_latest_checkpoint(dirpath) would not see it. Use a"
                 " filename without '/', e.g. ModelCheckpoint(filename='{epoch}-{step}').")

@@ -17,9 +17,10 @@ import re
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 
-from lightning_resilient.errors import CheckpointError, StaleWriterError
+from lightning_resilient.errors import CheckpointError, StaleWriterError, UnfencedStoreError
 from lightning_resilient.io.folders import writer_identity
 from lightning_resilient.io.lineage import ORIGINS_DIR, Origin, origin_record_name
 from lightning_resilient.io.manifest import MANIFEST_NAME
@@ -35,22 +36,32 @@ _CAS_ATTEMPTS = 50
 # The protection reason of the checkpoint a job resumed from starts with this (retention never drops it).
 RESUMED = "resumed from"
 _warned_fencing: set[str] = set()
+# What a probe of each store client found (None: conditional writes enforced), so it runs once per client.
+_probed: weakref.WeakKeyDictionary[Store, str | None] = weakref.WeakKeyDictionary()
 
 
 class WriterFence:
     """One process's view of a root's pointer: reads it, updates it conditionally, claims the root as its writer."""
 
-    def __init__(self, store: Store, reader: RootReader) -> None:
+    def __init__(self, store: Store, reader: RootReader, *, allow_unfenced_store: bool = False) -> None:
         self.store = store
         self.reader = reader  # rebuilds a missing pointer from the manifests
+        self.allow_unfenced_store = allow_unfenced_store
         self.writer = writer_identity()
         self.writer_epoch: int | None = None  # the writer epoch this process claimed, once it did
+        #: The incarnation of the root (the pointer's ``root_id``) this process claimed, once it did: a root deleted
+        #: and written again under the same URL starts its writer epochs over, so an epoch alone cannot tell a
+        #: writer of the old incarnation from the new one's.
+        self.root_id: str | None = None
         self.origin: Origin | None = None  # where this writer's training came from, once it claimed
         self.resumed_from: str | None = None
         #: What this process last loaded from the root: a fit that resumed from it claims the root with it as
         #: origin at its first save. A process that only reads never writes, so never claims (never fences).
         self.pending_resume: Entry | None = None
         self.pending_resume_elsewhere = False  # ``pending_resume`` is held by another tier (io/tiered.py), not here
+        #: A checkpoint of another root this process's fit resumed from, to write this root (a fork): the origin of
+        #: its claim when nothing of this root was loaded.
+        self.pending_fork: Origin | None = None
         self._resumed_entry: Entry | None = None  # what this writer claimed with as its origin
         # Retired folders this process deleted: their records leave the pointer at its next update.
         self._deleted: set[str] = set()
@@ -121,8 +132,8 @@ class WriterFence:
                     protect(base, self._resumed_entry, self.writer)  # this writer's own protection, lost with it
             else:
                 base = current
-            if fenced and self.writer_epoch is not None and base.writer_epoch > self.writer_epoch:
-                raise StaleWriterError(self.url, self.writer_epoch, base.writer_epoch, base.writer)
+            if fenced:
+                self.check_current(base)
             new = base.copy()
             for folder in self._deleted & set(new.retired):
                 del new.retired[folder]
@@ -134,7 +145,8 @@ class WriterFence:
             for folder in [f for f in new.retired if f in live]:  # referenced again (a rebuilt catalog): keep it
                 del new.retired[folder]
             new.txn = uuid.uuid4().hex
-            new.root_id = new.root_id or uuid.uuid4().hex
+            # A pointer rebuilt from the manifests (lost, repaired) has none: this writer's own incarnation goes on.
+            new.root_id = new.root_id or self.root_id or uuid.uuid4().hex
             if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
                 if legacy:
                     self._drop_legacy_pointer()
@@ -148,6 +160,17 @@ class WriterFence:
             time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
         raise TimeoutError(f"could not update {self.store.url(POINTER_NAME)}: {_CAS_ATTEMPTS} conditional writes"
                            " in a row lost to other writers")
+
+    def check_current(self, pointer: Pointer) -> None:
+        """Raise ``StaleWriterError`` when ``pointer`` is no longer this writer's to change: a newer writer epoch
+        claimed it, or it is another incarnation of the root (deleted and written again since this claim). A
+        pointer without a ``root_id`` (rebuilt from the manifests) is this root's, whoever rebuilt it."""
+        if self.writer_epoch is None:
+            return
+        if self.root_id and pointer.root_id and pointer.root_id != self.root_id:
+            raise StaleWriterError(self.url, self.writer_epoch, pointer.writer_epoch, pointer.writer, recreated=True)
+        if pointer.writer_epoch > self.writer_epoch:
+            raise StaleWriterError(self.url, self.writer_epoch, pointer.writer_epoch, pointer.writer)
 
     def _remove_manifest(self, folder: str) -> None:
         try:
@@ -169,7 +192,8 @@ class WriterFence:
 
         ``resumed_from`` (default: what this process loaded from the root) is the origin of this writer's lineage:
         it becomes the latest, and checkpoints of older epochs after it are an abandoned branch from now on. None
-        is a fresh start: every older checkpoint is then an abandoned branch (kept until ``gc --abandoned``).
+        is a fresh start, or a fork when this process's fit resumed a checkpoint of another root (:meth:`forked`):
+        every older checkpoint is then an abandoned branch (kept until ``gc --abandoned``).
 
         An origin that only the node-local tier holds (see :mod:`~lightning_resilient.io.tiered`, where
         ``pending_resume_elsewhere`` is set) is recorded as the lineage's origin all the same; this root cannot
@@ -179,8 +203,11 @@ class WriterFence:
         if resumed_from is None:
             resumed_from = self.pending_resume
         self.check_fencing()
-        origin = Origin(None) if resumed_from is None else Origin(resumed_from.commit, resumed_from.writer_epoch,
-                                                                  resumed_from.step)
+        fork = self.pending_fork if resumed_from is None else None
+        if resumed_from is not None:
+            origin = Origin(resumed_from.commit, resumed_from.writer_epoch, resumed_from.step)
+        else:
+            origin = fork or Origin(None)
         if resumed_from is not None and not elsewhere \
                 and not self.store.exists(f"{resumed_from.commit}/{MANIFEST_NAME}"):
             raise self._origin_gone(resumed_from)
@@ -207,7 +234,7 @@ class WriterFence:
         new, _ = self.update(bump, fenced=False)
         if self.store.exists(LEGACY_POINTER_NAME):  # a migration that died before deleting it
             self._drop_legacy_pointer()
-        self.writer_epoch = new.writer_epoch
+        self.writer_epoch, self.root_id = new.writer_epoch, new.root_id
         self.origin = origin
         self._resumed_entry = resumed_from if not elsewhere else None
         # After the swap (a record is only ever written for an epoch that was claimed): a crash between the two loses
@@ -217,7 +244,14 @@ class WriterFence:
         self.resumed_from = resumed_from.commit if resumed_from else None
         self.pending_resume = None
         self.pending_resume_elsewhere = False
-        if fresh_over:
+        self.pending_fork = None
+        if fresh_over and fork is not None:
+            warnings.warn(
+                f"this job forked {fork.root}'s checkpoint {fork.commit} (step {fork.step}) into {self.url}, which"
+                f" holds another run up to step {fresh_over[0].step}; that run is kept as an abandoned branch (until"
+                " gc --abandoned). Give the fork a ModelCheckpoint dirpath of its own to keep the two apart.",
+                RuntimeWarning, stacklevel=3)
+        elif fresh_over:
             # Legitimate (a new experiment in the same folder), but more often a resume that found nothing:
             # ckpt_path="last" on S3/GCS (Lightning lists last*.ckpt without the protocol and finds none) or a
             # forgotten ckpt_path. Nothing is lost: the old run stays, an abandoned branch, until gc --abandoned.
@@ -228,7 +262,8 @@ class WriterFence:
                 " Lightning"
                 " lists last.ckpt without its protocol).", RuntimeWarning, stacklevel=3)
         log.info("claimed %s as writer epoch %d (%s), %s", self.url, self.writer_epoch, self.writer,
-                 f"resuming {resumed_from.commit}" if resumed_from else "starting fresh")
+                 f"resuming {resumed_from.commit}" if resumed_from else
+                 f"forked from {fork.root}/{fork.commit}" if fork else "starting fresh")
         return self.writer_epoch
 
     def _origin_gone(self, resumed: Entry) -> CheckpointError:
@@ -248,17 +283,34 @@ class WriterFence:
             log.warning("could not record the origin of writer epoch %d under %s: %s", epoch, self.url, exc)
 
     def check_fencing(self) -> None:
-        """Once per root and process, before the first write: warn when the store ignores conditional writes."""
-        if self.url in _warned_fencing or not self.store.supports_cas:  # a store without any says so itself
+        """Before this process writes the root as its writer (and when ``fit`` starts): refuse a store that accepts
+        conditional writes without enforcing them (a server, or a proxy in front of it, that ignores the conditions),
+        since two jobs would then overwrite each other's pointer, silently losing checkpoints; with
+        ``allow_unfenced_store`` (the user knows one job at a time writes the root), warn once instead. The store is
+        probed once per store client. A store without any conditional write warns by itself (see ``Store``)."""
+        if not self.store.supports_cas:
             return
-        _warned_fencing.add(self.url)
-        reason = self.store.check_fencing()
-        if reason is not None:
+        if self.store not in _probed:
+            _probed[self.store] = self.store.check_fencing()
+        reason = _probed[self.store]
+        if reason is None:
+            return
+        conditions = self.store.conditions
+        ignored = f"{conditions.replace} / {conditions.create}" if conditions is not None else "its conditions"
+        if not self.allow_unfenced_store:
+            raise UnfencedStoreError(
+                f"writer fencing cannot work on {self.url}: {reason}, so the store (or a proxy in front of it) ignores"
+                f" the conditions of conditional writes ({ignored}). Two jobs writing this root at once would"
+                " overwrite each other's pointer and lose checkpoints without an error. Reach the store through an"
+                " endpoint that enforces them, or, if you are sure only one job at a time ever writes this root, pass"
+                " AtomicCheckpointIO(allow_unfenced_store=True).")
+        if self.url not in _warned_fencing:
+            _warned_fencing.add(self.url)
             warnings.warn(
-                f"writer fencing is OFF for {self.url}: {reason}, so two jobs writing this root at once can overwrite"
-                " each other's pointer (last writer wins). Checkpoints stay atomic and verified; make sure only one"
-                " job writes the root (stop the old one before starting its replacement), or use a store that"
-                " enforces conditional writes (AWS S3, GCS, local disk).", RuntimeWarning, stacklevel=5)
+                f"writer fencing is OFF for {self.url}: {reason} (the store ignores {ignored}), so two jobs writing"
+                " this root at once can overwrite each other's pointer (last writer wins); allowed by"
+                " allow_unfenced_store=True. Checkpoints stay atomic and verified; make sure only one job writes the"
+                " root (stop the old one before starting its replacement).", RuntimeWarning, stacklevel=5)
 
     def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin]) -> Pointer:
         """Write this root as writer epoch ``epoch`` of another root: the node-local tier of a durable root whose
@@ -283,7 +335,7 @@ class WriterFence:
             return p
 
         new, _ = self.update(bump, fenced=False)
-        self.writer_epoch, self.origin = epoch, origin
+        self.writer_epoch, self.origin, self.root_id = epoch, origin, new.root_id
         return new
 
     def hold(self, folders: Iterable[str], why: str) -> None:
@@ -309,6 +361,12 @@ class WriterFence:
 
         new, _ = self.update(drop, fenced=False)
         return new
+
+    def forked(self, entry: Entry, root: str) -> None:
+        """Record that this process's fit, which writes this root, resumed ``entry`` of the root ``root`` (a fork):
+        the origin of its claim here, unless it loads from this root too."""
+        if self.writer_epoch is None:
+            self.pending_fork = Origin(entry.commit, entry.writer_epoch, entry.step, root=root)
 
     def resumed(self, entry: Entry, *, elsewhere: bool = False) -> None:
         """Record that this process loaded ``entry`` from the root (a fit's resume claims with it as origin);

@@ -47,15 +47,20 @@ class _Check:
         plugin = _plugin(trainer)
         if plugin is None:
             return
-        # A fit that resumed nothing is a new job, also with a plugin an earlier fit of this process used.
-        plugin.begin_fit(resumed=getattr(trainer, "ckpt_path", None) is not None)
-        check = plugin.check_root
-        seen: set[str] = set()
-        for callback in trainer.checkpoint_callbacks:
-            dirpath = getattr(callback, "dirpath", None)
-            if isinstance(dirpath, (str, os.PathLike)) and str(dirpath) and str(dirpath) not in seen:
-                seen.add(str(dirpath))
-                check(str(dirpath))
+        from lightning_resilient.io.checkpoint_io import check_filenames, fit_roots
+
+        check_filenames(trainer)
+        # A fit that resumed nothing is a new job, also with a plugin an earlier fit of this process used, unless it
+        # continues that fit from its state in memory.
+        plugin.begin_fit(resumed=getattr(trainer, "ckpt_path", None) is not None, trainer=trainer, pl_module=pl_module)
+        for dirpath in fit_roots(trainer):
+            plugin.check_root(dirpath)
+
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        plugin = _plugin(trainer)
+        if plugin is not None:
+            plugin.end_fit(trainer, pl_module)
 
 
 def _plugin(trainer: Any) -> Any:

@@ -11,6 +11,10 @@ the scan of a root whose pointer is missing and ``repair_pointer`` all use :clas
 it (an abandoned branch) are never chosen to resume and never counted by retention; ``gc --abandoned`` removes
 them.
 
+A job may also start from a checkpoint of *another* root (a fork: ``fit(ckpt_path=<a checkpoint of root X>)`` with
+``ModelCheckpoint(dirpath=Y)``). Its origin then names that root too (:attr:`Origin.root`); within Y the lineage ends
+there, as at a fresh start, and X is never written (only a fit that writes a root claims it).
+
 Roots written before lineage was recorded have no origins: an epoch whose origin is unknown is taken to continue
 every older epoch (the old order by step), so such roots keep resuming as they did.
 """
@@ -39,22 +43,32 @@ def origin_record_name(writer_epoch: int) -> str:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where the training of one writer epoch came from: a fresh start (``commit`` None) or a resumed checkpoint."""
+    """Where the training of one writer epoch came from: a fresh start (``commit`` None), a resumed checkpoint of
+    this root, or (``root`` set) a checkpoint of another root that this one was forked from."""
 
     commit: str | None = None
     writer_epoch: int = 0  # the writer epoch that committed ``commit``
     step: int = 0
+    root: str | None = None  # the URL of the root holding ``commit``, when it is not this root (a fork)
+
+    @property
+    def here(self) -> bool:
+        """Whether the origin is a checkpoint of this root (not a fresh start, not a fork from another root)."""
+        return self.commit is not None and self.root is None
 
     def to_json(self) -> dict[str, Any]:
-        return {"commit": self.commit, "writer_epoch": self.writer_epoch, "step": self.step}
+        out: dict[str, Any] = {"commit": self.commit, "writer_epoch": self.writer_epoch, "step": self.step}
+        if self.root is not None:  # only a fork has it: every other origin is stored as before
+            out["root"] = self.root
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> Origin:
         if not isinstance(raw, dict):
             raise TypeError(f"an origin must be an object, got {raw!r}")
-        commit = raw["commit"]
+        commit, root = raw["commit"], raw.get("root")
         return cls(commit=None if commit is None else str(commit), writer_epoch=int(raw["writer_epoch"]),
-                   step=int(raw["step"]))
+                   step=int(raw["step"]), root=None if root is None else str(root))
 
     def record(self, writer_epoch: int, writer: str) -> bytes:
         """The sealed record of writer epoch ``writer_epoch``'s origin (stored at :func:`origin_record_name`)."""
@@ -109,7 +123,7 @@ class Lineage:
             if origin is None:
                 self.legacy_below, self.legacy_bound = epoch, bound
                 break
-            if origin.commit is None or origin.writer_epoch >= epoch:  # a fresh start (or a looping record)
+            if not origin.here or origin.writer_epoch >= epoch:  # a fresh start, a fork (or a looping record)
                 break
             bound = min(bound, origin.step)
             epoch = origin.writer_epoch

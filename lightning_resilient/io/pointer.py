@@ -148,9 +148,10 @@ class Pointer:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Pointer:
+        # The root: the pointer lives in its dot-folder (a release-0.1 pointer directly in it).
+        root = where[: -len(POINTER_NAME) - 1] if where.endswith(f"/{POINTER_NAME}") else where.rsplit("/", 1)[0]
         hint = (" Nothing committed is lost: the checkpoints are still there. Call"
-                f" lightning_resilient.repair_pointer({where.rsplit('/', 1)[0]!r}) to rebuild the pointer from"
-                " their manifests.")
+                f" lightning_resilient.repair_pointer({root!r}) to rebuild the pointer from their manifests.")
         raw = unseal(data, what="pointer", where=where, hint=hint)
         if raw.get("kind") != KIND or not isinstance(raw.get("format"), int):
             raise CheckpointCorruptedError(f"{where} is not a lightning_resilient pointer.{hint}", object=where)

@@ -56,6 +56,8 @@ class RootSettings:
     fallback_on_corruption: bool
     chunk_size: int = 16 * 2**20
     max_concurrency: int = 8  # upload threads: a stream is cut into at least this many objects (see object_size)
+    # Write (with a warning) a store that accepts conditional writes without enforcing them (see WriterFence).
+    allow_unfenced_store: bool = False
 
     def __post_init__(self) -> None:
         # Each field keeps its checked value (a numpy int becomes an int: a manifest must serialize it).
@@ -70,6 +72,7 @@ class RootSettings:
             "orphan_grace_seconds": check_number("orphan_grace_seconds", self.orphan_grace_seconds, minimum=0,
                                                  rule="a number >= 0", finite=False),
             "fallback_on_corruption": check_bool("fallback_on_corruption", self.fallback_on_corruption),
+            "allow_unfenced_store": check_bool("allow_unfenced_store", self.allow_unfenced_store),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
@@ -83,7 +86,7 @@ class CheckpointRoot:
         self.store = store
         self.settings = settings
         self.reader = RootReader(store, executor)
-        self.fence = WriterFence(store, self.reader)
+        self.fence = WriterFence(store, self.reader, allow_unfenced_store=settings.allow_unfenced_store)
         self.retention = Retention(store, self.fence, self.reader, keep_last=settings.keep_last,
                                    orphan_grace_seconds=settings.orphan_grace_seconds)
         self.writer = RootWriter(store, chunk_size=settings.chunk_size, shard_size=settings.shard_size,
@@ -120,6 +123,11 @@ class CheckpointRoot:
         self.retention.delete_retired(self.fence.adopt(epoch, origin, origins))
         self._collect_quietly()
 
+    def check_fencing(self) -> None:
+        """Refuse (``UnfencedStoreError``) a store that accepts conditional writes without enforcing them, unless
+        the settings allow it (then warn once): :meth:`WriterFence.check_fencing`."""
+        self.fence.check_fencing()
+
     def hold(self, folders: Iterable[str], why: str) -> None:
         """Keep ``folders`` from retention until :meth:`release` (they are to be copied)."""
         self.fence.hold(folders, why)
@@ -131,6 +139,10 @@ class CheckpointRoot:
         """Record that this process loaded ``entry`` from the root (a fit's resume claims with it as origin);
         ``elsewhere``: only the root's node-local tier holds it."""
         self.fence.resumed(entry, elsewhere=elsewhere)
+
+    def forked(self, entry: Entry, root: str) -> None:
+        """Record that this process's fit writes this root from ``entry`` of another root ``root`` (a fork)."""
+        self.fence.forked(entry, root)
 
     def _collect_quietly(self) -> None:
         try:

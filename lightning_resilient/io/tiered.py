@@ -183,7 +183,7 @@ class TieredRoot:
             # The record first: a local root holding commits always says which durable root it belongs to.
             _write_tier_record(self.local, self.durable.url, root_id)
             self.local.adopt(self.durable.writer_epoch, origin, dict(pointer.origins) if pointer else {})
-            if origin.commit is not None and not self.durable.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
+            if origin.here and not self.durable.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
                 # Resumed from a checkpoint only this node holds: the durable tier is behind by saves of earlier
                 # jobs, and a process that just failed may fail again before its N-th save. Its first save is
                 # persisted, so every restart moves the durable tier forward.
@@ -211,7 +211,7 @@ class TieredRoot:
         path = self.local.store.path("").rstrip("/")
         aside = f"{path}.set-aside-{int(time.time())}"
         os.rename(path, aside)
-        self.local.fence.writer_epoch = None  # set aside: the next save adopts again
+        self.local.fence.writer_epoch = self.local.fence.root_id = None  # set aside: the next save adopts again
         warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
                       " you no longer need it.", RuntimeWarning, stacklevel=4)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_resilient.errors import CheckpointError, StaleWriterError
+from lightning_resilient.errors import CheckpointError
 from lightning_resilient.io import layout
 from lightning_resilient.io.fencing import WriterFence, is_resumed
 from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
@@ -340,9 +340,8 @@ class RootWriter:
             if size == obj.size:
                 continue
             pointer, _ = self.fence.read_pointer()
-            mine = self.fence.writer_epoch
-            if pointer is not None and mine is not None and pointer.writer_epoch > mine:
-                raise StaleWriterError(self.url, mine, pointer.writer_epoch, pointer.writer)
+            if pointer is not None:  # gone because a newer job (or a new incarnation of the root) collected it
+                self.fence.check_current(pointer)
             what = "is missing" if size is None else f"has {size} bytes, not {obj.size}"
             raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(folder)} was to be"
                                   " committed (something deleted or replaced it): the save was not committed")

@@ -10,8 +10,9 @@ own behaviour and ours are exercised end to end:
   serves one connection far slower than its aggregate; parallel connections add up);
 - ``requests``: every forwarded request as ``(method, path)``, for tests that count what a client did;
 - :meth:`pause` / :meth:`resume`: hold every request at the door until resumed (a store that hangs);
-- ``drop_conditions``: strip ``If-Match`` / ``If-None-Match`` from requests, as an S3-compatible store that
-  accepts conditional writes without enforcing them would.
+- ``drop_conditions``: strip the conditions of conditional writes from requests, as a store (or a proxy in front
+  of it) that accepts conditional writes without enforcing them would: the ``If-Match`` / ``If-None-Match`` headers
+  (S3) and the ``ifGenerationMatch`` / ``ifMetagenerationMatch`` query parameters (GCS).
 
 Run it as a process (``python -m lightning_resilient.testing UPSTREAM --latency 0.03
 --bandwidth 40e6``): it prints its URL on the first line, then serves until killed.
@@ -121,7 +122,8 @@ class StoreProxy:
                 dropped = ("transfer-encoding",) + (("if-match", "if-none-match") if proxy.drop_conditions else ())
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
                 headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
+                path = _without_conditions(self.path) if proxy.drop_conditions else self.path
+                conn.request(self.command, path, body=body, headers=headers)
                 resp = conn.getresponse()
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
@@ -188,6 +190,19 @@ class StoreProxy:
         self.stop()
 
 
+# GCS's preconditions are query parameters, not headers.
+_CONDITION_PARAMS = ("ifgenerationmatch", "ifmetagenerationmatch")
+
+
+def _without_conditions(path: str) -> str:
+    """``path`` without GCS's precondition query parameters (the other parameters untouched, in order)."""
+    base, mark, query = path.partition("?")
+    if not mark:
+        return path
+    kept = [p for p in query.split("&") if p.split("=", 1)[0].lower() not in _CONDITION_PARAMS]
+    return f"{base}?{'&'.join(kept)}" if kept else base
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_resilient.testing", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,9 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency", type=float, default=0.0, help="seconds added per request")
     parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s per connection")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drop-conditions", action="store_true",
+                        help="strip If-Match/If-None-Match (S3) and ifGenerationMatch (GCS): a store that ignores"
+                             " conditional writes")
     args = parser.parse_args(argv)
     proxy = StoreProxy(args.upstream, fail_rate=args.fail_rate, latency=args.latency, bandwidth=args.bandwidth,
-                       seed=args.seed)
+                       seed=args.seed, drop_conditions=args.drop_conditions)
     print(proxy.url, flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         proxy.server.serve_forever()

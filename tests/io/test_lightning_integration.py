@@ -158,14 +158,34 @@ class MyCheckpoint(ModelCheckpoint):
     """A user's subclass: Lightning keys its state by this name."""
 
 
+@pytest.mark.parametrize("weights_only", [False, True])
 @pytest.mark.parametrize("callback", [ModelCheckpoint, MyCheckpoint])
-def test_a_filename_with_folders_is_refused_at_the_first_save(local_backend, callback):
+def test_a_filename_with_folders_is_refused_when_fit_starts(local_backend, callback, weights_only):
+    """Also for weights-only checkpoints, which carry no callback state to read the dirpath from."""
+    steps: list[int] = []
+
+    class Steps(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            steps.append(trainer.global_step)
+
     t = Trainer(max_steps=2, plugins=[AtomicCheckpointIO()], accelerator="cpu", logger=False,
                 enable_progress_bar=False, enable_model_summary=False,
-                callbacks=[callback(dirpath=local_backend.root, filename="{epoch}/{step}", every_n_train_steps=2)])
-    with pytest.raises(ValueError, match=r"sub-folder of the ModelCheckpoint dirpath .* filename without '/'"):
+                callbacks=[Steps(), callback(dirpath=local_backend.root, filename="{epoch}/{step}",
+                                             every_n_train_steps=2, save_weights_only=weights_only)])
+    with pytest.raises(ValueError, match=r"filename='\{epoch\}/\{step\}'\) would save .* filename without '/'"):
         t.fit(TinyModel(), tiny_loader())
+    assert steps == []  # refused before the first step
     assert not any(local_backend.fs().find(local_backend.path()))  # nothing was written
+
+
+def test_a_save_into_a_sub_folder_of_a_fit_root_is_refused_without_callback_state(local_backend, plugins):
+    """A weights-only save (no callback state) by hand, into a sub-folder of the fit's ModelCheckpoint dirpath."""
+    io = plugins.track(AtomicCheckpointIO())
+    t = trainer(io, local_backend.root, 2)
+    t.fit(TinyModel(), tiny_loader())
+    with pytest.raises(ValueError, match="sub-folder of the ModelCheckpoint dirpath"):
+        t.save_checkpoint(f"{local_backend.root}/nested/x.ckpt", weights_only=True)
+    assert not local_backend.fs().exists(local_backend.path("nested"))
 
 
 def test_a_resuming_fit_fences_the_job_it_replaces_as_soon_as_it_loads(local_backend):

@@ -7,6 +7,7 @@ Latest, the fallback when a checkpoint is damaged, ``keep_last``, the scan of a 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -189,3 +190,110 @@ def test_an_evaluation_load_is_no_origin_for_a_later_fresh_fit(local_backend, pl
     pointer = read_pointer(local_backend)
     assert pointer.origins[pointer.writer_epoch] == Origin(None)
     assert [e.name for e in pointer.candidates()] == ["epoch=0-step=2.ckpt"]  # the old run is not its lineage
+
+
+def _pointer_at(root, options):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(root, **options)
+    fs.invalidate_cache()
+    return fs.cat_file(f"{path.rstrip('/')}/{POINTER_NAME}")
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_fork_into_another_root_never_claims_the_root_it_forked_from(request, monkeypatch, plugins, capsys, store):
+    """fit(ckpt_path=<an older checkpoint of root X>) with ModelCheckpoint(dirpath=Y) writes Y only: X's pointer is
+    not touched (its job keeps saving, nothing of it becomes abandoned, a restart of X resumes X's newest), and Y
+    records that its run came from X's checkpoint (no "started from scratch")."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_resilient import AtomicCheckpointIO
+    from lightning_resilient.io.pointer import Pointer
+
+    from ..models import TinyModel, tiny_loader
+
+    backend = request.getfixturevalue(f"{store}_backend")
+    if backend.endpoint:  # ModelCheckpoint lists its dirpath with a client of its own, as a user's would
+        monkeypatch.setenv("AWS_ENDPOINT_URL", backend.endpoint)
+    options = backend.storage_options
+    x, y = backend.url("x"), backend.url("y")
+
+    def trainer(root, steps):
+        io = plugins.track(AtomicCheckpointIO(storage_options=options))
+        return Trainer(max_steps=steps, plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False,
+                       enable_model_summary=False,
+                       callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)])
+
+    x_job = trainer(x, 4)
+    x_job.fit(TinyModel(), tiny_loader())  # X's job: steps 2 and 4, still alive
+    before = _pointer_at(x, options)
+    step2 = next(e for e in Pointer.from_bytes(before, where=x).entries() if e.step == 2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer(y, 6).fit(TinyModel(), tiny_loader(), ckpt_path=f"{x}/{step2.commit}")  # the fork: saves 4, 6 in Y
+    assert not [str(w.message) for w in seen if "started from scratch" in str(w.message)]
+    assert _pointer_at(x, options) == before  # X's pointer: not one byte changed
+    x_job.save_checkpoint(f"{x}/after-the-fork.ckpt")  # X's own job is not fenced
+    pointer_x = Pointer.from_bytes(_pointer_at(x, options), where=x)
+    assert pointer_x.abandoned() == [] and [e.step for e in pointer_x.candidates()][:2] == [4, 4]
+    assert find_latest_checkpoint(x, options).endswith(pointer_x.latest.commit)  # a restart of X resumes step 4
+    opts = ["--storage-options", json.dumps(options)] if options else []
+    assert main(["gc", x, "--abandoned", "--grace", "0", *opts]) == 0
+    assert "abandoned branch" not in capsys.readouterr().out  # nothing of X is deleted
+    pointer_y = Pointer.from_bytes(_pointer_at(y, options), where=y)
+    assert pointer_y.origins[pointer_y.writer_epoch] == Origin(step2.commit, step2.writer_epoch, 2, root=x)
+    assert [e.step for e in pointer_y.candidates()] == [6, 4]
+    assert find_latest_checkpoint(y, options).endswith(pointer_y.latest.commit) and pointer_y.latest.step == 6
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_second_fit_that_continues_training_is_the_same_job(request, monkeypatch, plugins, store):
+    """fit to step 4, then fit again on the same Trainer and model to step 8: one job, one writer epoch and one
+    lineage (no "started from scratch"), so with fit 2's checkpoints damaged a resume falls back to step 4, bit for
+    bit. A fit with another model on the same Trainer is a new run: it starts a lineage of its own."""
+    import copy
+
+    import torch
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_resilient import AtomicCheckpointIO
+
+    from ..models import TinyModel, tiny_loader
+
+    backend = request.getfixturevalue(f"{store}_backend")
+    if backend.endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", backend.endpoint)
+    io = plugins.track(AtomicCheckpointIO(storage_options=backend.storage_options))
+    trainer = Trainer(max_steps=4, plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False,
+                      callbacks=[ModelCheckpoint(dirpath=backend.root, every_n_train_steps=2, save_top_k=-1)])
+    model = TinyModel()
+    trainer.fit(model, tiny_loader())
+    at_4 = copy.deepcopy(model.state_dict())
+    epoch = read_pointer(backend).writer_epoch
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(model, tiny_loader())  # continues from its own state in memory: step 4 -> 8
+    assert trainer.global_step == 8
+    assert not [str(w.message) for w in seen if "started from scratch" in str(w.message)]
+    pointer = read_pointer(backend)
+    assert pointer.writer_epoch == epoch and pointer.abandoned() == []
+    assert [e.step for e in pointer.candidates()] == [8, 6, 4, 2]
+    for entry in pointer.candidates()[:2]:  # fit 2's checkpoints
+        _damage(backend, f"{entry.commit}/skeleton.pt")
+    with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):
+        loaded = plugins.track(AtomicCheckpointIO(storage_options=backend.storage_options)).load_checkpoint(
+            backend.root)
+    assert loaded["global_step"] == 4
+    for name, tensor in at_4.items():
+        assert torch.equal(loaded["state_dict"][name], tensor), name
+    # Another model on the same Trainer: a new run, whatever the step counter says.
+    trainer.fit_loop.epoch_loop.max_steps = 10
+    with pytest.warns(RuntimeWarning, match="started from scratch"):
+        trainer.fit(TinyModel(width=4), tiny_loader())
+    pointer = read_pointer(backend)
+    assert pointer.writer_epoch == epoch + 1 and pointer.origins[pointer.writer_epoch] == Origin(None)
+    assert [e.step for e in pointer.candidates()] == [10]

@@ -241,6 +241,47 @@ def test_new_job_supersedes_an_older_writers_higher_step(backend, make_io):
     assert read_pointer(backend).latest.name == "step=5.ckpt"
 
 
+
+def test_a_root_deleted_and_recreated_fences_the_job_that_wrote_it_before(backend, make_io):
+    """Job A writes the root; the root is deleted and job C starts on it. Both hold writer epoch 1, but not of the
+    same incarnation of the root (its root_id): A's next save and removal are refused, A's save leaves nothing
+    behind, and a restart of C resumes C's checkpoint."""
+    a = make_io(backend)
+    for step in (1, 2):
+        a.save_checkpoint(make_checkpoint(step, seed=1), backend.url(f"step={step}.ckpt"))
+    backend.fs().rm(backend.path(), recursive=True)
+    c = make_io(backend)
+    c.save_checkpoint(make_checkpoint(1, seed=2), backend.url("step=1.ckpt"))
+    assert read_pointer(backend).writer_epoch == 1  # the epoch A holds
+    with pytest.raises(StaleWriterError, match="deleted and written again"):
+        a.save_checkpoint(make_checkpoint(3, seed=1), backend.url("step=3.ckpt"))
+    with pytest.raises(StaleWriterError, match="deleted and written again"):
+        a.remove_checkpoint(backend.url("step=1.ckpt"))
+    pointer = read_pointer(backend)
+    assert list(pointer.checkpoints) == ["step=1.ckpt"] and pointer.latest.name == "step=1.ckpt"
+    assert commits_on_store(backend) == {pointer.latest.commit}  # A's refused save left nothing
+    c.save_checkpoint(make_checkpoint(2, seed=2), backend.url("step=2.ckpt"))  # C goes on
+    latest = find_latest_checkpoint(backend.root, backend.storage_options)
+    assert_same(make_io(backend).load_checkpoint(latest), make_checkpoint(2, seed=2))  # C's restart resumes C's
+
+
+def test_a_writer_whose_pointer_was_lost_keeps_its_incarnation(backend, make_io):
+    """Only the pointer lost (not the root): the writer rebuilds it from the manifests and goes on, as the same
+    incarnation of the root, and a job that claims after it fences it by writer epoch as usual."""
+    a = make_io(backend)
+    a.save_checkpoint(make_checkpoint(1), backend.url("step=1.ckpt"))
+    root_id = read_pointer(backend).root_id
+    backend.fs().rm(backend.path(POINTER_NAME))
+    with pytest.warns(RuntimeWarning, match="is missing"):
+        latest = find_latest_checkpoint(backend.root, backend.storage_options)
+    a.save_checkpoint(make_checkpoint(2), backend.url("step=2.ckpt"))
+    pointer = read_pointer(backend)
+    assert pointer.root_id == root_id and [e.step for e in pointer.candidates()] == [2, 1]
+    b = make_io(backend, claim_on_load=True)
+    b.load_checkpoint(latest)
+    with pytest.raises(StaleWriterError, match="another job resumed"):
+        a.save_checkpoint(make_checkpoint(3), backend.url("step=3.ckpt"))
+
 # -- corruption ------------------------------------------------------------------------------------------------
 
 def _objects(backend, commit):
@@ -329,6 +370,7 @@ def test_garbage_pointer_is_a_clear_error_and_loses_nothing(backend, garbage, ma
     with pytest.raises(CheckpointCorruptedError, match="repair_pointer") as info:
         find_latest_checkpoint(backend.root, backend.storage_options)
     assert info.value.object == backend.url(POINTER_NAME)
+    assert f"repair_pointer({backend.root!r})" in str(info.value)  # the root, not the folder the pointer is in
     writer = make_io(backend)
     with pytest.raises(CheckpointCorruptedError, match="Nothing committed is lost"):
         writer.save_checkpoint(make_checkpoint(3), backend.url("c.ckpt"))

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import pickle
+import tracemalloc
 import warnings
 from pathlib import PosixPath
 
 import pytest
 import torch
 
-from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError
+from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, UnfencedStoreError
 from lightning_resilient.io._sealed import seal
 from lightning_resilient.io.manifest import MANIFEST_NAME, chunk_digests, object_digest
 from lightning_resilient.io.reader import READ_SPAN
@@ -89,6 +90,31 @@ def test_a_huge_declared_size_is_refused_before_anything_is_allocated(local_back
         make_io(backend, fallback_on_corruption=False).load_checkpoint(backend.root)
 
 
+@pytest.mark.parametrize("size", [10**15, 2 * 10**6 * 16 * 2**20])
+def test_a_huge_object_at_the_default_chunk_size_is_damage_found_before_any_per_chunk_structure(backend, size,
+                                                                                                make_io):
+    """1e15 bytes at the default chunk size (16 MiB) would be 6e7 chunk ranges: the digest count is compared with
+    arithmetic, so the manifest is damaged at once (and the load falls back), with no per-chunk list built. The
+    second size is small enough to show that without exhausting memory: 2e6 ranges would be ~200 MB."""
+    _two_saves(make_io, backend)
+
+    def lie(body, commit):
+        assert body["chunk_size"] == 16 * 2**20
+        body["objects"][body["stream"][0]]["size"] = size
+
+    _reseal(backend, lie)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptedError, match=r"chunk digest\(s\) for \d+ bytes"):
+            make_io(backend, fallback_on_corruption=False).load_checkpoint(backend.root)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20, peak  # nothing was built per chunk
+    with pytest.warns(RuntimeWarning, match="corrupted and was NOT loaded"):  # damaged: the fallback applies
+        assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 1
+
+
 def test_a_tiny_chunk_size_cannot_turn_a_load_into_a_request_per_byte(backend, make_io):
     io = make_io(backend)
     ckpt = make_checkpoint(1, size=2048)  # ~130 kB of tensors
@@ -130,12 +156,17 @@ def test_a_store_that_ignores_conditional_writes_is_found_out_before_the_first_w
     for ignored in (False, True):
         with StoreProxy(s3_backend.endpoint, drop_conditions=ignored) as proxy:
             options = {"client_kwargs": {"endpoint_url": proxy.url}, "skip_instance_cache": True}
-            io = plugins.track(AtomicCheckpointIO(storage_options=options))
             url = s3_backend.url(f"{'ignored' if ignored else 'enforced'}/a.ckpt")
+            io = plugins.track(AtomicCheckpointIO(storage_options=options))
+            if ignored:  # refused before anything of the save is written
+                with pytest.raises(UnfencedStoreError, match=r"If-None-Match: \*\) replaced an existing object"):
+                    io.save_checkpoint(make_checkpoint(1), url)
+                assert not [p for p in s3_backend.fs().find(s3_backend.path("ignored")) if "probe" not in p]
+            allowed = plugins.track(AtomicCheckpointIO(storage_options=options, allow_unfenced_store=True))
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                io.save_checkpoint(make_checkpoint(1), url)
-                io.save_checkpoint(make_checkpoint(2), url)  # probed once per root
+                allowed.save_checkpoint(make_checkpoint(1), url)
+                allowed.save_checkpoint(make_checkpoint(2), url)  # probed once per root
             fencing = [str(w.message) for w in seen if "writer fencing is OFF" in str(w.message)]
             if ignored:
                 assert len(fencing) == 1 and "If-None-Match" in fencing[0], fencing
@@ -143,3 +174,51 @@ def test_a_store_that_ignores_conditional_writes_is_found_out_before_the_first_w
                 assert fencing == []
     # The probe leaves nothing behind.
     assert not any("probe" in p for p in s3_backend.fs().find(s3_backend.path(f"enforced/{PROTOCOL_DIR}")))
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_fit_refuses_to_start_on_a_store_that_ignores_conditional_writes(request, monkeypatch, plugins, store):
+    """Behind a proxy that strips S3's If-Match/If-None-Match or GCS's ifGenerationMatch, fencing cannot work: fit
+    stops before its first step, in the store's own words; allow_unfenced_store=True trains, with a warning."""
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ..models import TinyModel, tiny_loader
+
+    backend = request.getfixturevalue(f"{store}_backend")
+    # ModelCheckpoint lists its dirpath with a client of its own (straight to the server: listing is not the issue).
+    monkeypatch.setenv("AWS_ENDPOINT_URL" if store == "s3" else "STORAGE_EMULATOR_HOST", backend.endpoint)
+    steps: list[int] = []
+
+    class Steps(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            steps.append(trainer.global_step)
+
+    def fit(options, **kwargs):
+        io = plugins.track(AtomicCheckpointIO(storage_options=options, **kwargs))
+        trainer = Trainer(max_steps=2, plugins=[io], accelerator="cpu", logger=False, enable_progress_bar=False,
+                          enable_model_summary=False,
+                          callbacks=[Steps(), ModelCheckpoint(dirpath=backend.root, every_n_train_steps=1)])
+        trainer.fit(TinyModel(), tiny_loader())
+
+    with StoreProxy(backend.endpoint, drop_conditions=True) as proxy:
+        options = ({"client_kwargs": {"endpoint_url": proxy.url}, "skip_instance_cache": True} if store == "s3" else
+                   {**backend.storage_options, "endpoint_url": proxy.url, "skip_instance_cache": True})
+        with pytest.raises(UnfencedStoreError) as refused:
+            fit(options)
+        message = str(refused.value)
+        assert backend.root in message and "allow_unfenced_store=True" in message
+        if store == "s3":
+            assert "If-None-Match: *" in message and "If-Match" in message
+        else:
+            assert "ifGenerationMatch" in message and "If-Match" not in message and "If-None-Match" not in message
+        assert steps == []  # before the first step
+        assert not backend.fs().exists(backend.path(".lightning_resilient/latest.json"))  # nothing written
+        with pytest.warns(RuntimeWarning, match="writer fencing is OFF"):
+            fit(options, allow_unfenced_store=True)
+    assert steps == [0, 1] and read_pointer(backend).latest.step == 2
+
+
+def test_allow_unfenced_store_is_checked_at_construction():
+    with pytest.raises(TypeError, match="allow_unfenced_store must be True or False"):
+        AtomicCheckpointIO(allow_unfenced_store="yes")

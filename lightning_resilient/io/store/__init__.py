@@ -19,15 +19,15 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.store.base import PROTOCOL_DIR, ObjectInfo, Store, probe_fencing
+from lightning_resilient.io.store.base import PROTOCOL_DIR, Conditions, ObjectInfo, Store, probe_fencing
 from lightning_resilient.io.store.errors import check_default_client, is_unknown_protocol, open_error
 from lightning_resilient.io.store.gcs import GCSStore
 from lightning_resilient.io.store.local import LocalStore, file_lock
 from lightning_resilient.io.store.memory import MemoryStore
 from lightning_resilient.io.store.s3 import GatherReader, S3Store
 
-__all__ = ["GCSStore", "GatherReader", "LocalStore", "MemoryStore", "ObjectInfo", "PROTOCOL_DIR", "S3Store", "Store",
-           "check_default_client", "file_lock", "open_store", "probe_fencing"]
+__all__ = ["Conditions", "GCSStore", "GatherReader", "LocalStore", "MemoryStore", "ObjectInfo", "PROTOCOL_DIR",
+           "S3Store", "Store", "check_default_client", "file_lock", "open_store", "probe_fencing"]
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy) -> Store:

@@ -29,7 +29,8 @@ from lightning_resilient.io._paths import join
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store.errors import translate_error
 
-__all__ = ["ObjectInfo", "PROTOCOL_DIR", "Pieces", "READ_PIECE", "Store", "content_version", "probe_fencing"]
+__all__ = ["Conditions", "ObjectInfo", "PROTOCOL_DIR", "Pieces", "READ_PIECE", "Store", "content_version",
+           "probe_fencing"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,6 +77,17 @@ def content_version(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@dataclass(frozen=True)
+class Conditions:
+    """How a store words its conditional writes, for messages: the create-only condition, the replace condition,
+    and what the version is called (S3: ``If-None-Match: *``, ``If-Match``, ETag; GCS: ``ifGenerationMatch=0``,
+    ``ifGenerationMatch``, generation)."""
+
+    create: str
+    replace: str
+    version: str
+
+
 def _joined(pieces: Pieces) -> bytes | memoryview:
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
@@ -84,6 +96,8 @@ class Store:
     """Generic fsspec backend: no conditional write, so ``write_if`` is last-writer-wins."""
 
     supports_cas = False
+    #: How the store words its conditional writes (messages about them); None: it has none, or they need no words.
+    conditions: Conditions | None = None
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root_url: str, root_path: str, retry: RetryPolicy) -> None:
         self.fs = fs
@@ -298,22 +312,22 @@ class Store:
         return True
 
 
-def probe_fencing(store: Store, bogus_version: str) -> str | None:
+def probe_fencing(store: Store, bogus_version: str, conditions: Conditions) -> str | None:
     """Check with a probe object that ``store`` really refuses conditional writes it must refuse.
 
-    An S3-compatible server may accept ``If-Match`` / ``If-None-Match`` and ignore them: both jobs would then
-    "fence" each other while both write. Writes a probe under :data:`PROTOCOL_DIR`, then a create of the existing
-    object and a replace against a wrong version (both must be refused), and deletes it. Returns None when both
-    were refused, else what was not enforced.
+    A store (or a proxy in front of it) may accept conditional writes and ignore their conditions: both jobs would
+    then "fence" each other while both write. Writes a probe under :data:`PROTOCOL_DIR`, then a create of the
+    existing object and a replace against a wrong version (both must be refused), and deletes it. Returns None when
+    both were refused, else what was not enforced, in the store's own words (``conditions``).
     """
     rel = f"{PROTOCOL_DIR}/fencing-probe-{uuid.uuid4().hex}"
     try:
         if not store.write_if(rel, b"probe 1", None):
-            return "a create-only write of a new object was refused"
+            return f"a create-only write ({conditions.create}) of a new object was refused"
         if store.write_if(rel, b"probe 2", None):
-            return "a create-only write (If-None-Match: *) replaced an existing object"
+            return f"a create-only write ({conditions.create}) replaced an existing object"
         if store.write_if(rel, b"probe 3", bogus_version):
-            return "a replace against a wrong version (If-Match / ifGenerationMatch) was accepted"
+            return f"a replace against a wrong {conditions.version} ({conditions.replace}) was accepted"
         return None
     finally:
         try:

@@ -8,18 +8,22 @@ import hashlib
 import json
 from contextlib import suppress
 
-from lightning_resilient.io.store.base import Store, probe_fencing
+from lightning_resilient.io.store.base import Conditions, Store, probe_fencing
 
 __all__ = ["GCSStore"]
+
+
+_GCS = Conditions(create="ifGenerationMatch=0", replace="ifGenerationMatch", version="generation")
 
 
 class GCSStore(Store):
     """Google Cloud Storage: generation preconditions (``ifGenerationMatch``)."""
 
     supports_cas = True
+    conditions = _GCS
 
     def check_fencing(self) -> str | None:
-        return probe_fencing(self, "1")
+        return probe_fencing(self, "1", _GCS)
 
     def remove(self, rel: str) -> None:
         # gcsfs deletes many objects through the JSON batch endpoint, which emulators (fake-gcs-server)

@@ -12,9 +12,12 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from lightning_resilient.io.store.base import READ_PIECE, Pieces, Store, probe_fencing
+from lightning_resilient.io.store.base import READ_PIECE, Conditions, Pieces, Store, probe_fencing
 
 __all__ = ["GatherReader", "S3Store"]
+
+
+_S3 = Conditions(create="If-None-Match: *", replace="If-Match", version="ETag")
 
 
 def precondition_failed(exc: BaseException) -> bool:
@@ -34,9 +37,10 @@ class S3Store(Store):
     """S3 (and S3-compatible stores that enforce conditional PUTs, as AWS and moto do)."""
 
     supports_cas = True
+    conditions = _S3
 
     def check_fencing(self) -> str | None:
-        return probe_fencing(self, '"00000000000000000000000000000000"')
+        return probe_fencing(self, '"00000000000000000000000000000000"', _S3)
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(path)
