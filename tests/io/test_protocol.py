@@ -306,8 +306,12 @@ def test_every_kind_of_object_damage_is_detected(backend, how, make_io):
     target = read_pointer(backend).latest.commit
     paths = _objects(backend, target)
     assert {p.rsplit("/", 1)[-1].split("-")[0] for p in paths} == {"manifest.json", "shard", "skeleton.pt"}
+    # Every kind of object, and shards at both ends and in the middle of the stream (the 15 shards differ only in
+    # their offsets): each costs two loads, and a load on S3 is tens of requests.
+    shards = [p for p in paths if "/shard-" in p]
+    assert len(shards) >= 3
     fs = backend.fs()
-    for path in paths:
+    for path in [p for p in paths if "/shard-" not in p] + [shards[0], shards[len(shards) // 2], shards[-1]]:
         original = fs.cat_file(path)
         _damage(fs, path, how)
         strict = make_io(backend, claim_on_load=False, fallback_on_corruption=False)

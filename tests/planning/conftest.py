@@ -76,9 +76,14 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CpuRun]:
     """Six optimizer steps, a save every two (at steps 2, 4, 6), both callbacks observing."""
     root: Path = tmp_path_factory.mktemp("planning-run")
     records = _Records()
-    # rank_zero_info logs through whichever of Lightning's two rank_zero loggers was imported last.
+    # rank_zero_info logs through the logger of whichever rank_zero module was imported last (each sets
+    # lightning_utilities' module logger to its own): lightning's two, or, once any test imported pytorch_lightning,
+    # the standalone packages' two. Listen on all of them, so the records do not depend on what ran before.
     loggers = [logging.getLogger(name) for name in ("lightning.fabric.utilities.rank_zero",
-                                                     "lightning.pytorch.utilities.rank_zero")]
+                                                     "lightning.pytorch.utilities.rank_zero",
+                                                     "lightning_fabric.utilities.rank_zero",
+                                                     "pytorch_lightning.utilities.rank_zero",
+                                                     "lightning_utilities.core.rank_zero")]
     for lg in loggers:
         lg.addHandler(records)
     io, probe = SlowIO(), Probe()
