@@ -89,19 +89,25 @@ def digest_batch(batch: Any) -> str:
     return h.hexdigest()
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _tensor_into(h: Any, t: torch.Tensor) -> None:
     h.update(f"{t.dtype}{tuple(t.shape)}".encode())
     if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or not t.numel():
         h.update(str(t.device).encode())
         return
     t = t.detach()
-    n = t.numel()
-    stride = max(1, n // SLICE)
-    # take() reads the elements in row-major order whatever the tensor's strides: no copy of the whole tensor.
-    picked = torch.take(t, torch.arange(0, n, stride)[:SLICE]) if stride > 1 or not t.is_contiguous() else t.view(-1)
-    if picked.dtype == torch.bool:
-        picked = picked.to(torch.uint8)
-    h.update(picked.contiguous().view(torch.uint8).numpy().tobytes())
+    try:
+        array = t.numpy()
+    except TypeError:  # a dtype NumPy does not have (bfloat16, float8): its bits, as ints of the same size
+        array = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+    stride = max(1, array.size // SLICE)
+    if array.flags.c_contiguous:  # NumPy's strided view: no copy until tobytes() takes the slice's elements
+        picked = array.reshape(-1)[::stride][:SLICE]
+    else:  # take() reads the elements in row-major order whatever the strides: no copy of the whole tensor
+        picked = torch.take(t, torch.arange(0, array.size, stride)[:SLICE]).numpy()
+    h.update(picked.tobytes())
 
 
 @dataclass(frozen=True)
@@ -358,9 +364,8 @@ class ResumeAudit:
     # -- each step -------------------------------------------------------------------------------------------------
     def step(self, digest: StepDigest, loss: torch.Tensor | None) -> bool:
         """Record a step (and compare it, on a resume). True when the replay just ended: call :meth:`report`."""
-        if loss is not None and loss.device.type == "cpu" and not self._pending:
-            digest = StepDigest(digest.epoch, digest.batch, digest.step, digest.indices, digest.data,
-                                float(loss))
+        if loss is not None and loss.device.type == "cpu":
+            digest = StepDigest(digest.epoch, digest.batch, digest.step, digest.indices, digest.data, float(loss))
             loss = None
         self._pending.append((digest, loss))
         done = not self.reported and self.end is not None and digest.key >= self.end
@@ -369,8 +374,9 @@ class ResumeAudit:
         return done
 
     def _settle(self, keep: int) -> None:
-        """Read the losses of all pending steps but the last ``keep``, and record and compare those steps."""
-        while len(self._pending) > keep:
+        """Record and compare the pending steps whose loss is read, and all but the last ``keep`` of the others
+        (reading their losses: by then the device has long computed them)."""
+        while self._pending and (len(self._pending) > keep or self._pending[0][1] is None):
             digest, loss = self._pending.pop(0)
             if loss is not None:
                 digest = StepDigest(digest.epoch, digest.batch, digest.step, digest.indices, digest.data,
