@@ -52,6 +52,14 @@ class Samples(Dataset):
         return x, x.sum(0, keepdim=True), i
 
 
+def noisy_collate(items: list[Any]) -> Any:
+    """The default collate, then random noise on the inputs (as masking or mixing in a collate_fn draw)."""
+    from torch.utils.data import default_collate
+
+    x, y, ids = default_collate(items)
+    return x + 0.1 * torch.randn_like(x), y, ids
+
+
 class Net(LightningModule):
     """An MLP with dropout and per-step noise (both from torch's global RNG), AdamW and a per-step LR schedule."""
 
@@ -158,6 +166,7 @@ class Config:
     callback: dict[str, Any] = field(default_factory=dict)  # ResumeStateCallback's arguments
     seed: int | None = None  # seed_everything(seed) at each attempt's start (None: not called)
     shift: float = 0.0  # Samples' shift: another dataset of the same size
+    collate_noise: bool = False  # a collate_fn that draws random numbers (noisy_collate)
 
 
 @dataclass
@@ -199,8 +208,9 @@ def run(cfg: Config, root: Path, stop_after: int | None, resume: bool) -> Result
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader_cls = StatefulDataLoader
+    extra = {"collate_fn": noisy_collate} if cfg.collate_noise else {}
     train = loader_cls(Samples(cfg.samples, cfg.augment, cfg.shift), batch_size=cfg.batch_size, shuffle=True,
-                       num_workers=cfg.workers, persistent_workers=cfg.persistent)
+                       num_workers=cfg.workers, persistent_workers=cfg.persistent, **extra)
     val = DataLoader(Samples(12), batch_size=4, num_workers=cfg.workers) if cfg.val else None
     io = StoppingIO(None if cfg.on_exception else stop_after, cfg.overrun)
     callbacks: list[Callback] = [UserSaver(root, cfg.user_saver)] if cfg.user_saver else []

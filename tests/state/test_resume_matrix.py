@@ -57,6 +57,9 @@ MATRIX = [
     Config("augmentation, workers 2 persistent, resumed in a later epoch", augment=True, workers=2, persistent=True,
            stops=(5,)),
     Config("augmentation, StatefulDataLoader workers 2", augment=True, workers=2, stateful=True, stops=(3,)),
+    # A collate_fn that draws random numbers: seeded per batch, in the main process and in workers.
+    Config("random collate_fn, workers 0", collate_noise=True, stops=(3,)),
+    Config("random collate_fn, workers 2", collate_noise=True, workers=2, stops=(3,)),
 ]
 
 
