@@ -243,6 +243,7 @@ class ResumeStateCallback(Callback):
         self._tracked: list[Any] = []  # every loader this fit tracked (Lightning may reload it), untracked at the end
         # The resume audit of this attempt, the global step at the current batch's start, and how the fit ended.
         self._audit: ResumeAudit | None = None
+        self._digests = False  # the audit will run (there is a root to record in): digest each fetched batch
         self._step_at_start = 0
         self._failure: str | None = None
 
@@ -268,6 +269,7 @@ class ResumeStateCallback(Callback):
         self._custom = []
         self._warned_data = False
         self._failure = None
+        self._digests = False
         if self.per_sample_seeding:
             self._seed, self._explicit_seed = _run_seed()
         add_fit_start_check(trainer)  # the folders are checked in on_fit_start, once ModelCheckpoint resolved them
@@ -518,6 +520,8 @@ class ResumeStateCallback(Callback):
         self._num_workers = int(getattr(loader, "num_workers", 0))
         if not any(seen is loader for seen in self._tracked):
             self._tracked.append(loader)
+        # Fetched batches are digested from the first fetch on (Lightning may fetch one before on_train_start).
+        self._digests = self.audit and self._trainer is not None and _checkpoint_root(self._trainer) is not None
         if self.per_sample_seeding:
             self._apply_seeding(loader)
         self._warn_about_the_data(loader, kind)
@@ -525,7 +529,7 @@ class ResumeStateCallback(Callback):
             # DataLoader refuses a new batch_sampler after construction: set it underneath.
             tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._handed, self._on_order)
             object.__setattr__(loader, "batch_sampler", tracked)
-            if self.audit:  # to see each batch on the host, before Lightning moves it to the device
+            if self._digests:  # to see each batch on the host, before Lightning moves it to the device
                 hook_iterators(loader, None, self._on_iterator, self._before_fetch, self._after_fetch)
         elif kind != LoaderKind.OTHER:
             hook_iterators(loader, self._epoch_starts, self._on_iterator, self._before_fetch, self._after_fetch)
@@ -789,7 +793,7 @@ class ResumeStateCallback(Callback):
 
     def _after_fetch(self, batch: Any) -> None:
         self._fetched += 1
-        if self.audit:  # on the host, in the main process: what the loader produced
+        if self._digests:  # on the host, in the main process: what the loader produced
             self._fetched_digests.append(digest_batch(batch))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

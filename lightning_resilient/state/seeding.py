@@ -191,7 +191,9 @@ class SeededCollate:
 
     def __call__(self, data: Any) -> Any:
         seed = self.seeding.take_batch_seed()
-        if seed is None:  # a batch read without the seeding (another loader over the same dataset)
+        if seed is None:
+            # A batch read without the seeding (another loader over the same dataset), or a worker started with spawn,
+            # whose copy of this object is not its dataset's: there the global RNGs are left seeded from the batch.
             return self.collate_fn(data)
         saved = None if get_worker_info() is not None else _global_states()
         seed_global_rngs(seed)
