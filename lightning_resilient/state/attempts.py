@@ -392,14 +392,14 @@ class AttemptLog:
 
     def _failed(self, exc: BaseException) -> None:
         if not self._failing:
-            log.warning("resume audit: could not write the attempt record %s (%s); training goes on, and the record"
+            log.warning("the resume audit could not write the attempt record %s (%s); training goes on, and the record"
                         " is written again at the next %s", self.store.url(self.rel), exc,
                         "step" if self.local else "flush")
         self._failing = True
 
     def _ok(self) -> None:
         if self._failing:
-            log.warning("resume audit: the attempt record %s is written again", self.store.url(self.rel))
+            log.warning("the resume audit writes the attempt record %s again", self.store.url(self.rel))
         self._failing = False
 
 

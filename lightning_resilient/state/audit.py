@@ -329,7 +329,7 @@ class ResumeAudit:
             try:
                 record = read_record(store, earlier, 0)
             except Exception as exc:  # damaged, newer, unreadable: reported and skipped
-                _log.warning("resume audit: skipped the record of attempt %s: %s", earlier, exc)
+                _log.warning("the resume audit skipped the record of attempt %s: %s", earlier, exc)
                 skipped.append(earlier)
                 continue
             if any(s.step >= resumed_step for s in record.steps):
@@ -353,7 +353,7 @@ class ResumeAudit:
         except FileNotFoundError:
             return None  # this rank did not exist then (the world size changed), or its record was never written
         except Exception as exc:  # damaged, newer, unreadable: reported and skipped
-            _log.warning("resume audit: skipped rank %d's record of attempt %s: %s", self.rank, decided.interrupted,
+            _log.warning("the resume audit skipped rank %d's record of attempt %s: %s", self.rank, decided.interrupted,
                          exc)
             return None
 
@@ -422,4 +422,4 @@ class ResumeAudit:
 
 
 def _warn_store(store: Store, exc: BaseException) -> None:
-    _log.warning("resume audit: the attempts folder of %s could not be used (%s); training goes on", store.url(), exc)
+    _log.warning("the resume audit could not use the attempts folder of %s (%s); training goes on", store.url(), exc)

@@ -1017,7 +1017,7 @@ def _open_store(trainer: Trainer, url: str) -> Store | None:
     try:
         return open_store(normalize(url), options, retry)
     except Exception as exc:  # the audit never stops training
-        log.warning("resume audit: cannot open %s (%s); this attempt is not recorded", url, exc)
+        log.warning("the resume audit cannot open %s (%s); this attempt is not recorded", url, exc)
         return None
 
 

@@ -223,7 +223,9 @@ def run(cfg: Config, root: Path, stop_after: int | None, resume: bool) -> Result
                       num_sanity_val_steps=0, plugins=[io], callbacks=callbacks, **trainer_args)
     ckpt_path = find_latest_checkpoint(str(root)) if resume else None
     lines = _Lines()
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    # On the root logger: rank_zero_info logs through lightning.pytorch's or pytorch_lightning's rank_zero logger,
+    # whichever namespace was imported last, and both propagate here.
+    logger = logging.getLogger()
     logger.addHandler(lines)
     try:
         with warnings.catch_warnings(record=True) as seen:
