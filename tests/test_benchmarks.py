@@ -134,3 +134,16 @@ def test_preemption_benchmark_smoke(tmp_path):
     assert row["size_mb"] == 5 and row["store"] == "local"
     assert 0 < row["save_s"] <= row["to_commit_s"] < row["to_exit_s"]  # measured from the signal: save, then exit
     assert "| 5 MB | local |" in text
+
+
+@pytest.mark.slow
+def test_resume_audit_benchmark_smoke(tmp_path):
+    text = load("resume_audit").main(["--steps", "5", "--runs", "1", "--trainer-steps", "6",
+                                      "--out", str(tmp_path / "a")])
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["schema"] == "lightning_resilient.resume_audit/1" and doc["machine"] in text
+    assert {(w["batch"], w["store"]) for w in doc["audit_work"]} == {
+        (b, s) for b in ("tokens 8x512", "images 64x3x224x224") for s in ("local disk", "object store (memory://)")}
+    assert doc["trainer"]["hooks_on_s"] > 0 and doc["trainer"]["hooks_off_s"] > 0
+    assert "| audit=True (default) |" in text and "## Target" in text
+    assert (tmp_path / "a.md").read_text().startswith("# Resume audit")

@@ -172,7 +172,7 @@ class Losses:
         return out
 
 
-def _plot(path: str, uninterrupted: Losses, run: Losses, kill_step: int, resumed_step: int) -> None:
+def _plot(path: str, uninterrupted: Losses, run: Losses, kill_step: int, resumed_step: int, same: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,7 +203,9 @@ def _plot(path: str, uninterrupted: Losses, run: Losses, kill_step: int, resumed
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (per micro-batch)")
     ax.set_yscale("log")
-    ax.set_title("Killed and resumed vs uninterrupted: the curves coincide (bit-identical)", fontsize=10)
+    # The title says what the comparison found (torch.equal on every tensor), never more.
+    ax.set_title("Killed and resumed vs uninterrupted: " + ("the curves coincide (bit-identical final weights)" if same
+                 else "the final weights DIFFER"), fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -349,7 +351,7 @@ def _show(cmd: list[str], shown: str, root: str, record: str, reference_config: 
                                                                             reference_record, shown, echo)
     after = _folders(root)
     png = os.path.join(out_dir, "loss_curves.png")
-    _plot(png, reference, run, killed_at, resumed_step)
+    _plot(png, reference, run, killed_at, resumed_step, same)
 
     report = [
         "Post-mortem",
@@ -412,7 +414,7 @@ def _show_preemption(first: Job, cmd: list[str], env: dict[str, str], shown: str
     # the emergency save ended may not be among them.
     trained = max([saved_step or 0, *(s for s, _, _ in (run.attempts[0] if run.attempts else []))])
     png = os.path.join(out_dir, "loss_curves.png")
-    _plot(png, reference, run, trained, resumed_step)
+    _plot(png, reference, run, trained, resumed_step, same)
     report = [
         "Post-mortem (preemption)",
         (f"  the notice:               SIGTERM after step {kill_step}'s checkpoint; the job had trained to step"

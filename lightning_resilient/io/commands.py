@@ -34,7 +34,8 @@ def add_commands(subparsers: Any) -> None:
     """Register ``ls``, ``verify``, ``gc`` and ``export`` on the ``lightning-resilient`` parser."""
     ls = subparsers.add_parser("ls", help="the pointer and every committed checkpoint of a root",
                                description="Show the pointer (latest, writer epoch) and each committed checkpoint"
-                                           " with its step, size, age and whether it verifies.")
+                                           " with its step, size, age and whether it verifies, then each attempt of"
+                                           " the training run with its resume audit.")
     ls.add_argument("root", help="the checkpoint root (ModelCheckpoint dirpath): s3://..., gs://..., a path")
     ls.add_argument("--quick", action="store_true",
                     help="check manifests and object sizes only, instead of every byte's checksum")
@@ -205,8 +206,9 @@ def _ls(args: argparse.Namespace) -> int:
             if stock:
                 print("no committed checkpoint (no pointer); stock Lightning checkpoints only:")
                 _print_stock(root, stock)
-                return 0
-            print("no checkpoints (no pointer, no committed checkpoint)")
+            else:
+                print("no checkpoints (no pointer, no committed checkpoint)")
+            _print_attempts(root)
             return 0
         pointer = scan.pointer()
         print(f"pointer: MISSING ({POINTER_NAME}); {len(scan.manifests)} committed checkpoint(s) found by scanning."
@@ -261,6 +263,7 @@ def _ls(args: argparse.Namespace) -> int:
               " no"
               " committed checkpoint exists):")
         _print_stock(root, stock)
+    _print_attempts(root)
     bad = [e for e, status in rows if status.startswith("NO")]
     if args.local_tier:
         bad += _ls_local_tier(args, root)
@@ -329,6 +332,44 @@ def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry
         print(f"\na resume on this node tries {newest[0].name} (step {newest[0].step}) first, from {tier} (a copy that"
               " fails verification is skipped); on another node, the durable root's newest")
     return bad
+
+
+def _print_attempts(root: CheckpointRoot) -> None:
+    """Each attempt of the training run (a run of the training command) recorded under the root, with its resume
+    audit, oldest first. A record that cannot be read is named and skipped."""
+    # The attempt records are exact resume's (state/attempts.py), which imports neither torch nor Lightning.
+    from lightning_resilient.state.attempts import read_attempts
+
+    try:
+        attempts = list(read_attempts(root.store))
+    except (OSError, CheckpointError) as exc:
+        print(f"\nattempts: cannot be listed ({exc})")
+        return
+    if not attempts:
+        return
+    print("\nattempts of the training run (oldest first), with the resume audit of each resume:")
+    print()
+    print("| attempt | started | ranks | resumed from | last step | ended | resume audit |")
+    print("|---|---:|---:|---|---:|---|---|")
+    for attempt, record in attempts:
+        if isinstance(record, Exception):
+            print(f"| {attempt} | | | | | | unreadable, skipped: {record} |")
+            continue
+        last = record.last_step
+        resumed = "fresh start" if record.resumed_step is None else f"step {record.resumed_step}"
+        audit = "-" if record.audit is None else _audit_summary(record.audit.outcome, record.audit.line)
+        started = _age(record.started) + " ago" if record.started == record.started else "?"
+        print(f"| {attempt} | {started} | {record.world_size} | {resumed} | {last.step if last else '-'} |"
+              f" {record.ended or 'killed (or running)'} | {audit} |")
+
+
+def _audit_summary(outcome: str, line: str) -> str:
+    text = line.removeprefix("resume audit: ")
+    if outcome == "identical":
+        return "identical: " + text.split(" were identical", 1)[0].removeprefix("the ")
+    if outcome == "differs":
+        return "DIFFER " + text.split(": first ", 1)[-1].split(";", 1)[0]
+    return text
 
 
 def _print_stock(root: CheckpointRoot, stock: list[tuple[str, float]]) -> None:

@@ -12,13 +12,17 @@ import re
 import socket
 import uuid
 
-__all__ = ["REPLACED_DIR", "SKELETON_NAME", "commit_time", "new_commit_folder", "writer_epoch_of", "writer_identity"]
+__all__ = ["ATTEMPTS_DIR", "REPLACED_DIR", "SKELETON_NAME", "commit_time", "new_commit_folder", "writer_epoch_of",
+           "writer_identity"]
 
 _COMMIT_RE = re.compile(r"^c(\d{13})-e(\d+)-[0-9a-f]{8}$")
 # The non-tensor part of a checkpoint (torch.save of the checkpoint with its tensors replaced by slots).
 SKELETON_NAME = "skeleton.pt"
 # Stock checkpoint files a save of the same name replaces wait here until that save has committed.
 REPLACED_DIR = ".lightning_resilient/replaced"
+# One record per attempt of a training run and per rank (lightning_resilient/state/attempts.py): what each step
+# consumed, for the resume audit. Nothing of the protocol reads it; retention and gc never list it.
+ATTEMPTS_DIR = ".lightning_resilient/attempts"
 
 
 def writer_identity() -> str:

@@ -1,11 +1,14 @@
 """How ``ResumeStateCallback`` sees a training loader: its kind (:class:`LoaderKind`), where its epochs start
-(:class:`TrackedBatchSampler`, :func:`hook_iterators`), what it fetched, and the generators and sampler facts that
-decide its order. It owns every patch made to the user's loader, and :func:`untrack` undoes them.
+(:class:`TrackedBatchSampler`, :func:`hook_iterators`), what it fetched, the generators and sampler facts that
+decide its order, and the per-sample seeding of its dataset (:func:`apply_sample_seeding`). It owns every patch made
+to the user's loader and dataset, and :func:`untrack` undoes them.
 
 For the ``LOADER``, ``DATASET`` and ``ITERABLE`` kinds the iterator the loader creates is hooked
 (:func:`hook_iterators`): an epoch starts when the loader creates or resets its iterator, and a state can be
 snapshotted right before each underlying fetch. For ``MAP`` the batch sampler is wrapped instead, so a resumed epoch
-skips consumed batches at the index level.
+skips consumed batches at the index level (and its iterators are hooked only to see each fetched batch). Every
+batch the main process receives from the loader's iterator is handed to an ``on_batch`` callback, on the host,
+before Lightning moves it to the device.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import torch
 from lightning.fabric.utilities.distributed import _DatasetSamplerWrapper
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_resilient.state.seeding import PerSampleSeeded
+from lightning_resilient.state.seeding import PerSampleSeeded, SampleSeeding, SeededCollate
 
-__all__ = ["LoaderKind", "TrackedBatchSampler", "batch_len", "classify", "draw_once_per_epoch", "generators",
-           "has_state", "hook_iterators", "sampler_facts", "set_data_epoch", "sized", "untrack"]
+__all__ = ["LoaderKind", "TrackedBatchSampler", "apply_sample_seeding", "batch_len", "classify", "custom_samplers",
+           "draw_once_per_epoch", "generators", "has_state", "hook_iterators", "sample_seeding", "sampler_facts",
+           "set_data_epoch", "sized", "untrack"]
 
 
 class LoaderKind(str, Enum):
@@ -86,17 +90,86 @@ def samplers(loader: Any) -> list[Any]:
 
 
 def set_data_epoch(loader: Any, epoch: int) -> None:
-    """Give the samplers (``DistributedSampler``) and a ``PerSampleSeeded`` dataset the epoch before it starts.
+    """Give the samplers (``DistributedSampler``), a ``PerSampleSeeded`` dataset and the dataset's per-sample
+    seeding the epoch before it starts.
 
     Lightning sets the sampler epoch in ``on_train_epoch_start``, but on a resume it creates the iterator before
     that, and a worker-backed iterator (or torchdata's batch sampler) draws its first indices at creation
     (Lightning #21938).
     """
     dataset = getattr(loader, "dataset", None)
-    for obj in [*samplers(loader), *([dataset] if isinstance(dataset, PerSampleSeeded) else [])]:
+    seeding = sample_seeding(loader)
+    for obj in [*samplers(loader), *([dataset] if isinstance(dataset, PerSampleSeeded) else []),
+                *([seeding] if seeding is not None else [])]:
         set_epoch = getattr(obj, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
+
+
+# -- per-sample seeding ------------------------------------------------------------------------------------------
+def sample_seeding(loader: Any) -> SampleSeeding | None:
+    """The :class:`SampleSeeding` :func:`apply_sample_seeding` installed on the loader's dataset, if any."""
+    found = getattr(getattr(loader, "dataset", None), "__dict__", {}).get("__getitems__")
+    return found if isinstance(found, SampleSeeding) else None
+
+
+def apply_sample_seeding(loader: Any, seed: int) -> SampleSeeding | str:
+    """Seed every sample the loader reads from ``(seed, epoch, index)``: install a :class:`SampleSeeding` as its
+    dataset's ``__getitems__`` (torch's fetcher calls it in the main process and in every worker) and seed its
+    ``collate_fn`` per batch. Returns it, or, where it cannot apply, why (a phrase naming the case)."""
+    if not isinstance(loader, DataLoader):
+        return f"the training data is a {type(loader).__name__}, not a DataLoader"
+    dataset = loader.dataset
+    name = type(dataset).__name__
+    if isinstance(dataset, IterableDataset):
+        return f"the training dataset {name} is an IterableDataset (it has no per-sample __getitem__ to seed)"
+    if loader.batch_sampler is None:
+        return ("the training DataLoader has batch_size=None (no automatic batching), so it reads samples without"
+                " the __getitems__ hook")
+    installed = sample_seeding(loader)
+    if installed is not None:
+        if not isinstance(loader.collate_fn, SeededCollate):  # another loader over the same dataset
+            loader.collate_fn = installed.collate(loader.collate_fn)
+        return installed
+    if "__getitems__" in getattr(dataset, "__dict__", {}):
+        return (f"the training dataset {name} already has its own __getitems__ set on the instance (it is wrapped"
+                " already), which per-sample seeding would replace")
+    seeding = SampleSeeding(dataset, seed=seed)
+    try:
+        dataset.__getitems__ = seeding  # type: ignore[attr-defined]  # torch's fetcher looks it up on the instance
+    except (AttributeError, TypeError):
+        return f"the training dataset {name} takes no new attribute (__slots__ without __dict__)"
+    if not isinstance(loader.collate_fn, SeededCollate):  # (an iterator reads it when it is created)
+        loader.collate_fn = seeding.collate(loader.collate_fn)
+    return seeding
+
+
+_KNOWN_SAMPLER_MODULES = ("torch.utils.data.", "lightning.", "pytorch_lightning.", "torchdata.",
+                          "lightning_resilient.")
+
+
+def custom_samplers(loader: Any) -> list[Any]:
+    """The loader's samplers and batch samplers that are not torch's, Lightning's or torchdata's (their randomness
+    may live outside what a resume restores), innermost ones of Lightning's wrappers included."""
+    found: dict[int, Any] = {}
+
+    def visit(obj: Any, depth: int) -> None:
+        if obj is None or depth > 4:
+            return
+        if isinstance(obj, TrackedBatchSampler):
+            visit(obj.inner, depth + 1)
+            return
+        if not type(obj).__module__.startswith(_KNOWN_SAMPLER_MODULES):
+            found.setdefault(id(obj), obj)
+        for attr in ("sampler", "batch_sampler", "_sampler"):
+            visit(getattr(obj, attr, None), depth + 1)
+        wrapped = getattr(obj, "dataset", None)
+        if isinstance(wrapped, _DatasetSamplerWrapper):  # DistributedSamplerWrapper: the sampler it distributes
+            visit(getattr(wrapped, "_sampler", None), depth + 1)
+
+    for obj in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        visit(obj, 0)
+    return list(found.values())
 
 
 def sampler_facts(loader: Any) -> dict[str, int]:
@@ -166,8 +239,14 @@ def draw_once_per_epoch(loader: Any, drawing: Callable[[], set[int] | None]) -> 
 
 
 def untrack(loader: Any) -> None:
-    """Undo what :class:`TrackedBatchSampler`, :func:`hook_iterators` and :func:`draw_once_per_epoch` did to
-    ``loader``: the user's loader goes back to its own batch sampler and its class's methods."""
+    """Undo what :class:`TrackedBatchSampler`, :func:`hook_iterators`, :func:`draw_once_per_epoch` and
+    :func:`apply_sample_seeding` did to ``loader``: the user's loader goes back to its own batch sampler and its
+    class's methods, its dataset to its own ``__getitems__``."""
+    if sample_seeding(loader) is not None:
+        del loader.dataset.__dict__["__getitems__"]
+    collate = getattr(loader, "collate_fn", None)
+    if isinstance(collate, SeededCollate):
+        loader.collate_fn = collate.collate_fn
     sampler = getattr(loader, "batch_sampler", None)
     if isinstance(sampler, TrackedBatchSampler):
         object.__setattr__(loader, "batch_sampler", sampler.inner)  # as set: DataLoader refuses it after __init__
@@ -195,10 +274,10 @@ def batch_len(batch: Any) -> int:
 class _Stream:
     """One epoch's index stream, started lazily so an iterator torch discards unread costs nothing."""
 
-    def __init__(self, inner: Any, skip: int, lengths: deque[int], on_order: Callable[[], None] | None) -> None:
+    def __init__(self, inner: Any, skip: int, handed: deque[Any], on_order: Callable[[], None] | None) -> None:
         self.inner = inner
         self.skip = skip
-        self.lengths = lengths
+        self.handed = handed
         self.on_order = on_order
         self.started = False
         self._it: Iterator[Any] | None = None
@@ -213,7 +292,7 @@ class _Stream:
                 self.on_order()  # right before the sampler draws the epoch's order
             self._it = itertools.islice(iter(self.inner), self.skip, None)
         batch = next(self._it)
-        self.lengths.append(len(batch))  # with workers the stream runs ahead: consumed in order, later
+        self.handed.append(batch)  # with workers the stream runs ahead: consumed in order, later
         return batch
 
 
@@ -221,20 +300,20 @@ class TrackedBatchSampler:
     """Wraps a loader's batch sampler: each new index stream is the start of an epoch.
 
     ``on_epoch_start()`` is called when a stream is created and returns how many batches to skip; ``on_order()``
-    right before the stream's first index is drawn (when a sampler draws the epoch's order); the length of every
-    batch the stream yields is appended to ``lengths`` (so samples consumed can be counted).
+    right before the stream's first index is drawn (when a sampler draws the epoch's order); every batch of indices
+    the stream yields is appended to ``handed`` (so the samples of each consumed batch are known).
     """
 
     inner: Any  # the loader's own batch sampler
 
-    def __init__(self, inner: Any, on_epoch_start: Callable[[], int], lengths: deque[int],
+    def __init__(self, inner: Any, on_epoch_start: Callable[[], int], handed: deque[Any],
                  on_order: Callable[[], None] | None = None) -> None:
         while isinstance(inner, TrackedBatchSampler):  # a second fit with the same loader: track it once
             inner = inner.inner
         self.inner = inner
         self.on_epoch_start = on_epoch_start
         self.on_order = on_order
-        self.lengths = lengths
+        self.handed = handed
         self._last: _Stream | None = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -242,9 +321,9 @@ class TrackedBatchSampler:
             # torch's multiprocessing iterator asks for the index stream twice while it is created (once in
             # the base class, once in its first reset) and throws the first away, and a resume may create an
             # iterator it never reads: same epoch, same skip.
-            stream = _Stream(self.inner, self._last.skip, self.lengths, self.on_order)
+            stream = _Stream(self.inner, self._last.skip, self.handed, self.on_order)
         else:
-            stream = _Stream(self.inner, self.on_epoch_start(), self.lengths, self.on_order)
+            stream = _Stream(self.inner, self.on_epoch_start(), self.handed, self.on_order)
         self._last = stream
         return stream
 
@@ -256,12 +335,14 @@ class TrackedBatchSampler:
 
 
 # -- other DataLoaders: the iterator ------------------------------------------------------------------------------
-def hook_iterators(loader: DataLoader[Any], on_epoch_start: Callable[[], object], on_iterator: Callable[[Any], None],
-                   before_fetch: Callable[[Any], None], after_fetch: Callable[[], None]) -> None:
+def hook_iterators(loader: DataLoader[Any], on_epoch_start: Callable[[], object] | None,
+                   on_iterator: Callable[[Any], None], before_fetch: Callable[[Any], None],
+                   after_fetch: Callable[[Any], None]) -> None:
     """Call ``on_epoch_start()`` before the loader creates an iterator or resets its persistent one for a new epoch,
     then ``on_iterator(iterator)``; call ``before_fetch(iterator)`` right before each underlying fetch and
-    ``after_fetch()`` when that fetch returned a batch. What ``on_epoch_start()`` returns (batches to skip, for the
-    ``MAP`` kind) is ignored: these loaders resume from a loaded state, not by skipping.
+    ``after_fetch(batch)`` when that fetch returned a batch. What ``on_epoch_start()`` returns (batches to skip, for
+    the ``MAP`` kind) is ignored: these loaders resume from a loaded state, not by skipping. ``MAP`` loaders pass
+    None: their epochs start in :class:`TrackedBatchSampler`.
 
     Only instance attributes are patched (``DataLoader.__iter__`` looks ``_get_iterator`` up on the instance,
     ``_BaseDataLoaderIter`` looks ``_next_data`` and ``_reset`` up on the iterator), so the types stay what they
@@ -274,7 +355,8 @@ def hook_iterators(loader: DataLoader[Any], on_epoch_start: Callable[[], object]
     def hooked_get_iterator() -> Any:
         owner = loader_ref()
         assert owner is not None
-        on_epoch_start()
+        if on_epoch_start is not None:
+            on_epoch_start()
         it = get_iterator(owner)
         _hook_iterator(it, on_epoch_start, on_iterator, before_fetch, after_fetch)
         on_iterator(it)
@@ -284,8 +366,8 @@ def hook_iterators(loader: DataLoader[Any], on_epoch_start: Callable[[], object]
     loader._get_iterator = hooked_get_iterator  # type: ignore[method-assign]  # on the instance, as said above
 
 
-def _hook_iterator(it: Any, on_epoch_start: Callable[[], object], on_iterator: Callable[[Any], None],
-                   before_fetch: Callable[[Any], None], after_fetch: Callable[[], None]) -> None:
+def _hook_iterator(it: Any, on_epoch_start: Callable[[], object] | None, on_iterator: Callable[[Any], None],
+                   before_fetch: Callable[[Any], None], after_fetch: Callable[[Any], None]) -> None:
     ref = weakref.ref(it)
     next_data = type(it)._next_data
     reset = type(it)._reset
@@ -294,12 +376,13 @@ def _hook_iterator(it: Any, on_epoch_start: Callable[[], object], on_iterator: C
         target = ref()
         before_fetch(target)
         data = next_data(target)
-        after_fetch()
+        after_fetch(data)
         return data
 
     def hooked_reset(loader: Any, *args: Any, **kwargs: Any) -> Any:
         target = ref()
-        on_epoch_start()
+        if on_epoch_start is not None:
+            on_epoch_start()
         out = reset(target, loader, *args, **kwargs)
         on_iterator(target)
         return out

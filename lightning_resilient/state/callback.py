@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import warnings
 import weakref
 from collections import deque
@@ -29,15 +30,19 @@ import torch
 from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.loop import _Loop
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_resilient._checks import check_bool, check_number, check_optional_int
 from lightning_resilient._namespaces import require_lightning_pytorch
 from lightning_resilient.io.fit_check import add_fit_start_check
+from lightning_resilient.io.store import Store
 from lightning_resilient.state._loader import (
     LoaderKind,
     TrackedBatchSampler,
+    apply_sample_seeding,
     batch_len,
     classify,
+    custom_samplers,
     draw_once_per_epoch,
     generators,
     has_state,
@@ -48,7 +53,10 @@ from lightning_resilient.state._loader import (
     untrack,
 )
 from lightning_resilient.state._record import FORMAT, OrderReplay, RankRecord, ResumePlan, check_format
+from lightning_resilient.state.attempts import StepDigest
+from lightning_resilient.state.audit import ResumeAudit, digest_batch, digest_indices
 from lightning_resilient.state.rng import RngState, capture_rng, restore_rng
+from lightning_resilient.state.seeding import SampleSeeding
 
 __all__ = ["ResumeStateCallback"]
 
@@ -121,8 +129,31 @@ class ResumeStateCallback(Callback):
     #21938). A ``DistributedSamplerWrapper`` (Lightning's, under DDP, around torchdata's ``RandomSampler``) draws
     its inner order once per epoch while this callback builds the epoch's iterator. After a resume from a save on
     an epoch's last batch, Lightning's epoch counters are corrected so a later mid-epoch save resumes at the
-    right ``batch_idx``. Randomness drawn inside dataset workers resumes exactly when the dataset is wrapped in
-    :class:`PerSampleSeeded` (or is part of a stateful dataset's state).
+    right ``batch_idx``.
+
+    Per-sample seeding (``per_sample_seeding=True``, the default): every sample of a map-style training dataset is
+    read with Python's, NumPy's and torch's global RNGs seeded from (seed, epoch, index), in the main process and in
+    every worker, so random augmentation in ``__getitem__`` does not depend on which worker read the sample and a
+    resume that skips batches draws the same numbers as the uninterrupted run (in a worker, a ``collate_fn``'s
+    draws depend on the batch only). The seed is ``seed_everything``'s where it was called, else rank 0's
+    ``torch.initial_seed()`` at the first attempt, and it is stored in the checkpoint: a resume uses the stored seed
+    (a different ``seed_everything`` seed wins, with a warning). A :class:`PerSampleSeeded` dataset keeps its own
+    seed. Where seeding cannot apply (an ``IterableDataset``, a dataset whose instance already has its own
+    ``__getitems__``, ``batch_size=None``) and it matters, a warning at fit start names the case and the fix, as it
+    does for a sampler whose order a resume may not reproduce (a custom sampler without state).
+    ``per_sample_seeding=False`` leaves the dataset as it is: a resume with ``num_workers > 0`` then draws other
+    augmentation than the uninterrupted run (the cost it saves is about 15 us per sample, in the process that reads
+    it).
+
+    Resume audit (``audit=True``, the default): every rank records, for each training step, a digest of its sample
+    indices and inputs and its loss, in ``.lightning_resilient/attempts/`` of the checkpoint root (the first
+    ``ModelCheckpoint``'s dirpath): on local disk every step, on an object store by a background thread at most every
+    ``audit_flush_seconds`` (or ``audit_flush_steps`` steps). After a resume, the steps the interrupted attempt ran
+    past the checkpoint are compared, rank by rank, as they are replayed, and one line starting with
+    ``resume audit:`` says whether they were identical on every rank or DIFFER (the first step, rank and what:
+    data or loss), or that there was nothing to compare. ``lightning-resilient ls ROOT`` shows each attempt's result.
+    The log line that replaces Lightning's "not resumable" warning claims an exact continuation only when every
+    condition for it holds; otherwise it says what was restored and what was not.
 
     It runs first among the callbacks (it moves itself there), so a saver's ``on_train_batch_end`` (a user's
     ``trainer.save_checkpoint``, ``OnExceptionCheckpoint``) sees the batch counted; the RNG draws Lightning's restart
@@ -140,10 +171,28 @@ class ResumeStateCallback(Callback):
     ``training_step(dataloader_iter)``, a
     ``StatefulDataLoader`` with ``in_order=False``, ``reload_dataloaders_every_n_epochs`` mid-epoch positions,
     and samplers whose randomness lives outside ``torch.Generator`` objects and the global RNGs.
+
+    Args:
+        per_sample_seeding: seed each sample of a map-style training dataset from (seed, epoch, index), so that
+            random augmentation drawn in ``__getitem__`` (in workers too) resumes exactly. False: leave the dataset
+            alone (augmentation drawn in workers then differs after a resume).
+        audit: record what each training step consumed beside the checkpoints and, after a resume, compare the
+            replayed steps with the interrupted attempt's and log one ``resume audit:`` line.
+        audit_flush_seconds: on an object store, the attempt record is rewritten at most this often (a kill loses at
+            most this interval of it); ``float("inf")``: only every ``audit_flush_steps`` steps and at the end.
+            Local disk appends every step whatever this says.
+        audit_flush_steps: on an object store, also rewrite the record once this many steps are unwritten (one
+            request each time: 1 is one request per step); None: by time only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_sample_seeding: bool = True, audit: bool = True, audit_flush_seconds: float = 30.0,
+                 audit_flush_steps: int | None = None) -> None:
         super().__init__()
+        self.per_sample_seeding = check_bool("per_sample_seeding", per_sample_seeding)
+        self.audit = check_bool("audit", audit)
+        self.audit_flush_seconds = check_number("audit_flush_seconds", audit_flush_seconds, above=0, finite=False)
+        self.audit_flush_steps = check_optional_int("audit_flush_steps", audit_flush_steps, minimum=1,
+                                                    none_means="by time only")
         self._trainer: Trainer | None = None
         self._loader: Any = None  # the training loader being tracked
         self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (owner, name, what it replaced, the wrap)
@@ -159,7 +208,8 @@ class ResumeStateCallback(Callback):
         self._base = 0  # batches of the epoch consumed before this stream's iterator was created (a resume)
         self._fetched = 0  # batches this stream's iterator has returned; runs ahead of _consumed by the prefetch
         self._snapshots: dict[int, Any] = {}  # stream fetch index -> stateful position right before that fetch
-        self._lengths: deque[int] = deque()  # MAP: sizes of the batches the index stream has handed out
+        self._handed: deque[Any] = deque()  # MAP: the batches of indices the index stream handed out, unconsumed
+        self._fetched_digests: deque[str] = deque()  # digests of the batches fetched (on the host), unconsumed
         self._live_iterator: weakref.ref[Any] | None = None  # the loader's current iterator
         self._epoch_rng: RngState | None = None  # the RNG at the stream's start
         self._epoch_generators: list[torch.Tensor] | None = None  # the loader's own generators at the stream's start
@@ -178,8 +228,24 @@ class ResumeStateCallback(Callback):
         self._replay_validation = False
         self._val_rng: RngState | None = None
         self._warned_validation = False
-        self._restored_line: str | None = None  # what the resume restored, in the line that replaces Lightning's
+        self._restored: tuple[int, int, int | None, int] | None = None  # (epoch, batches, of, samples) restored
         self._resumed = False  # this fit restored a saved record
+        # Per-sample seeding: the seed this run uses (set at setup, or from the checkpoint), the one seed_everything
+        # gave where it was called, what the checkpoint says, and what was installed on the dataset (or why not).
+        self._seed = 0
+        self._explicit_seed: int | None = None
+        self._saved_seeding: tuple[bool, int | None] | None = None  # (seeding on, its seed) in the checkpoint
+        self._seed_change: tuple[int, int] | None = None  # (checkpoint's, this run's) when seed_everything differs
+        self._seeding: SampleSeeding | None = None
+        self._seeding_problem: str | None = None
+        self._custom: list[str] = []  # names of samplers a resume may not reproduce
+        self._warned_data = False  # the fit-start warnings about the data were given
+        self._tracked: list[Any] = []  # every loader this fit tracked (Lightning may reload it), untracked at the end
+        # The resume audit of this attempt, the global step at the current batch's start, and how the fit ended.
+        self._audit: ResumeAudit | None = None
+        self._digests = False  # the audit will run (there is a root to record in): digest each fetched batch
+        self._step_at_start = 0
+        self._failure: str | None = None
 
     @property
     def state_key(self) -> str:
@@ -196,6 +262,16 @@ class ResumeStateCallback(Callback):
         self._trainer = trainer
         self._warned_validation = False
         self._resumed = False
+        self._restored = None
+        self._saved_seeding = self._seed_change = None
+        self._seeding = None
+        self._seeding_problem = None
+        self._custom = []
+        self._warned_data = False
+        self._failure = None
+        self._digests = False
+        if self.per_sample_seeding:
+            self._seed, self._explicit_seed = _run_seed()
         add_fit_start_check(trainer)  # the folders are checked in on_fit_start, once ModelCheckpoint resolved them
         # First in line for every hook: another callback that saves from its on_train_batch_end (a user's saver,
         # OnExceptionCheckpoint, a preemption handler) then sees this batch counted, and a callback that draws
@@ -239,6 +315,9 @@ class ResumeStateCallback(Callback):
         if stage == "fit":
             self._release()
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._failure = f"{type(exception).__name__}: {exception}"[:300]
+
     def _teardown_then_release(self, teardown: Callable[[], Any]) -> Any:
         # Lightning calls the callbacks' teardown hooks only when the fit succeeded; its own _teardown runs after a
         # failure too, once every on_exception hook (OnExceptionCheckpoint's save among them) has run.
@@ -252,8 +331,13 @@ class ResumeStateCallback(Callback):
 
         Both stay picklable (``torch.save(trainer)``, ``deepcopy``, a loader reused by another Trainer), and nothing
         of this fit's tracking runs behind a later ``validate`` or a fit without this callback."""
-        if self._loader is not None:
-            untrack(self._loader)
+        if self._audit is not None:
+            audit, self._audit = self._audit, None
+            audit.close("finished" if self._failure is None else f"stopped by {self._failure}")
+        for loader in self._tracked:
+            untrack(loader)
+        self._tracked = []
+        self._seeding = None
         for owner, name, before, wrapped in reversed(self._wrapped):
             if owner.__dict__.get(name) is wrapped:
                 if before is _ABSENT:
@@ -267,20 +351,66 @@ class ResumeStateCallback(Callback):
         # A copy (pickled for ddp_spawn, deep-copied with a Trainer) carries the settings and the saved position, not
         # the objects of a fit in progress: the Trainer, its loader, the live iterator, the loop wraps.
         state = self.__dict__.copy()
-        state.update(_trainer=None, _loader=None, _live_iterator=None, _wrapped=[])
+        state.update(_trainer=None, _loader=None, _live_iterator=None, _wrapped=[], _audit=None, _seeding=None,
+                     _tracked=[])
         return state
 
     def _reset_epoch_loop(self, reset: Callable[[], None]) -> None:
         """Lightning warns on every mid-epoch resume that the loader is not resumable; when this callback restored
         the position, that is wrong, and one line of ours says what was restored instead."""
-        restored, self._restored_line = self._restored_line, None
+        restored, self._restored = self._restored, None
         if restored is None:
             reset()
             return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
             reset()
-        rank_zero_info(f"ResumeStateCallback: {restored}")
+        rank_zero_info(f"ResumeStateCallback: {self._restored_line(*restored)}")
+
+    def _restored_line(self, epoch: int, consumed: int, batches: int | None, samples: int) -> str:
+        """What a mid-epoch resume restored, and whether that makes it exact: "continues exactly" only when every
+        condition for it holds; otherwise what was not restored."""
+        seeding = f"per-sample seeding (seed {self._seeding.seed}), " if self._seeding is not None else ""
+        line = (f"restored the data position: epoch {epoch}, after {consumed} of"
+                f" {batches if batches is not None else '?'} batches ({samples} samples), {seeding}and the RNG states"
+                " of every rank")
+        missing = self._not_restored()
+        if not missing:
+            return f"{line}, so this run continues exactly where the checkpoint was saved"
+        return (f"{line}. Not restored: {'; '.join(missing)}. So this run may differ from an uninterrupted one from"
+                " here on (the resume audit compares the steps it replays)")
+
+    def _not_restored(self) -> list[str]:
+        """What keeps a resumed run from being exact although its position was restored."""
+        out = []
+        dataset = getattr(self._loader, "dataset", None)
+        workers = self._num_workers
+        # Random numbers drawn while data is read come from wherever the reading process's RNGs are at that moment: in
+        # a worker, from its history; in the main process, from the RNG before the step (a resume restores the state
+        # of the step, not of the fetch). Only per-sample seeding makes them a function of the batch.
+        where = f"in the {workers} worker process(es)" if workers else "in the main process"
+        if isinstance(dataset, IterableDataset):
+            out.append(f"random numbers drawn from the global RNGs while the IterableDataset {type(dataset).__name__}"
+                       f" is read {where} (per-sample seeding does not apply to it)")
+        elif self._seeding is None:
+            why = ("per-sample seeding is off" if not self.per_sample_seeding else
+                   f"per-sample seeding could not be applied: {self._seeding_problem}")
+            out.append(f"random numbers drawn while the dataset is read {where} ({why})")
+        saved = self._saved_seeding
+        if saved is not None and self._seeding is not None and not saved[0]:
+            out.append("augmentation drawn in the dataset (the checkpoint's run read it without per-sample seeding,"
+                       " this one seeds each sample)")
+        elif saved is not None and saved[0] and self._seeding is None:
+            out.append("augmentation drawn in the dataset (the checkpoint's run seeded each sample, this one does"
+                       " not)")
+        if self._seed_change is not None:
+            out.append(f"the per-sample seed ({self._seed_change[0]} then, {self._seed_change[1]} now: the seed given"
+                       " to seed_everything changed)")
+        out.extend(f"the order of the custom sampler {name}" for name in self._custom)
+        trainer = self._trainer
+        if trainer is not None and _rebuilds_buckets(trainer):
+            out.append(f"the order DDP reduces gradients in on the first step ({trainer.world_size} processes)")
+        return out
 
     def _skip_validation(self, fast_forward: Callable[[], None]) -> None:
         """Lightning, resuming a checkpoint saved right before a validation, skips that validation but still sets up
@@ -310,6 +440,37 @@ class ResumeStateCallback(Callback):
         if self._pending is not None:  # no training loader was built (e.g. limit_train_batches=0)
             restore_rng(self._pending.now_rng)
             self._pending = None
+        if self.audit:
+            self._start_audit(trainer)
+
+    def _start_audit(self, trainer: Trainer) -> None:
+        """Open this attempt's record beside the checkpoints and, on a resume, get ready to compare the steps it
+        replays (collectives: every rank runs this)."""
+        url = _checkpoint_root(trainer)
+        if url is None:  # no ModelCheckpoint and no resume: nowhere to record (the same on every rank)
+            return
+        rank, world = _rank_and_world()
+        store = _open_store(trainer, url)
+        audit = ResumeAudit(rank=rank, world=world, gather=_gather, flush_seconds=self.audit_flush_seconds,
+                            flush_steps=self.audit_flush_steps)
+        resumed = trainer.ckpt_path is not None
+        result = audit.start(store, facts=self._facts(trainer, world),
+                             resumed_step=trainer.global_step if resumed else None,
+                             resumed_from=str(trainer.ckpt_path) if resumed else None)
+        self._audit = audit
+        if result is not None:
+            rank_zero_info(result.line)
+
+    def _facts(self, trainer: Trainer, world: int) -> dict[str, Any]:
+        """What a DIFFERS line names when it changed between attempts."""
+        dataset = getattr(self._loader, "dataset", None)
+        size = len(dataset) if dataset is not None and sized(dataset) else None
+        return {"world_size": world, "batch_size": self._batch_size, "num_workers": self._num_workers,
+                "loader": str(self._kind) if self._kind is not None else None,
+                "dataset": None if dataset is None else type(dataset).__name__ + ("" if size is None else f"[{size}]"),
+                "per_sample_seeding": self._seeding is not None,
+                "sample_seed": self._seeding.seed if self._seeding is not None else None,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches}
 
     def _count_the_epoch_after_a_last_batch_save(self, trainer: Trainer) -> None:
         """Lightning 2.6 resuming a checkpoint saved on an epoch's last batch: ``FitLoop.reset()`` counts that
@@ -357,17 +518,19 @@ class ResumeStateCallback(Callback):
         self._batches = len(loader) if kind != LoaderKind.OTHER and sized(loader) else None
         self._batch_size = getattr(loader, "batch_size", None)
         self._num_workers = int(getattr(loader, "num_workers", 0))
-        if kind == LoaderKind.ITERABLE and callable(getattr(loader.dataset, "state_dict", None)):
-            warnings.warn(
-                f"the training {type(loader.dataset).__name__} has state_dict()/load_state_dict(), but the plain"
-                f" DataLoader reads it in {loader.num_workers} worker processes, each with its own copy: the main"
-                " process cannot see their positions, so ResumeStateCallback saves no data position for it and a"
-                " mid-epoch resume restarts the iterable from its beginning. Use torchdata's StatefulDataLoader"
-                " (it collects every worker's dataset state) or num_workers=0.", RuntimeWarning, stacklevel=2)
+        if not any(seen is loader for seen in self._tracked):
+            self._tracked.append(loader)
+        # Fetched batches are digested from the first fetch on (Lightning may fetch one before on_train_start).
+        self._digests = self.audit and self._trainer is not None and _checkpoint_root(self._trainer) is not None
+        if self.per_sample_seeding:
+            self._apply_seeding(loader)
+        self._warn_about_the_data(loader, kind)
         if kind == LoaderKind.MAP:
             # DataLoader refuses a new batch_sampler after construction: set it underneath.
-            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._lengths, self._on_order)
+            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._handed, self._on_order)
             object.__setattr__(loader, "batch_sampler", tracked)
+            if self._digests:  # to see each batch on the host, before Lightning moves it to the device
+                hook_iterators(loader, None, self._on_iterator, self._before_fetch, self._after_fetch)
         elif kind != LoaderKind.OTHER:
             hook_iterators(loader, self._epoch_starts, self._on_iterator, self._before_fetch, self._after_fetch)
             draw_once_per_epoch(loader, lambda: self._drawn)
@@ -375,6 +538,83 @@ class ResumeStateCallback(Callback):
         if kind == LoaderKind.OTHER and self._plan is not None:
             restore_rng(self._plan.now_rng)
             self._plan = None
+
+    def _apply_seeding(self, loader: Any) -> None:
+        applied = apply_sample_seeding(loader, self._seed)
+        if not isinstance(applied, SampleSeeding):
+            self._seeding, self._seeding_problem = None, applied
+            return
+        self._seeding, self._seeding_problem = applied, None
+        saved = self._saved_seeding
+        if saved is not None and saved[0] and saved[1] is not None and saved[1] != applied.seed:
+            self._seed_change = (saved[1], applied.seed)
+            rank_zero_warn(
+                f"ResumeStateCallback: the checkpoint's run seeded each sample with seed {saved[1]}, but"
+                f" seed_everything gave this run {applied.seed}, which per-sample seeding uses: every sample's"
+                " random augmentation differs from the interrupted run's from here on. To continue that run"
+                f" exactly, call seed_everything({saved[1]}) (or not at all: the checkpoint's seed is then used).",
+                category=RuntimeWarning)
+
+    def _warn_about_the_data(self, loader: Any, kind: LoaderKind) -> None:
+        """Once per fit, when it starts: what keeps a resume of this run from being exact, and the fix."""
+        if self._warned_data:
+            return
+        self._warned_data = True
+        dataset = getattr(loader, "dataset", None)
+        name = type(dataset).__name__
+        workers = self._num_workers
+        if kind == LoaderKind.ITERABLE and callable(getattr(dataset, "state_dict", None)):
+            warnings.warn(
+                f"the training {name} has state_dict()/load_state_dict(), but the plain"
+                f" DataLoader reads it in {loader.num_workers} worker processes, each with its own copy: the main"
+                " process cannot see their positions, so ResumeStateCallback saves no data position for it and a"
+                " mid-epoch resume restarts the iterable from its beginning. Use torchdata's StatefulDataLoader"
+                " (it collects every worker's dataset state) or num_workers=0.", RuntimeWarning, stacklevel=3)
+        elif kind == LoaderKind.ITERABLE:
+            rank_zero_warn(
+                f"ResumeStateCallback cannot make a resume of this run exact: the training dataset {name} is an"
+                " IterableDataset without state_dict()/load_state_dict(), so a resume restores the RNG states and"
+                " the loop's epoch and step but restarts the data from its beginning, and per-sample seeding does"
+                f" not apply to it. {_FIX} Draw its random numbers from a generator kept in that state.",
+                category=RuntimeWarning)
+        elif kind == LoaderKind.OTHER and not has_state(loader):
+            what = ("without automatic batching (batch_size=None)" if isinstance(loader, DataLoader)
+                    else "that is not a DataLoader")
+            rank_zero_warn(
+                f"ResumeStateCallback cannot make a resume of this run exact: the training data is a"
+                f" {type(loader).__name__} {what}, without state_dict()/load_state_dict(), so a resume restores the"
+                " RNG states and the loop's epoch and step but restarts the data from its beginning. Fix: a"
+                " DataLoader with a batch_size over a map-style dataset, or an iterable with"
+                " state_dict()/load_state_dict().", category=RuntimeWarning)
+        elif isinstance(dataset, IterableDataset) and workers:
+            rank_zero_warn(
+                f"ResumeStateCallback: random numbers the {workers} worker(s) of the IterableDataset {name} draw from"
+                " the global RNGs are not restored by a resume (per-sample seeding does not apply to an"
+                " IterableDataset, and the loader's state holds the workers' positions, not their RNGs), so a"
+                f" resume of this run is exact only if {name} draws none. Fix: draw them from a generator kept in"
+                f" {name}'s state_dict().", category=RuntimeWarning)
+        elif self.per_sample_seeding and self._seeding is None and workers:
+            fix = ("give the DataLoader a batch_size" if "batch_size=None" in (self._seeding_problem or "") else
+                   "wrap the dataset yourself: DataLoader(lightning_resilient.PerSampleSeeded(dataset, seed=...),"
+                   " ...)")
+            rank_zero_warn(
+                f"ResumeStateCallback: per-sample seeding cannot apply: {self._seeding_problem}. Random numbers"
+                f" drawn while reading it in the {workers} worker process(es) will differ after a resume, so a resume"
+                f" of this run is not exact if it draws any. Fix: {fix}, or read it with num_workers=0.",
+                category=RuntimeWarning)
+        stateful = kind == LoaderKind.LOADER
+        custom = [s for s in custom_samplers(loader) if not (stateful and has_state(s))]
+        self._custom = [type(s).__name__ for s in custom]
+        if custom:
+            names = ", ".join(self._custom)
+            rank_zero_warn(
+                f"ResumeStateCallback: the training loader's sampler {names} is not torch's, Lightning's or"
+                f" torchdata's{' and has no state_dict()/load_state_dict()' if stateful else ''}: a resume redraws"
+                " its order from the restored RNG states (the global RNGs and the torch.Generator objects it keeps"
+                " as .generator), which reproduces it only if that is all its randomness. A resume of this run is"
+                " therefore not claimed exact; the resume audit compares the sample indices it replays. Fix: give it"
+                " state_dict()/load_state_dict() and read the data with torchdata's StatefulDataLoader, which"
+                " restores it.", category=RuntimeWarning)
 
     def _plan_resume(self, saved: RankRecord, loader: Any, kind: LoaderKind) -> ResumePlan:
         """Check the saved record against this loader, load a stateful position, and say what the first epoch
@@ -468,7 +708,8 @@ class ResumeStateCallback(Callback):
         set_data_epoch(self._loader, epoch)  # before workers start: they copy the sampler and dataset
         self._snapshots = {}
         self._fetched = 0
-        self._lengths.clear()
+        self._handed.clear()
+        self._fetched_digests.clear()
         if plan is not None and plan.exact and plan.epoch_rng is not None:
             restore_rng(plan.epoch_rng)  # the same permutation and worker seeds as before
             self._set_generators(plan.epoch_generators)
@@ -485,10 +726,7 @@ class ResumeStateCallback(Callback):
                 self._replay_validation = plan.validation_follows
             self._consumed = self._base = plan.consumed
             self._samples = plan.samples
-            self._restored_line = (f"restored the data position: epoch {epoch}, after {self._consumed} of"
-                                   f" {self._batches if self._batches is not None else '?'} batches ({self._samples}"
-                                   " samples), and the RNG states of every rank, so this run continues exactly where"
-                                   " the checkpoint was saved")
+            self._restored = (epoch, self._consumed, self._batches, self._samples)
             log.info("resuming mid-epoch %d after %d consumed batch(es)", epoch, self._consumed)
             return plan.skip
         if plan is not None:
@@ -553,11 +791,14 @@ class ResumeStateCallback(Callback):
         if self._batches is None and self._kind in _STATEFUL:
             self._snapshots[self._fetched] = copy.deepcopy(self._position_now(it))
 
-    def _after_fetch(self) -> None:
+    def _after_fetch(self, batch: Any) -> None:
         self._fetched += 1
+        if self._digests:  # on the host, in the main process: what the loader produced
+            self._fetched_digests.append(digest_batch(batch))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._order_replay = None  # training has started: the epoch's order is the one drawn
+        self._step_at_start = trainer.global_step
         if self._now_rng is not None:
             restore_rng(self._now_rng)
             self._now_rng = None
@@ -565,10 +806,29 @@ class ResumeStateCallback(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._consumed += 1
-        self._samples += self._lengths.popleft() if self._kind == LoaderKind.MAP and self._lengths else batch_len(batch)
+        indices = self._handed.popleft() if self._kind == LoaderKind.MAP and self._handed else None
+        self._samples += len(indices) if indices is not None else batch_len(batch)
         consumed_in_stream = self._consumed - self._base
         for k in [k for k in self._snapshots if k < consumed_in_stream]:
             del self._snapshots[k]
+        data = self._fetched_digests.popleft() if self._fetched_digests else None
+        audit = self._audit
+        if audit is None:
+            return
+        step = StepDigest(trainer.current_epoch, batch_idx, self._step_at_start,
+                          None if indices is None else digest_indices(indices),
+                          data if data is not None else digest_batch(batch), None)
+        if audit.step(step, _loss_of(outputs)):
+            self._report(audit)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._audit is not None and not self._audit.reported:
+            self._report(self._audit)  # the run ended before replaying every step the interrupted attempt ran
+
+    def _report(self, audit: ResumeAudit) -> None:
+        result = audit.report()  # a collective: every rank reaches it at the same step
+        if result is not None:
+            rank_zero_info(result.line)
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
     def _epoch_done(self) -> bool:
@@ -611,8 +871,12 @@ class ResumeStateCallback(Callback):
             order_generator_draws=order_generator_draws)
         if follows:
             self._watch_validation = self._trainer.global_step if self._trainer is not None else 0
+        if self._audit is not None:
+            self._audit.saved()
         ranks = _gather(mine.to_dict())
-        return {"format": FORMAT, "world_size": len(ranks), "ranks": ranks}
+        seeding = self._seeding
+        return {"format": FORMAT, "world_size": len(ranks), "ranks": ranks, "per_sample_seeding": seeding is not None,
+                "sample_seed": seeding.seed if seeding is not None else None}
 
     def _a_validation_follows(self) -> bool:
         """Whether a validation runs between this save and the next training step: a save from a training batch's
@@ -683,6 +947,13 @@ class ResumeStateCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_format(state_dict)
+        # Per-sample seeding continues with the checkpoint's seed (keys added to format 2 later: absent, the run that
+        # wrote it did not seed per sample), unless seed_everything gave this run another one.
+        saved_seed = state_dict.get("sample_seed")
+        self._saved_seeding = (bool(state_dict.get("per_sample_seeding", False)),
+                               None if saved_seed is None else int(saved_seed))
+        if self.per_sample_seeding and saved_seed is not None and self._explicit_seed is None:
+            self._seed = int(saved_seed)
         rank, world = _rank_and_world()
         ranks = state_dict.get("ranks", [])
         if len(ranks) != world:
@@ -693,6 +964,61 @@ class ResumeStateCallback(Callback):
                 " gets the position Lightning saved from global rank 0)", RuntimeWarning, stacklevel=2)
             return
         self._pending = RankRecord.from_dict(ranks[rank])
+
+
+def _run_seed() -> tuple[int, int | None]:
+    """This run's per-sample seed, and the one ``seed_everything`` gave (None when it was not called): that one, or
+    rank 0's ``torch.initial_seed()`` (every rank must seed alike; without any seeding it is random per process)."""
+    given = os.environ.get("PL_GLOBAL_SEED")  # what seed_everything sets, in this process and those it starts
+    try:
+        explicit = None if given is None else int(given)
+    except ValueError:
+        explicit = None
+    if explicit is not None:
+        return explicit, explicit
+    return int(_gather(torch.initial_seed())[0]), None
+
+
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    """The loss ``training_step`` returned (as Lightning hands it to ``on_train_batch_end``), detached."""
+    if isinstance(outputs, dict):
+        outputs = outputs.get("loss")
+    if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+        return outputs.detach()
+    return None
+
+
+def _checkpoint_root(trainer: Trainer) -> str | None:
+    """Where the attempt records go: the first ModelCheckpoint's folder (the checkpoint root), else the folder of
+    the checkpoint resumed from."""
+    dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+    if dirpath:
+        return str(dirpath)
+    path = trainer.ckpt_path
+    if path is None:
+        return None
+    from lightning_resilient.io import _paths
+
+    return _paths.dirname(str(path)) or None
+
+
+def _open_store(trainer: Trainer, url: str) -> Store | None:
+    """The root's store, with the plugin's storage options and retries where it is ours; None (warned) on failure."""
+    from lightning_resilient.io.catalog import normalize
+    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+    from lightning_resilient.io.retry import RetryPolicy
+    from lightning_resilient.io.store import open_store
+
+    plugin = trainer.strategy.checkpoint_io
+    while not isinstance(plugin, AtomicCheckpointIO) and hasattr(plugin, "checkpoint_io"):  # AsyncCheckpointIO
+        plugin = plugin.checkpoint_io
+    options, retry = ((plugin.storage_options, plugin.retry) if isinstance(plugin, AtomicCheckpointIO)
+                      else ({}, RetryPolicy()))
+    try:
+        return open_store(normalize(url), options, retry)
+    except Exception as exc:  # the audit never stops training
+        log.warning("the resume audit cannot open %s (%s); this attempt is not recorded", url, exc)
+        return None
 
 
 def _describe(kind: LoaderKind | str | None) -> str:
@@ -722,13 +1048,16 @@ def _advanced(state: RngState, draws: int) -> RngState:
     return out
 
 
-def _warn_if_ddp_rebuilds_buckets(trainer: Trainer) -> None:
+def _rebuilds_buckets(trainer: Trainer) -> bool:
     """DDP rebuilds its gradient buckets after its first iteration (unless ``find_unused_parameters``): with more
     than two processes the first step after a resume then sums gradients in another order than the uninterrupted
     run did at that step, so the runs agree up to float rounding, not bit for bit (PyTorch, gloo and NCCL alike)."""
-    strategy = trainer.strategy
-    kwargs = getattr(strategy, "_ddp_kwargs", None)
-    if kwargs is None or trainer.world_size <= 2 or kwargs.get("find_unused_parameters"):
+    kwargs = getattr(trainer.strategy, "_ddp_kwargs", None)
+    return kwargs is not None and trainer.world_size > 2 and not kwargs.get("find_unused_parameters")
+
+
+def _warn_if_ddp_rebuilds_buckets(trainer: Trainer) -> None:
+    if not _rebuilds_buckets(trainer):
         return
     rank_zero_warn(
         f"resumed under DDP with {trainer.world_size} processes: DDP rebuilds its gradient buckets after its first"

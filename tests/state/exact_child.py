@@ -1,17 +1,25 @@
 """A training job for the exact-resume tests. Resumes from its root when it can; writes its losses per step
 and, at the end, its weights. Run: python exact_child.py ROOT OUT JSON_OPTIONS.
 
-Options: workers, accumulate, epochs, callback (add ResumeStateCallback), ckpt (ModelCheckpoint arguments),
-augment (None | "raw" | "seeded"), schedule (read estimated_stepping_batches in configure_optimizers), trainer
-(extra Trainer arguments), loader ("plain" | "stateful": torchdata StatefulDataLoader)."""
+It prints ``SAVED <step>`` after each save and ``STEP <global step>`` after each training batch (after
+ResumeStateCallback recorded it), so the parent can kill it at a save or a few steps after one.
+
+Options: workers, accumulate, epochs, callback (add ResumeStateCallback), callback_args (its arguments), ckpt
+(ModelCheckpoint arguments), augment (None | "raw": drawn from Python's, NumPy's and torch's global RNGs in
+``__getitem__`` | "seeded": the same in PerSampleSeeded), schedule (read estimated_stepping_batches in
+configure_optimizers), trainer (extra Trainer arguments), loader ("plain" | "stateful": torchdata
+StatefulDataLoader), step_sleep (seconds each step waits after printing it: time for a kill to land)."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import sys
+import time
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -42,10 +50,12 @@ class Noisy(Dataset):
 
 
 class Augmented(Noisy):
-    """Random jitter drawn from torch's global RNG inside __getitem__, i.e. inside the worker."""
+    """Random augmentation drawn from Python's, NumPy's and torch's global RNGs inside __getitem__, i.e. inside the
+    workers: a random scale, NumPy noise and torch noise."""
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = super().__getitem__(i)
+        x = x * (1 + 0.1 * random.random()) + 0.1 * torch.from_numpy(np.random.randn(6)).float()
         return x + 0.1 * torch.randn(6), y
 
 
@@ -72,14 +82,17 @@ class Net(LightningModule):
 
 
 class Record(Callback):
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, step_sleep: float) -> None:
         self.out = out
+        self.step_sleep = step_sleep
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank != 0:
             return  # one writer: under DDP the ranks' lines would interleave differently in every run
         with open(self.out + ".losses", "a") as f:
             f.write(f"{trainer.global_step} {batch_idx} {outputs['loss'].item()!r}\n")
+        print(f"STEP {trainer.global_step}", flush=True)
+        time.sleep(self.step_sleep)
 
 
 class Announce(AtomicCheckpointIO):
@@ -97,9 +110,10 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     loader_cls = StatefulDataLoader if options.get("loader") == "stateful" else DataLoader
     loader = loader_cls(dataset, batch_size=4, shuffle=True, num_workers=options["workers"],
                         persistent_workers=options["workers"] > 0)
-    callbacks: list[Callback] = [Record(out), ModelCheckpoint(dirpath=root, save_top_k=-1, **options["ckpt"])]
+    callbacks: list[Callback] = [Record(out, options.get("step_sleep", 0.0)),
+                                 ModelCheckpoint(dirpath=root, save_top_k=-1, **options["ckpt"])]
     if options["callback"]:
-        callbacks.insert(0, ResumeStateCallback())
+        callbacks.insert(0, ResumeStateCallback(**options.get("callback_args", {})))
     trainer = Trainer(max_epochs=options["epochs"], accumulate_grad_batches=options["accumulate"],
                       accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                       plugins=[Announce()], callbacks=callbacks, **options.get("trainer", {}))

@@ -1,22 +1,27 @@
-"""The configurations of the resume matrix, and one run of each: uninterrupted, then stopped right after its N-th
-save and resumed by the same code, as a restarted job would be.
+"""The configurations of the resume matrix, and one run of each: uninterrupted, then stopped after its N-th save
+and resumed by the same code, as a restarted job would be.
 
-A stopped run raises from inside the CheckpointIO right after the save returns, so nothing of the process after
-the save is kept: the resumed run builds a new Trainer, model and loaders, seeds torch as a fresh process would
+A stopped run raises right after the save returns (or ``overrun`` batches later, as a job killed a little after
+its save: the resume replays those batches, and the resume audit compares them), so nothing of the process after
+that is kept: the resumed run builds a new Trainer, model and loaders, seeds torch as a fresh process would
 (``torch.manual_seed(1234)``), and finds its checkpoint with ``find_latest_checkpoint``. Every step records the
 sample ids of its batch, a hash of its dropout mask and its loss, so a difference is located at the first step
-where the two runs part.
+where the two runs part. Each run also keeps the lines ResumeStateCallback logged (the restored line, the
+``resume audit:`` line).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
@@ -24,18 +29,35 @@ from lightning_resilient import AtomicCheckpointIO, ResumeStateCallback, find_la
 
 
 class Samples(Dataset):
-    """``n`` deterministic samples, each carrying its own index (so every step knows which samples it saw)."""
+    """``n`` deterministic samples, each carrying its own index (so every step knows which samples it saw).
 
-    def __init__(self, n: int) -> None:
+    ``augment``: random jitter drawn in ``__getitem__`` from Python's ``random``, NumPy's and torch's global RNGs
+    (in the workers, with ``num_workers > 0``), as augmentation pipelines do. ``shift`` changes every sample (another
+    dataset of the same size)."""
+
+    def __init__(self, n: int, augment: bool = False, shift: float = 0.0) -> None:
         self.n = n
+        self.augment = augment
+        self.shift = shift
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         g = torch.Generator().manual_seed(i)
-        x = torch.randn(6, generator=g)
+        x = torch.randn(6, generator=g) + self.shift
+        if self.augment:
+            x = x * (1 + 0.1 * random.random()) + 0.1 * torch.from_numpy(np.random.randn(6)).float()
+            x = x + 0.1 * torch.randn(6)
         return x, x.sum(0, keepdim=True), i
+
+
+def noisy_collate(items: list[Any]) -> Any:
+    """The default collate, then random noise on the inputs (as masking or mixing in a collate_fn draw)."""
+    from torch.utils.data import default_collate
+
+    x, y, ids = default_collate(items)
+    return x + 0.1 * torch.randn_like(x), y, ids
 
 
 class Net(LightningModule):
@@ -79,16 +101,35 @@ class Stop(Exception):
 
 
 class StoppingIO(AtomicCheckpointIO):
-    def __init__(self, stop_after: int | None) -> None:
+    def __init__(self, stop_after: int | None, overrun: int = 0) -> None:
         super().__init__()
         self.stop_after = stop_after
+        self.overrun = overrun
         self.saves = 0
+        self.stop_in: int | None = None  # batches left before the stop, once the save that stops the run is done
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         super().save_checkpoint(checkpoint, path, storage_options)
         self.saves += 1
         if self.stop_after is not None and self.saves == self.stop_after:
-            raise Stop(f"stopped after save {self.saves} (step {checkpoint['global_step']})")
+            if not self.overrun:
+                raise Stop(f"stopped after save {self.saves} (step {checkpoint['global_step']})")
+            self.stop_in = self.overrun
+
+
+class StopLater(Callback):
+    """Stops the run ``StoppingIO.overrun`` batches after its stopping save (after ResumeStateCallback has recorded
+    those batches: it runs first; Lightning runs ModelCheckpoint last, so the save's own batch is not counted)."""
+
+    def __init__(self, io: StoppingIO) -> None:
+        self.io = io
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self.io.stop_in is None:
+            return
+        self.io.stop_in -= 1
+        if self.io.stop_in == 0:
+            raise Stop(f"stopped {self.io.overrun} batch(es) after save {self.io.saves}")
 
 
 class UserSaver(Callback):
@@ -120,6 +161,12 @@ class Config:
     on_exception: bool = False  # OnExceptionCheckpoint; the run fails in a training step instead of stopping
     fail_at: int = 13
     stateful: bool = False  # torchdata's StatefulDataLoader instead of a DataLoader
+    augment: bool = False  # random augmentation in __getitem__ from the global RNGs (Samples)
+    overrun: int = 2  # batches a stopped attempt trains after its stopping save (replayed by the resume)
+    callback: dict[str, Any] = field(default_factory=dict)  # ResumeStateCallback's arguments
+    seed: int | None = None  # seed_everything(seed) at each attempt's start (None: not called)
+    shift: float = 0.0  # Samples' shift: another dataset of the same size
+    collate_noise: bool = False  # a collate_fn that draws random numbers (noisy_collate)
 
 
 @dataclass
@@ -127,12 +174,31 @@ class Result:
     steps: list[tuple[Any, ...]]
     weights: dict[str, torch.Tensor]
     warnings: list[str]
+    lines: list[str]  # what ResumeStateCallback logged: its restored line and the resume audit's line
+
+    def audit(self) -> list[str]:
+        return [line for line in self.lines if line.startswith("resume audit:")]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(("resume audit:", "ResumeStateCallback:")):
+            self.lines.append(message)
 
 
 def run(cfg: Config, root: Path, stop_after: int | None, resume: bool) -> Result:
     """One attempt: a fresh process's worth of state (seed, Trainer, model, loaders), resuming from ``root``."""
+    import os
     import warnings
 
+    os.environ.pop("PL_GLOBAL_SEED", None)  # what seed_everything leaves behind: a new process would not have it
+    if cfg.seed is not None:
+        seed_everything(cfg.seed, verbose=False)
     torch.manual_seed(1234)
     steps: list[tuple[Any, ...]] = []
     fail_at = cfg.fail_at if cfg.on_exception and stop_after is not None else None
@@ -142,26 +208,36 @@ def run(cfg: Config, root: Path, stop_after: int | None, resume: bool) -> Result
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader_cls = StatefulDataLoader
-    train = loader_cls(Samples(cfg.samples), batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.workers,
-                       persistent_workers=cfg.persistent)
+    extra = {"collate_fn": noisy_collate} if cfg.collate_noise else {}
+    train = loader_cls(Samples(cfg.samples, cfg.augment, cfg.shift), batch_size=cfg.batch_size, shuffle=True,
+                       num_workers=cfg.workers, persistent_workers=cfg.persistent, **extra)
     val = DataLoader(Samples(12), batch_size=4, num_workers=cfg.workers) if cfg.val else None
-    io = StoppingIO(None if cfg.on_exception else stop_after)
+    io = StoppingIO(None if cfg.on_exception else stop_after, cfg.overrun)
     callbacks: list[Callback] = [UserSaver(root, cfg.user_saver)] if cfg.user_saver else []
-    callbacks += [ResumeStateCallback(), ModelCheckpoint(dirpath=root, **{"save_top_k": -1, **cfg.ckpt})]
+    callbacks += [ResumeStateCallback(**cfg.callback), ModelCheckpoint(dirpath=root, **{"save_top_k": -1, **cfg.ckpt}),
+                  StopLater(io)]
     if cfg.on_exception:
         callbacks.append(OnExceptionCheckpoint(dirpath=str(root), filename="on-exception"))
     trainer_args = {"max_epochs": 3, "limit_val_batches": 3, **cfg.trainer}
     trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, plugins=[io], callbacks=callbacks, **trainer_args)
     ckpt_path = find_latest_checkpoint(str(root)) if resume else None
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        try:
-            trainer.fit(model, train, val, ckpt_path=ckpt_path)
-        except Stop:
-            assert stop_after is not None, "an uninterrupted run stopped"
+    lines = _Lines()
+    # On the root logger: rank_zero_info logs through lightning.pytorch's or pytorch_lightning's rank_zero logger,
+    # whichever namespace was imported last, and both propagate here.
+    logger = logging.getLogger()
+    logger.addHandler(lines)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                trainer.fit(model, train, val, ckpt_path=ckpt_path)
+            except Stop:
+                assert stop_after is not None, "an uninterrupted run stopped"
+    finally:
+        logger.removeHandler(lines)
     return Result(steps, {k: v.detach().clone() for k, v in model.state_dict().items()},
-                  [str(w.message) for w in seen])
+                  [str(w.message) for w in seen], lines.lines)
 
 
 def first_difference(full: list[tuple[Any, ...]], resumed: list[tuple[Any, ...]]) -> str | None:

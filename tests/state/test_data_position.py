@@ -202,6 +202,32 @@ def test_a_stateless_iterable_warns_what_was_resumed_and_restarts_its_data(tmp_p
     assert resumed.seen[0][2] == [0, 1, 2, 3]  # as the warning says
 
 
+class Reversed(torch.utils.data.Sampler):
+    """A custom sampler (not torch's, Lightning's or torchdata's), without state."""
+
+    def __init__(self) -> None:
+        self.order = list(range(N))[::-1]
+
+    def __iter__(self) -> Any:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return N
+
+
+def test_a_custom_sampler_warns_at_fit_start_and_the_resume_claims_no_exactness(tmp_path, caplog):
+    import logging
+
+    make = lambda: DataLoader(Indexed(), batch_size=4, sampler=Reversed())  # noqa: E731
+    with pytest.warns(RuntimeWarning, match=r"sampler Reversed is not torch's, Lightning's or torchdata's: a resume"
+                                            r" redraws its order.*not claimed exact.*Fix: give it state_dict"):
+        fit(tmp_path, make, steps=3)
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, make, ckpt=checkpoint(tmp_path, 3))
+    (line,) = [r.getMessage() for r in caplog.records if "restored the data position" in r.getMessage()]
+    assert "Not restored: the order of the custom sampler Reversed" in line and "continues exactly" not in line
+
+
 def test_a_stateful_iterable_read_by_workers_warns_that_its_position_is_not_saved(tmp_path):
     make = lambda: DataLoader(StatefulStream(), batch_size=4, num_workers=2)  # noqa: E731
     with pytest.warns(RuntimeWarning, match=r"2 worker processes, each with its own copy.*StatefulDataLoader"):

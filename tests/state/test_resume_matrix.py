@@ -1,6 +1,7 @@
 """The resume matrix: configurations Lightning users have, each run uninterrupted and stopped-then-resumed (see
 ``matrix.py``), compared bit for bit (``torch.equal`` on every weight; the failure names the first step where the
-runs part and what differed: the samples, the dropout mask, the position or the loss).
+runs part and what differed: the samples, the dropout mask, the position or the loss). Each stopped attempt trains
+two batches past its save, which the resume replays: its ``resume audit:`` line must say they were identical.
 
 In-process, on 40 samples: a run costs well under a second. The real-SIGKILL versions of the main cases are in
 ``test_exact_resume.py``.
@@ -49,6 +50,16 @@ MATRIX = [
     Config("workers 2", workers=2, stops=(3,)),
     Config("workers 2 persistent, resumed in epoch 0", workers=2, persistent=True),
     Config("workers 2 persistent, resumed in a later epoch", workers=2, persistent=True, stops=(5,)),
+    # Random augmentation drawn in __getitem__ from Python's, NumPy's and torch's global RNGs, with no wrapper: the
+    # callback seeds each sample (the persistent workers see each new epoch).
+    Config("augmentation, workers 0", augment=True, stops=(3,)),
+    Config("augmentation, workers 2", augment=True, workers=2, stops=(3,)),
+    Config("augmentation, workers 2 persistent, resumed in a later epoch", augment=True, workers=2, persistent=True,
+           stops=(5,)),
+    Config("augmentation, StatefulDataLoader workers 2", augment=True, workers=2, stateful=True, stops=(3,)),
+    # A collate_fn that draws random numbers: seeded per batch, in the main process and in workers.
+    Config("random collate_fn, workers 0", collate_noise=True, stops=(3,)),
+    Config("random collate_fn, workers 2", collate_noise=True, workers=2, stops=(3,)),
 ]
 
 
@@ -71,6 +82,13 @@ def test_resumed_run_is_bit_identical(cfg, tmp_path):
     # warning of ours claims a difference that is not there.
     ours = ("ended before the epoch ended", "ResumeStateCallback", "validation that ran right after")
     assert not [w for w in full.warnings + resumed.warnings if any(o in w for o in ours)], resumed.warnings
+    # The resume audit compared the batches the stopped attempt trained past its save, and found them identical
+    # (OnExceptionCheckpoint saves at the failing step: nothing was trained past it).
+    (audit,) = resumed.audit()
+    expected = "nothing to compare" if cfg.on_exception else "were identical on the only rank"
+    assert expected in audit, audit
+    restored = [line for line in resumed.lines if "restored the data position" in line]
+    assert all("continues exactly" in line for line in restored), restored
 
 
 def test_a_validation_that_draws_after_a_save_is_warned_about_and_is_what_differs(tmp_path):
@@ -99,8 +117,9 @@ def test_lightnings_not_resumable_warning_is_replaced_by_what_was_restored(tmp_p
     assert not [w for w in resumed.warnings if "ended before the epoch ended" in w]
     restored = "ResumeStateCallback: restored the data position"
     lines = [r.getMessage() for r in caplog.records if restored in r.getMessage()]
-    assert lines == [(f"{restored}: epoch 0, after 5 of 10 batches (20 samples), and the RNG states of every rank,"
-                      " so this run continues exactly where the checkpoint was saved")]
+    assert lines == [(f"{restored}: epoch 0, after 5 of 10 batches (20 samples), per-sample seeding (seed 1234),"
+                      " and the RNG states of every rank, so this run continues exactly where the checkpoint was"
+                      " saved")]
 
 
 def test_one_callback_reused_by_several_trainers_wraps_each_trainers_loops(tmp_path):

@@ -1,0 +1,425 @@
+"""The resume audit: what each training step consumed (:func:`digest_batch`, :func:`digest_indices`), how a resumed
+attempt compares the steps it replays with the interrupted attempt's record (:class:`Replay`), and the one
+``resume audit:`` line that says what it found (:func:`audit_line`).
+
+A step's record is a digest of its sample indices (where the sampler says them: a map-style DataLoader), a digest
+of its inputs (for each tensor its dtype, shape and a strided slice of at most :data:`SLICE` elements' bytes, taken
+on the host before the batch moves to the device; strings and numbers as they are) and its loss. A resume from the
+checkpoint of step S replays the steps the interrupted attempt ran after S; each replayed step is compared, on every
+rank, with the interrupted attempt's step at the same (epoch, batch_idx). The first difference is named by its
+step, rank and what differed: the data (sample indices or input bytes) or, with the same data, the loss. Nothing to
+compare (no record, or none past S) is said as such, never as "identical".
+
+Where it runs and when it writes is the callback's business (``callback.py``); the records are ``attempts.py``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_resilient.io.store import Store
+from lightning_resilient.state.attempts import (
+    AttemptLog,
+    AttemptRecord,
+    AuditResult,
+    StepDigest,
+    drop_old_attempts,
+    list_attempts,
+    new_attempt_id,
+    read_record,
+)
+
+__all__ = ["SLICE", "RankOutcome", "Replay", "ResumeAudit", "audit_line", "changed_facts", "digest_batch",
+           "digest_indices", "nothing_line"]
+
+_log = logging.getLogger(__name__)
+
+SLICE = 1024  # elements of each tensor whose bytes are hashed: every sample of a batch of up to 1024 is touched
+_LEAVES = 256  # leaves of a nested batch looked at (a batch of many small tensors costs no more than that)
+_DIGEST = 8  # bytes of each digest (16 hex digits)
+
+
+def digest_indices(indices: Sequence[Any]) -> str:
+    """A digest of a batch's sample indices, in order."""
+    try:
+        data = array("q", (int(i) for i in indices)).tobytes()
+    except (TypeError, ValueError, OverflowError):  # keys of a dataset indexed by something else
+        data = repr(list(indices)).encode()
+    return hashlib.blake2b(data, digest_size=_DIGEST).hexdigest()
+
+
+def digest_batch(batch: Any) -> str:
+    """A digest of a batch as the loader produced it: per tensor (or NumPy array) its dtype, shape and the bytes of
+    a strided slice of at most :data:`SLICE` elements; strings, numbers and None as they are. A tensor that is not
+    on the CPU contributes its dtype, shape and device only (reading it would wait for the device)."""
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    leaves = 0
+    stack: list[Any] = [batch]
+    while stack and leaves < _LEAVES:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            leaves += 1
+            _tensor_into(h, item)
+        elif isinstance(item, np.ndarray):
+            leaves += 1
+            _tensor_into(h, torch.from_numpy(item) if item.dtype.kind in "biufc" else torch.empty(0))
+            h.update(repr((item.dtype.str, item.shape)).encode())
+        elif isinstance(item, Mapping):
+            h.update(b"{")
+            for key in reversed(list(item)):
+                stack.append(item[key])
+                stack.append(str(key))
+        elif isinstance(item, (list, tuple)):
+            h.update(b"[")
+            stack.extend(reversed(item))
+        else:
+            leaves += 1
+            h.update(repr(item)[:200].encode())
+            h.update(b"|")
+    return h.hexdigest()
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _tensor_into(h: Any, t: torch.Tensor) -> None:
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or not t.numel():
+        h.update(str(t.device).encode())
+        return
+    t = t.detach()
+    try:
+        array = t.numpy()
+    except TypeError:  # a dtype NumPy does not have (bfloat16, float8): its bits, as ints of the same size
+        array = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+    stride = max(1, array.size // SLICE)
+    if array.flags.c_contiguous:  # NumPy's strided view: no copy until tobytes() takes the slice's elements
+        picked = array.reshape(-1)[::stride][:SLICE]
+    else:  # take() reads the elements in row-major order whatever the strides: no copy of the whole tensor
+        picked = torch.take(t, torch.arange(0, array.size, stride)[:SLICE]).numpy()
+    h.update(picked.tobytes())
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank's comparison found (gathered to rank 0, which writes the line)."""
+
+    rank: int
+    had_record: bool  # the interrupted attempt left a record for this rank
+    expected: int  # steps of that record from this attempt's first step on (what this attempt replays)
+    compared: int  # replayed steps compared so far
+    first_step: int | None  # global step of the first compared step
+    last_step: int | None  # global step of the last compared step
+    difference: tuple[int, int, int, str] | None  # (global step, epoch, batch_idx, what) of the first difference
+    identical_before: int  # compared steps before that difference (all of them when there is none)
+    fields: tuple[bool, bool, bool]  # whether sample indices, input bytes, loss were compared (on every step)
+
+
+class Replay:
+    """One rank's comparison of the steps it replays with the interrupted attempt's record of the same rank."""
+
+    def __init__(self, rank: int, previous: AttemptRecord | None, resumed_step: int) -> None:
+        self.rank = rank
+        self.had_record = previous is not None
+        past = [s for s in previous.steps if s.step >= resumed_step] if previous is not None else []
+        self.expected = {s.key: s for s in past}
+        self.last_key: tuple[int, int] | None = max(self.expected) if self.expected else None
+        self._first_key: tuple[int, int] | None = None
+        self.compared = 0
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.difference: tuple[int, int, int, str] | None = None
+        self._identical_before = 0
+        self._fields = [True, True, True]
+
+    def check(self, step: StepDigest) -> None:
+        if self._first_key is None:
+            self._first_key = step.key
+        then = self.expected.get(step.key)
+        if then is None:
+            return
+        self.compared += 1
+        self.first_step = step.step if self.first_step is None else self.first_step
+        self.last_step = step.step
+        pairs = ((then.indices, step.indices), (then.data, step.data), (then.loss, step.loss))
+        for i, (a, b) in enumerate(pairs):
+            self._fields[i] = self._fields[i] and a is not None and b is not None
+        if self.difference is not None:
+            return
+        what = None
+        if then.indices is not None and step.indices is not None and then.indices != step.indices:
+            what = "data (sample indices)"
+        elif then.data is not None and step.data is not None and then.data != step.data:
+            what = "data (input bytes)"
+        elif then.loss is not None and step.loss is not None and not _same_float(then.loss, step.loss):
+            what = f"loss ({then.loss!r} then, {step.loss!r} now)"
+        if what is not None:
+            self.difference = (step.step, step.epoch, step.batch, what)
+            self._identical_before = self.compared - 1
+
+    def outcome(self) -> RankOutcome:
+        first = self._first_key
+        expected = sum(1 for k in self.expected if first is None or k >= first)
+        before = self.compared if self.difference is None else self._identical_before
+        return RankOutcome(self.rank, self.had_record, expected, self.compared, self.first_step, self.last_step,
+                           self.difference, before, (self._fields[0], self._fields[1], self._fields[2]))
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+_FACTS = {"world_size": "world size", "batch_size": "batch size", "dataset": "dataset",
+          "sample_seed": "per-sample seed", "per_sample_seeding": "per-sample seeding", "num_workers": "num_workers",
+          "accumulate_grad_batches": "accumulate_grad_batches", "loader": "training loader"}
+
+
+def changed_facts(then: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The run's facts that differ between two attempts, as phrases ("batch size 4 then, 8 now")."""
+    return [f"{label} {then[key]!r} then, {now[key]!r} now" for key, label in _FACTS.items()
+            if key in then and key in now and then[key] != now[key]]
+
+
+def nothing_line(reason: str) -> AuditResult:
+    return AuditResult("nothing", f"resume audit: nothing to compare: {reason}", 0)
+
+
+def audit_line(outcomes: list[RankOutcome], *, interrupted: str, changed: list[str], world_then: int | None,
+               resumed_step: int) -> AuditResult:
+    """The one line for every rank's outcome: identical, DIFFER (first step, rank, what), or nothing to compare."""
+    world_now = len(outcomes)
+    compared = max((o.compared for o in outcomes), default=0)
+    differing = [o for o in outcomes if o.difference is not None]
+    hint = f" Changed since then: {'; '.join(changed)}." if changed else ""
+    if differing:
+        first = min(differing, key=lambda o: (o.difference[:3] if o.difference else (0, 0, 0), o.rank))
+        assert first.difference is not None
+        step, epoch, batch, what = first.difference
+        before = first.identical_before
+        line = (f"resume audit: the replayed training steps DIFFER from the interrupted attempt {interrupted}: first"
+                f" at global step {step} (epoch {epoch}, batch {batch}) on rank {first.rank}: {what} differ;"
+                f" {before} replayed step(s) before it were identical.{hint}")
+        return AuditResult("differs", line, compared)
+    if world_then is not None and world_then != world_now:
+        rank = min((o.rank for o in outcomes if not o.had_record), default=0)
+        at = next((o.first_step for o in outcomes if o.first_step is not None), None)
+        where = f"global step {at}" if at is not None else f"the first step after step {resumed_step}"
+        line = (f"resume audit: the replayed training steps DIFFER from the interrupted attempt {interrupted}: first"
+                f" at {where} on rank {rank}: world size ({world_then} rank(s) then, {world_now} now), so each"
+                f" rank reads other samples and the gradients are averaged over other ranks.{hint}")
+        return AuditResult("differs", line, compared)
+    if compared == 0:
+        return nothing_line(f"the interrupted attempt {interrupted} recorded no training step at or after this"
+                            f" run's first (it stopped at the checkpoint of step {resumed_step})")
+    fields = [name for name, on in zip(("sample indices", "input bytes", "loss"),
+                                       (all(o.fields[i] for o in outcomes if o.compared) for i in range(3)),
+                                       strict=True) if on]
+    what = ", ".join(fields[:-1]) + (" and " if len(fields) > 1 else "") + fields[-1] if fields else "steps"
+    first_steps = [o.first_step for o in outcomes if o.first_step is not None]
+    last_steps = [o.last_step for o in outcomes if o.last_step is not None]
+    span = (f"global step {min(first_steps)}" if min(first_steps) == max(last_steps)
+            else f"global steps {min(first_steps)} to {max(last_steps)}")
+    expected = max(o.expected for o in outcomes)
+    short = (f" (this run stopped before replaying the interrupted attempt's last {expected - compared})"
+             if expected > compared else "")
+    ranks = "the only rank" if world_now == 1 else f"every rank ({world_now} ranks)"
+    line = (f"resume audit: the {compared} replayed training step(s) ({span}) were identical on {ranks} to what the"
+            f" interrupted attempt {interrupted} recorded: same {what}{short}.")
+    return AuditResult("identical", line, compared)
+
+
+_LAG = 2  # steps a loss on an accelerator waits before it is read (reading it at once would wait for the device)
+_SEARCH = 8  # earlier attempts looked at for the one the resume replays
+
+
+@dataclass(frozen=True)
+class _Decided:
+    """What rank 0 decided when the attempt started, as every rank receives it."""
+
+    attempt: str | None  # this attempt's id; None: no record can be written (the store failed)
+    interrupted: str | None  # the attempt whose steps this one replays; None: none found
+    reason: str | None  # why there is nothing to compare (with interrupted None)
+    world_then: int | None
+    facts_then: dict[str, Any]
+
+
+class ResumeAudit:
+    """One rank's audit of one attempt: records each step (:class:`~lightning_resilient.state.attempts.AttemptLog`),
+    compares the steps a resume replays (:class:`Replay`), and writes the ``resume audit:`` result into rank 0's
+    record. Every rank calls :meth:`start`, :meth:`report` and :meth:`close` in the same order (``gather`` is the
+    job's all-gather; :meth:`start` and :meth:`report` call it). Nothing here raises into training: a store that
+    fails is logged and the audit goes on without it.
+    """
+
+    def __init__(self, *, rank: int, world: int, gather: Callable[[Any], list[Any]], flush_seconds: float,
+                 flush_steps: int | None) -> None:
+        self.rank, self.world, self.gather = rank, world, gather
+        self.flush_seconds, self.flush_steps = flush_seconds, flush_steps
+        self.log: AttemptLog | None = None
+        self.replay: Replay | None = None
+        self.end: tuple[int, int] | None = None  # the last (epoch, batch) any rank's interrupted attempt recorded
+        self.decided: _Decided | None = None
+        self.resumed_step = 0
+        self.reported = False
+        self._pending: list[tuple[StepDigest, torch.Tensor | None]] = []  # steps whose loss is still on the device
+        self._saves: list[tuple[int, int] | None] = []  # the last recorded key at each save
+        self._last_key: tuple[int, int] | None = None
+
+    # -- start -----------------------------------------------------------------------------------------------------
+    def start(self, store: Store | None, *, facts: dict[str, Any], resumed_step: int | None,
+              resumed_from: str | None) -> AuditResult | None:
+        """Open this attempt's record; on a resume, find the interrupted attempt's record and read this rank's part.
+        Returns, on rank 0, the line to log when there is nothing to compare (None otherwise, or elsewhere)."""
+        decided = self._decide(store, resumed_step) if self.rank == 0 else None
+        decided = self.gather(decided)[0]
+        if not isinstance(decided, _Decided):  # no rank 0 among the ranks gathered: nothing is known
+            decided = _Decided(None, None, "rank 0 of this run decided nothing", None, {})
+        self.decided = decided
+        if store is not None and decided.attempt is not None:
+            record = AttemptRecord(decided.attempt, self.rank, self.world, time.time(), resumed_step,
+                                   resumed_from, facts)
+            self.log = AttemptLog(store, record, flush_seconds=self.flush_seconds, flush_steps=self.flush_steps)
+            self.log.start()
+        if resumed_step is None:
+            self.reported = True  # a fresh start: nothing to audit
+            return None
+        self.resumed_step = resumed_step
+        previous = self._read_previous(store, decided) if decided.interrupted is not None else None
+        self.replay = Replay(self.rank, previous, resumed_step)
+        ends = [e for e in self.gather(self.replay.last_key) if e is not None]
+        self.end = max(ends) if ends else None
+        if self.end is not None:
+            return None
+        self.reported = True
+        result = nothing_line(decided.reason or (
+            f"the interrupted attempt {decided.interrupted} recorded no training step after step {resumed_step}, the"
+            f" checkpoint this run resumed from ({self._why_nothing_past(store)})"))
+        if self.rank == 0:
+            self._keep(result)
+            return result
+        return None
+
+    def _decide(self, store: Store | None, resumed_step: int | None) -> _Decided:
+        if store is None:
+            return _Decided(None, None, "the checkpoint root could not be opened (see the warning above)", None, {})
+        try:
+            attempts = list_attempts(store)
+            attempt = new_attempt_id(store)
+        except Exception as exc:  # the audit never stops training
+            _warn_store(store, exc)
+            return _Decided(None, None, f"the attempts under {store.url()} could not be listed ({exc})", None, {})
+        try:
+            drop_old_attempts(store)
+        except Exception as exc:
+            _warn_store(store, exc)
+        if resumed_step is None:
+            return _Decided(attempt, None, None, None, {})
+        skipped: list[str] = []
+        for earlier in reversed(attempts[-_SEARCH:]):
+            try:
+                record = read_record(store, earlier, 0)
+            except Exception as exc:  # damaged, newer, unreadable: reported and skipped
+                _log.warning("the resume audit skipped the record of attempt %s: %s", earlier, exc)
+                skipped.append(earlier)
+                continue
+            if any(s.step >= resumed_step for s in record.steps):
+                return _Decided(attempt, earlier, None, record.world_size, record.facts)
+        if attempts:
+            newest = attempts[-1]
+            reason = (f"no earlier attempt recorded a training step after step {resumed_step}, the checkpoint this run"
+                      f" resumed from (the newest, {newest}, stopped at that save, or, on an object store, before its"
+                      f" record was next written)" if newest not in skipped else
+                      f"the record of the interrupted attempt {newest} could not be read (see the warning above)")
+        else:
+            reason = (f"no earlier attempt left a record under {store.url()} (the checkpoint was written by a run"
+                      " without the audit, or its records were deleted); the next resume will be audited")
+        return _Decided(attempt, None, reason, None, {})
+
+    def _read_previous(self, store: Store | None, decided: _Decided) -> AttemptRecord | None:
+        if store is None or decided.interrupted is None:
+            return None
+        try:
+            return read_record(store, decided.interrupted, self.rank)
+        except FileNotFoundError:
+            return None  # this rank did not exist then (the world size changed), or its record was never written
+        except Exception as exc:  # damaged, newer, unreadable: reported and skipped
+            _log.warning("the resume audit skipped rank %d's record of attempt %s: %s", self.rank, decided.interrupted,
+                         exc)
+            return None
+
+    def _why_nothing_past(self, store: Store | None) -> str:
+        return "it stopped at that save" + ("" if store is None or getattr(self.log, "local", True) else
+                                           f", or before its record was next written: every {self.flush_seconds:g} s")
+
+    # -- each step -------------------------------------------------------------------------------------------------
+    def step(self, digest: StepDigest, loss: torch.Tensor | None) -> bool:
+        """Record a step (and compare it, on a resume). True when the replay just ended: call :meth:`report`."""
+        if loss is not None and loss.device.type == "cpu":
+            digest = StepDigest(digest.epoch, digest.batch, digest.step, digest.indices, digest.data, float(loss))
+            loss = None
+        self._pending.append((digest, loss))
+        done = not self.reported and self.end is not None and digest.key >= self.end
+        self._settle(0 if done else _LAG)
+        self._last_key = digest.key
+        return done
+
+    def _settle(self, keep: int) -> None:
+        """Record and compare the pending steps whose loss is read, and all but the last ``keep`` of the others
+        (reading their losses: by then the device has long computed them)."""
+        while self._pending and (len(self._pending) > keep or self._pending[0][1] is None):
+            digest, loss = self._pending.pop(0)
+            if loss is not None:
+                digest = StepDigest(digest.epoch, digest.batch, digest.step, digest.indices, digest.data,
+                                    float(loss))
+            if self.log is not None:
+                self.log.add(digest)
+            if self.replay is not None and not self.reported:
+                self.replay.check(digest)
+
+    def report(self) -> AuditResult | None:
+        """Gather every rank's outcome (a collective); rank 0 gets the line to log, the others None."""
+        self._settle(0)
+        self.reported = True
+        assert self.replay is not None and self.decided is not None
+        outcomes = self.gather(self.replay.outcome())
+        if self.rank != 0:
+            return None
+        facts_now = dict(self.log.record.facts) if self.log is not None else {}
+        result = audit_line(outcomes, interrupted=self.decided.interrupted or "?",
+                            changed=changed_facts(self.decided.facts_then, facts_now),
+                            world_then=self.decided.world_then, resumed_step=self.resumed_step)
+        self._keep(result)
+        return result
+
+    def _keep(self, result: AuditResult) -> None:
+        if self.log is not None:
+            self.log.update(audit=result)
+
+    # -- saves and the end -----------------------------------------------------------------------------------------
+    def saved(self) -> None:
+        """A checkpoint is being saved: the record keeps only the steps after the save before this one."""
+        self._settle(0)
+        self._saves.append(self._last_key)
+        if self.log is not None and len(self._saves) >= 2 and self._saves[-2] is not None:
+            self.log.prune(self._saves[-2])
+
+    def close(self, ended: str) -> None:
+        self._settle(0)
+        if self.log is not None:
+            self.log.update(ended=ended)
+            self.log.close()
+            self.log = None
+
+
+def _warn_store(store: Store, exc: BaseException) -> None:
+    _log.warning("the resume audit could not use the attempts folder of %s (%s); training goes on", store.url(), exc)

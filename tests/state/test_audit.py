@@ -1,0 +1,230 @@
+"""The resume audit: what a step's record holds, how a resume compares the steps it replays, and the one
+``resume audit:`` line each resume logs (identical, DIFFER with the first step, rank and what, or nothing to
+compare), in-process with real Trainers on local disk (``matrix.py``). Real kills, DDP and S3 are in
+``test_exact_resume.py``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_resilient.cli import main
+from lightning_resilient.io.folders import ATTEMPTS_DIR
+from lightning_resilient.io.retry import RetryPolicy
+from lightning_resilient.io.store import open_store
+from lightning_resilient.state.attempts import AttemptRecord, StepDigest, list_attempts, read_record, record_name
+from lightning_resilient.state.audit import RankOutcome, Replay, audit_line, digest_batch, digest_indices
+
+from .matrix import Config, first_difference, run
+
+
+# -- digests -------------------------------------------------------------------------------------------------------
+def test_a_batch_digest_sees_values_shapes_dtypes_and_nesting():
+    x = torch.randn(8, 3, 16, 16)
+    base = digest_batch({"x": x, "y": [torch.arange(8), "name"]})
+    assert base == digest_batch({"x": x.clone(), "y": [torch.arange(8), "name"]})
+    changed = x.clone()
+    changed[5, 1, 7, 4] += 1e-3  # one element of the strided slice (every 6th of 6144): sample 5 changed
+    unseen = x.clone()
+    unseen[5, 1, 7, 3] += 1e-3  # an element between two of the slice's: a strided slice does not see it
+    assert digest_batch({"x": unseen, "y": [torch.arange(8), "name"]}) == base
+    others = [{"x": changed, "y": [torch.arange(8), "name"]}, {"x": x, "y": [torch.arange(8), "other"]},
+              {"x": x.double(), "y": [torch.arange(8), "name"]},
+              {"x": x.reshape(8, 768), "y": [torch.arange(8), "name"]}, {"z": x, "y": [torch.arange(8), "name"]}]
+    digests = {digest_batch(o) for o in others}
+    assert len(digests) == len(others) and base not in digests
+    # Non-contiguous tensors, bf16, bool and NumPy arrays are read without copying the whole tensor.
+    t = torch.randn(64, 64)
+    assert digest_batch(t.t()) == digest_batch(t.t().contiguous())
+    assert len({digest_batch(t.bfloat16()), digest_batch(t > 0), digest_batch(t.numpy())}) == 3
+
+
+def test_index_digests_follow_the_order_and_the_values():
+    assert digest_indices([3, 1, 2]) == digest_indices(np.array([3, 1, 2])) == digest_indices(torch.tensor([3, 1, 2]))
+    assert digest_indices([3, 1, 2]) != digest_indices([1, 2, 3])
+    assert digest_indices(["a", "b"]) != digest_indices(["b", "a"])
+
+
+# -- the comparison and its line -----------------------------------------------------------------------------------
+def steps(n: int, start: int = 5, **change) -> list[StepDigest]:
+    out = [StepDigest(0, i, i, f"i{i}", f"d{i}", float(i)) for i in range(start, start + n)]
+    return [StepDigest(**{**s.__dict__, **change}) if s.batch == start + 1 else s for s in out] if change else out
+
+
+def outcome(rank: int, then: list[StepDigest], now: list[StepDigest], resumed: int = 5) -> RankOutcome:
+    replay = Replay(rank, AttemptRecord("a1", rank, 2, 0.0, steps=then), resumed)
+    for s in now:
+        replay.check(s)
+    return replay.outcome()
+
+
+def test_identical_replays_say_how_many_and_what_was_compared():
+    result = audit_line([outcome(0, steps(3), steps(5)), outcome(1, steps(3), steps(5))], interrupted="a1",
+                        changed=[], world_then=2, resumed_step=5)
+    assert result.outcome == "identical" and result.compared == 3
+    assert result.line == ("resume audit: the 3 replayed training step(s) (global steps 5 to 7) were identical on"
+                           " every rank (2 ranks) to what the interrupted attempt a1 recorded: same sample indices,"
+                           " input bytes and loss.")
+
+
+def test_the_first_difference_names_the_step_the_rank_and_what():
+    data = outcome(1, steps(3), steps(3, data="other"))
+    loss = outcome(0, steps(3), steps(3, loss=0.25))
+    result = audit_line([loss, data], interrupted="a1", changed=["batch size 4 then, 8 now"], world_then=2,
+                        resumed_step=5)
+    assert result.outcome == "differs"
+    assert result.line.startswith("resume audit: the replayed training steps DIFFER from the interrupted attempt a1:"
+                                  " first at global step 6 (epoch 0, batch 6) on rank 0: loss (6.0 then, 0.25 now)"
+                                  " differ; 1 replayed step(s) before it were identical.")
+    assert result.line.endswith("Changed since then: batch size 4 then, 8 now.")
+    indices = audit_line([outcome(0, steps(3), steps(3, indices="x"))], interrupted="a1", changed=[], world_then=1,
+                         resumed_step=5)
+    assert "on rank 0: data (sample indices) differ" in indices.line
+
+
+def test_a_changed_world_size_differs_even_where_the_ranks_it_kept_agree():
+    result = audit_line([outcome(0, steps(3), steps(3))], interrupted="a1", changed=[], world_then=2, resumed_step=5)
+    assert result.outcome == "differs" and "world size (2 rank(s) then, 1 now)" in result.line
+
+
+def test_a_run_that_stops_before_the_end_of_the_replay_says_so_and_nothing_compared_is_not_identical():
+    result = audit_line([outcome(0, steps(4), steps(2))], interrupted="a1", changed=[], world_then=1, resumed_step=5)
+    assert result.outcome == "identical" and "last 2)" in result.line and "on the only rank" in result.line
+    nothing = audit_line([outcome(0, steps(2, start=1), steps(2))], interrupted="a1", changed=[], world_then=1,
+                         resumed_step=5)
+    assert nothing.outcome == "nothing" and nothing.line.startswith("resume audit: nothing to compare")
+
+
+# -- in a Trainer ------------------------------------------------------------------------------------------------
+def resume_with(tmp_path, first: Config, then: Config):
+    run(first, tmp_path / "part", 1, resume=False)  # stopped two batches after its save at step 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run(then, tmp_path / "part", None, resume=True)
+
+
+def audit_of(result) -> str:
+    (line,) = result.audit()
+    return line
+
+
+@pytest.mark.parametrize(("change", "what"), [
+    ({"batch_size": 5}, "data (sample indices) differ"),
+    ({"seed": 2}, "data (input bytes) differ"),
+    ({"shift": 1.0}, "data (input bytes) differ"),
+], ids=["batch size", "seed", "dataset"])
+def test_a_resume_with_a_changed_run_differs_at_the_first_replayed_step(tmp_path, change, what):
+    first = Config("first", augment=True, seed=1)
+    resumed = resume_with(tmp_path, first, Config("then", **{"augment": True, "seed": 1, **change}))
+    line = audit_of(resumed)
+    assert line.startswith("resume audit: the replayed training steps DIFFER from the interrupted attempt a000001-")
+    assert f"first at global step 5 (epoch 0, batch 5) on rank 0: {what}" in line
+    if "batch_size" in change:
+        assert "batch size 4 then, 5 now" in line
+    if "seed" in change:
+        assert "per-sample seed 1 then, 2 now" in line
+        assert [w for w in resumed.warnings if "seed_everything gave this run 2" in w]
+        (restored,) = [x for x in resumed.lines if "restored the data position" in x]
+        assert "Not restored: the per-sample seed (1 then, 2 now" in restored and "continues exactly" not in restored
+
+
+def test_without_per_sample_seeding_worker_augmentation_differs_and_no_line_claims_otherwise(tmp_path):
+    """The mechanism matters: the same run with per_sample_seeding=False resumes with other augmentation (2 workers
+    draw it), the restored line says what was not restored, and the audit finds the difference."""
+    cfg = Config("off", augment=True, workers=2, stops=(3,), callback={"per_sample_seeding": False})
+    full = run(cfg, tmp_path / "full", None, resume=False)
+    run(cfg, tmp_path / "part", 3, resume=False)
+    resumed = run(cfg, tmp_path / "part", None, resume=True)
+    assert first_difference(full.steps, resumed.steps) is not None
+    (restored,) = [x for x in resumed.lines if "restored the data position" in x]
+    assert "continues exactly" not in restored and "exact" not in restored.replace("exactly", "")
+    assert ("Not restored: random numbers drawn while the dataset is read in the 2 worker process(es) (per-sample"
+            " seeding is off)") in restored
+    assert "DIFFER" in audit_of(resumed) and "data (input bytes)" in audit_of(resumed)
+
+
+def test_nothing_past_the_checkpoint_is_nothing_to_compare_never_identical(tmp_path):
+    cfg = Config("at the save", overrun=0)
+    resumed = resume_with(tmp_path, cfg, cfg)
+    line = audit_of(resumed)
+    assert line.startswith("resume audit: nothing to compare: no earlier attempt recorded a training step after"
+                           " step 5")
+    assert "identical" not in line
+
+
+def test_a_damaged_or_newer_record_is_reported_and_skipped_never_fatal(tmp_path, caplog):
+    import logging
+
+    cfg = Config("damaged")
+    run(cfg, tmp_path / "part", 1, resume=False)
+    store = open_store(str(tmp_path / "part"), {}, RetryPolicy())
+    (attempt,) = list_attempts(store)
+    path = store.path(record_name(attempt, 0))
+    lines = Path(path).read_text().splitlines(keepends=True)
+    header = json.loads(lines[0])
+    with open(path, "w") as f:  # a newer format
+        f.write(json.dumps({**header, "format": 99}) + "\n" + "".join(lines[1:]))
+    with caplog.at_level(logging.WARNING, logger="lightning_resilient.state.audit"):
+        resumed = run(cfg, tmp_path / "part", None, resume=True)
+    assert "format 99" in caplog.text and "skipped" in caplog.text
+    # The warning says what was skipped; the one line that starts with "resume audit:" is the verdict.
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.getMessage().startswith("resume audit")]
+    assert audit_of(resumed).startswith("resume audit: nothing to compare: the record of the interrupted attempt")
+    assert resumed.steps  # training went on
+
+
+def test_an_iterable_without_state_warns_at_fit_start_and_nothing_claims_exactness(tmp_path):
+    from .test_data_position import Stream, fit
+
+    make = lambda: DataLoader(Stream(), batch_size=4)  # noqa: E731
+    with pytest.warns(RuntimeWarning) as caught:
+        fit(tmp_path, make, steps=5, every=3)
+    (message,) = [str(w.message) for w in caught if "cannot make a resume of this run exact" in str(w.message)]
+    assert "Stream is an IterableDataset without state_dict()/load_state_dict()" in message
+    assert "restarts the data from its beginning" in message and "StatefulDataLoader" in message  # the fix
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger()  # rank_zero_info's logger depends on the namespace imported last; both propagate
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(tmp_path, make, ckpt=str(tmp_path / "epoch=0-step=3.ckpt"))
+    finally:
+        logger.removeHandler(handler)
+    assert not [x for x in lines if "exact" in x]
+    (audit,) = [x for x in lines if x.startswith("resume audit:")]
+    # The data restarted from its beginning: the first replayed step reads other samples.
+    assert "DIFFER" in audit and "global step 3 (epoch 0, batch 3) on rank 0: data (input bytes)" in audit
+
+
+def test_audit_off_records_nothing_and_says_nothing(tmp_path):
+    cfg = Config("off", callback={"audit": False})
+    resumed = resume_with(tmp_path, cfg, cfg)
+    assert resumed.audit() == [] and not (tmp_path / "part" / ATTEMPTS_DIR).exists()
+
+
+def test_ls_shows_each_attempt_and_its_audit(tmp_path, capsys):
+    cfg = Config("ls")
+    run(cfg, tmp_path / "part", 1, resume=False)
+    run(cfg, tmp_path / "part", None, resume=True)
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "part")]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| a00000")]
+    assert len(rows) == 2
+    # Stopped (by an exception here; a SIGKILLed attempt shows "killed (or running)") two batches after its save.
+    assert "| fresh start | 6 | stopped by Stop: stopped 2 batch(es) after save 1 | - |" in rows[0]
+    assert "| step 5 | 29 | finished | identical: 2 replayed training step(s) (global steps 5 to 6) |" in rows[1]
+    store = open_store(str(tmp_path / "part"), {}, RetryPolicy())
+    second = read_record(store, list_attempts(store)[1], 0)
+    assert second.audit is not None and second.audit.outcome == "identical" and second.resumed_step == 5
