@@ -37,33 +37,35 @@ def pointer(root: str, options: dict | None = None) -> Pointer:
 
 @pytest.fixture
 def store_env(request, tmp_path, monkeypatch):
-    """Run in tmp_path with the store of the config under test reachable as a user would reach it."""
+    """Run in tmp_path with the store of the config under test reachable as a user would reach it. The configs name
+    one fixed bucket, so it is made for the test and deleted after it: a test that expects it missing
+    (tests/test_cli_first_hour.py) may run next on the same server."""
+    import fsspec
+
     monkeypatch.chdir(tmp_path)
     store = request.param
     root = dirpath(store)
+    bucket = "lightning-resilient-example"
     if store == "s3":
-        import boto3
-
         endpoint = request.getfixturevalue("s3_endpoint")
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)  # reaches our plugin and ModelCheckpoint's own client
-        client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket="lightning-resilient-example")
+        fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
     elif store == "gcs":
-        import gcsfs
-
         endpoint = request.getfixturevalue("gcs_endpoint")
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
-        gcsfs.GCSFileSystem(endpoint_url=endpoint, token="anon", skip_instance_cache=True).mkdir(
-            "lightning-resilient-example")
+        fs = fsspec.filesystem("gcs", endpoint_url=endpoint, token="anon", skip_instance_cache=True)
     else:
         root = str(tmp_path / root)
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(root)
-    fs.invalidate_cache()
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-    return store, root
+    if store == "local":
+        yield store, root
+        return
+    fs.mkdir(bucket)
+    try:
+        yield store, root
+    finally:
+        for path in fs.find(bucket):  # one DELETE each: fake-gcs-server mishandles gcsfs's batch deletes
+            fs.rm_file(path)
+        fs.rmdir(bucket)
 
 
 @pytest.mark.parametrize("store_env", ["local", "s3", "gcs"], indirect=True)
