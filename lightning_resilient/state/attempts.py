@@ -46,9 +46,8 @@ from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedForm
 from lightning_resilient.io.folders import ATTEMPTS_DIR
 from lightning_resilient.io.store import LocalStore, Store
 
-__all__ = ["FORMAT", "KEEP_ATTEMPTS", "AttemptLog", "AttemptRecord", "AuditResult", "StepDigest",
-           "drop_old_attempts", "list_attempts", "new_attempt_id", "parse_record", "read_attempts", "read_record",
-           "record_name"]
+__all__ = ["AttemptLog", "AttemptRecord", "AuditResult", "FORMAT", "KEEP_ATTEMPTS", "StepDigest", "drop_old_attempts",
+           "list_attempts", "new_attempt_id", "parse_record", "read_attempts", "read_record", "record_name"]
 
 log = logging.getLogger(__name__)
 

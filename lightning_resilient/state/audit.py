@@ -39,7 +39,7 @@ from lightning_resilient.state.attempts import (
     read_record,
 )
 
-__all__ = ["SLICE", "RankOutcome", "Replay", "ResumeAudit", "audit_line", "changed_facts", "digest_batch",
+__all__ = ["RankOutcome", "Replay", "ResumeAudit", "SLICE", "audit_line", "changed_facts", "digest_batch",
            "digest_indices", "nothing_line"]
 
 _log = logging.getLogger(__name__)
