@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import platform
+import shutil
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import fsspec
@@ -204,6 +208,40 @@ def _no_leaked_threads() -> Iterator[None]:
         t.join(timeout=5)
     still = [t.name for t in leaked if t.is_alive()]
     assert not still, f"threads left running: {still}"
+
+
+class SharedRuns:
+    """Reference trainings that several tests compare against (an uninterrupted run, say), each made once per pytest
+    run by whichever test (on whichever xdist worker) asks first; the others wait for it and read the same files.
+
+    A run is keyed by everything that decides its outcome, so two tests share it only when they would have started
+    the very same training. Tests only read what it left; a failed run leaves nothing behind and is made again by
+    the next test that asks."""
+
+    def __init__(self, base: Path) -> None:
+        base.mkdir(parents=True, exist_ok=True)
+        self.base = base
+
+    def get(self, kind: str, options: dict[str, Any], make: Callable[[Path], None]) -> Path:
+        """The folder that ``make(folder)`` filled for ``kind`` with ``options``."""
+        from lightning_resilient.io.store import file_lock
+
+        key = f"{kind}-{hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]}"
+        folder = self.base / key
+        with file_lock(str(self.base / f"{key}.lock")):
+            if not (folder / ".done").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                make(folder)
+                (folder / ".done").touch()
+        return folder
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> SharedRuns:
+    base = tmp_path_factory.getbasetemp()
+    # xdist workers each have a base folder under one common parent (pytest-xdist's documented way to share files).
+    return SharedRuns((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs")
 
 
 class _Teardown(Protocol):  # AtomicCheckpointIO, or a test's subclass or stand-in of it

@@ -13,12 +13,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from urllib.parse import unquote
 
 import pytest
-
-from lightning_resilient.io.manifest import MANIFEST_NAME
-from lightning_resilient.testing import StoreProxy
 
 from .helpers import read_pointer
 
@@ -59,29 +55,9 @@ def test_ddp_commits_once_on_rank_zero_and_resumes_every_rank_from_the_local_tie
     assert pointer.latest.step == 8 and sorted(e.step for e in pointer.checkpoints.values()) == [4, 8]
 
 
-@pytest.mark.slow
-def test_a_ddp_resume_reads_the_store_once_per_node(s3_backend, tmp_path):
-    """Both ranks resume; only the first on the node reads the data from the store, the other its local copy."""
-    with StoreProxy(s3_backend.endpoint) as proxy:
-        options = {"storage_options": {"client_kwargs": {"endpoint_url": proxy.url}}, "shard_size": 1024,
-                   "node_cache_dir": str(tmp_path / "node-cache")}
-        env = {"AWS_ENDPOINT_URL": proxy.url}  # ModelCheckpoint lists the dirpath with its own client
-        run(s3_backend.root, 4, options, env)
-        resumed = read_pointer(s3_backend).latest.commit
-        manifest = json.loads(s3_backend.fs().cat_file(s3_backend.path(f"{resumed}/{MANIFEST_NAME}")))["body"]
-        chunks = sum(len(o["chunks"]) for o in manifest["objects"])
-        assert chunks >= 3
-
-        def data_reads() -> int:
-            paths = [unquote(p.split("?")[0]) for m, p in proxy.requests if m == "GET"]
-            return sum(1 for p in paths if f"/{resumed}/" in p and not p.endswith(MANIFEST_NAME))
-
-        proxy.requests.clear()
-        out = run(s3_backend.root, 6, options, env)
-        assert dict(re.findall(r"START rank=(\d) pid=\d+ step=(\d+) commit=\S+", out)) == {"0": "4", "1": "4"}
-        assert data_reads() == chunks  # once for the node, not once per rank
-        # That the node cache is what makes it so (without it every process reads everything, 2x per node) is
-        # shown by tests/test_benchmarks.py::test_scaling_nodes_simulation_smoke, which runs both.
+# That a resume reads the store once per node (the node cache), not once per rank, is proven with two processes per
+# node on two nodes by tests/io/test_multinode.py; that without the node cache every process reads everything, by
+# tests/test_benchmarks.py::test_scaling_nodes_simulation_smoke.
 
 
 @pytest.mark.slow

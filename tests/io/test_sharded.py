@@ -178,18 +178,27 @@ def losses(out: Path) -> list[list[str]]:
 BASE = {"devices": 2, "max_steps": 6, "every": 2}
 
 
+def uninterrupted(shared_runs, options: dict[str, Any]) -> Path:
+    """The output prefix (``.weights``, ``.losses``) of the job run once, to its end, with ``options``."""
+    def run(folder: Path) -> None:
+        launch(str(folder / "root"), folder / "run", options)
+
+    return shared_runs.get("sharded", options, run) / "run"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["model_parallel", "fsdp"])
-def test_sharded_training_resumes_bit_exact_through_a_kill(tmp_path, strategy):
+def test_sharded_training_resumes_bit_exact_through_a_kill(tmp_path, strategy, shared_runs):
     options = {**BASE, "strategy": strategy}
-    launch(str(tmp_path / "full"), tmp_path / "full", options)
+    full = uninterrupted(shared_runs, options)
     launch(str(tmp_path / "part"), tmp_path / "part", options, kill_after=4)
     assert read_pointer(Backend("local", str(tmp_path / "part"))).latest.step == 4
     launch(str(tmp_path / "part"), tmp_path / "part", options)
-    full, part = torch.load(str(tmp_path / "full") + ".weights"), torch.load(str(tmp_path / "part") + ".weights")
-    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+    weights = torch.load(str(full) + ".weights")
+    part = torch.load(str(tmp_path / "part") + ".weights")
+    assert weights.keys() == part.keys() and all(torch.equal(weights[k], part[k]) for k in weights)
     resumed = losses(tmp_path / "part")[-1]
-    assert resumed and losses(tmp_path / "full")[0][-len(resumed):] == resumed
+    assert resumed and losses(full)[0][-len(resumed):] == resumed
     assert len(resumed) == 2  # steps 5 and 6 only: the resume started at the step-4 checkpoint
     # The sharded checkpoint consolidates to the same full weights without a process group.
     consolidated = load_full(str(tmp_path / "part"))
@@ -216,11 +225,12 @@ def test_a_rank_killed_mid_save_keeps_the_last_checkpoint_and_resumes_on_one_pro
 
 
 @pytest.mark.slow
-def test_a_damaged_sharded_checkpoint_is_not_loaded_the_previous_one_is_and_training_ends_the_same(tmp_path):
+def test_a_damaged_sharded_checkpoint_is_not_loaded_the_previous_one_is_and_training_ends_the_same(tmp_path,
+                                                                                                  shared_runs):
     # A rank's shard. A damaged skeleton (read after the shards, through the same verified reads as any checkpoint's)
     # falls back the same way; every kind of object damage is checked without processes in tests/io/test_protocol.py.
     damaged = "r00001-shard-*.bin"
-    launch(str(tmp_path / "full"), tmp_path / "full", BASE)
+    full = uninterrupted(shared_runs, {**BASE, "strategy": "model_parallel"})
     root = str(tmp_path / "part")
     launch(root, tmp_path / "part", {**BASE, "max_steps": 4})
     target = next(Path(root, "epoch=0-step=4.ckpt").rglob(damaged))
@@ -231,8 +241,8 @@ def test_a_damaged_sharded_checkpoint_is_not_loaded_the_previous_one_is_and_trai
     err = launch(root, tmp_path / "part", BASE, stderr=True)
     assert "is corrupted and was NOT loaded" in err and "epoch=0-step=2.ckpt" in err
     assert [line.split()[0] for line in losses(tmp_path / "part")[-1]] == ["3", "4", "5", "6"]
-    full, part = torch.load(str(tmp_path / "full") + ".weights"), torch.load(str(tmp_path / "part") + ".weights")
-    assert all(torch.equal(full[k], part[k]) for k in full)
+    weights, part = torch.load(str(full) + ".weights"), torch.load(str(tmp_path / "part") + ".weights")
+    assert all(torch.equal(weights[k], part[k]) for k in weights)
 
 
 @pytest.mark.slow
