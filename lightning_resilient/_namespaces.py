@@ -3,8 +3,9 @@
 ``pip install lightning`` installs both, with the same code but distinct classes, so a ``pytorch_lightning.Trainer``
 refuses a ``lightning.pytorch`` plugin or callback by type. The checkpoint plugin needs nothing of the Trainer's
 classes, so it is registered with the other namespace's ``CheckpointIO`` (an ABC) and works under both. The
-callbacks and the precision plugin reach into Lightning's loops and precision classes: under ``pytorch_lightning``
-they say which import to use.
+precision plugin derives from both namespaces' ``Precision`` (neither is an ABC) and drives the precision classes
+of the Trainer that uses it, so it works under both too. The callbacks reach into Lightning's loops: under
+``pytorch_lightning`` they say which import to use.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["register_checkpoint_io", "require_lightning_pytorch"]
+__all__ = ["LIGHTNING_PYTORCH", "PYTORCH_LIGHTNING", "namespace_of", "register_checkpoint_io",
+           "require_lightning_pytorch"]
+
+LIGHTNING_PYTORCH = "lightning.pytorch"
+PYTORCH_LIGHTNING = "pytorch_lightning"
 
 _USE = ("import the Trainer and callbacks from `lightning.pytorch` (`from lightning.pytorch import Trainer`), not from"
         " `pytorch_lightning`: the two namespaces hold distinct classes (`pip install lightning` installs both), and"
@@ -29,7 +34,12 @@ def register_checkpoint_io(cls: type) -> None:
         base.register(cls)
 
 
+def namespace_of(trainer: Any) -> str:
+    """The namespace ``trainer``'s class comes from: :data:`PYTORCH_LIGHTNING` or :data:`LIGHTNING_PYTORCH`."""
+    return PYTORCH_LIGHTNING if type(trainer).__module__.split(".", 1)[0] == PYTORCH_LIGHTNING else LIGHTNING_PYTORCH
+
+
 def require_lightning_pytorch(trainer: Any, who: str) -> None:
     """Raise a TypeError naming the import to use when ``trainer`` is a ``pytorch_lightning`` Trainer."""
-    if type(trainer).__module__.split(".", 1)[0] == "pytorch_lightning":
+    if namespace_of(trainer) == PYTORCH_LIGHTNING:
         raise TypeError(f"{who} was given a pytorch_lightning.Trainer: {_USE}")

@@ -33,6 +33,7 @@ hardware supports (``bf16-mixed`` -> ``16-mixed`` -> ``32-true``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import platform
 import re
@@ -43,9 +44,16 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities import rank_zero_info
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 
 from lightning_resilient._checks import check_number
+from lightning_resilient._namespaces import LIGHTNING_PYTORCH, namespace_of
+
+try:  # `pip install lightning` installs the standalone namespace too (a 0.1 s import once lightning is imported)
+    from pytorch_lightning.plugins.precision import Precision as StandalonePrecision
+except ImportError:  # pragma: no cover - only without the pytorch_lightning package
+    class StandalonePrecision:  # type: ignore[no-redef]
+        """Stands in for ``pytorch_lightning``'s ``Precision`` where that package is not installed."""
 
 __all__ = ["AutoPrecision", "CHOICES", "PrecisionChoice", "PrecisionName", "choose_for_device", "detect_facts",
            "select_precision"]
@@ -218,8 +226,11 @@ _DELEGATED = ("_after_closure", "_clip_gradients", "_wrap_closure", "backward", 
               "train_step_context", "unscale_gradients", "val_step_context")
 
 
-class AutoPrecision(Precision):
+class AutoPrecision(Precision, StandalonePrecision):  # type: ignore[misc]  # the two namespaces' same methods
     """A Lightning precision plugin that picks bf16-mixed, 16-mixed (with a GradScaler) or 32-true itself.
+
+    It works under a ``lightning.pytorch`` Trainer and a ``pytorch_lightning`` one: it is a ``Precision`` of both
+    namespaces, and drives the precision classes of the Trainer that sets it up.
 
     The choice is made for the device the strategy actually trains on (when Lightning sets the model up) and
     logged in one line; ``.precision`` carries it, as on Lightning's own plugins. It is saved in the checkpoint
@@ -253,7 +264,8 @@ class AutoPrecision(Precision):
         self.override = precision
         self.choice: PrecisionChoice | None = None
         self._device_type = "cpu"
-        self._inner: Precision = Precision()
+        self._namespace = LIGHTNING_PYTORCH  # of the Trainer: its precision classes are the ones driven
+        self._inner: Precision | StandalonePrecision = Precision()
         self._choose_for(None, announce=False)  # a provisional choice, for hooks Lightning calls before setup
 
     # -- the choice --------------------------------------------------------------------------------------------
@@ -261,31 +273,32 @@ class AutoPrecision(Precision):
         """Decide for ``device`` (facts detected from it) without changing this plugin."""
         return choose_for_device(device, allow=self.allow, override=self.override)
 
-    def _choose_for(self, device: torch.device | str | None, *, announce: bool) -> None:
+    def _choose_for(self, device: torch.device | str | None, *, announce: bool,
+                    namespace: str = LIGHTNING_PYTORCH) -> None:
         choice = self.choose(device)
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
-        if self.choice is None or choice.precision != self.choice.precision or dev.type != self._device_type:
-            self._inner = self._plugin_for(choice.precision, dev.type)
+        if (self.choice is None or choice.precision != self.choice.precision or dev.type != self._device_type
+                or namespace != self._namespace):
+            self._inner = self._plugin_for(choice.precision, dev.type, namespace)
         self.choice = choice
         self._device_type = dev.type
+        self._namespace = namespace
         if announce:
             rank_zero_info(f"AutoPrecision: {choice.precision} on {dev} ({choice.reason})")
 
-    def _plugin_for(self, precision: str, device_type: str) -> Precision:
+    def _plugin_for(self, precision: str, device_type: str, namespace: str) -> Any:
+        # The Trainer's own namespace: its hooks call that namespace's trainer functions and isinstance checks.
+        plugins = importlib.import_module(f"{namespace}.plugins.precision")
         if precision == "32-true":
-            return Precision()
+            return plugins.Precision()
         if precision in ("bf16-mixed", "16-mixed"):
             scaler = torch.amp.GradScaler(device_type, init_scale=self.init_scale) if precision == "16-mixed" \
                 else None
-            return MixedPrecision(precision, device_type, scaler=scaler)  # type: ignore[arg-type]
+            return plugins.MixedPrecision(precision, device_type, scaler=scaler)
         if device_type == "xla":  # pragma: no cover - needs torch_xla
-            from lightning.pytorch.plugins.precision import XLAPrecision
-
-            return XLAPrecision(precision)  # type: ignore[arg-type]
-        from lightning.pytorch.plugins.precision import HalfPrecision
-
-        return HalfPrecision(precision)  # type: ignore[arg-type]
+            return plugins.XLAPrecision(precision)
+        return plugins.HalfPrecision(precision)
 
     # The base declares a Literal of every Lightning precision; ours is always one of CHOICES, held as a str.
     @property  # type: ignore[override]
@@ -314,7 +327,8 @@ class AutoPrecision(Precision):
         # Called by Strategy.setup before anything trains: the first point where the real device is known.
         trainer = getattr(module, "_trainer", None)
         device = trainer.strategy.root_device if trainer is not None else None
-        self._choose_for(device, announce=True)
+        self._choose_for(device, announce=True,
+                         namespace=namespace_of(trainer) if trainer is not None else self._namespace)
         return self._inner.convert_module(module)
 
     def state_dict(self) -> dict[str, Any]:

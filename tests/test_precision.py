@@ -200,3 +200,58 @@ def test_lightning_cli_yaml(tmp_path):
     assert isinstance(plugin, AutoPrecision) and plugin.allow == ("bf16-mixed", "32-true")
     cli.trainer.fit(cli.model, tiny_loader())
     assert plugin.precision in ("bf16-mixed", "32-true")
+
+
+# -- under the standalone pytorch_lightning namespace ----------------------------------------------------------------
+
+def _pl_fit(root: str, **kwargs: Any) -> tuple[Any, list[str]]:
+    """A pytorch_lightning fit of a pytorch_lightning module; returns the trainer and the hooks the module saw."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class PLModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+            self.seen: list[str] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:  # called by the precision plugin's closure
+            self.seen.append(str(self.net[0].weight.grad.dtype))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model = PLModel()
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=4)], **kwargs)
+    trainer.fit(model, tiny_loader())
+    return trainer, model
+
+
+@pytest.mark.parametrize("choice", ["bf16-mixed", "16-mixed", "32-true"])
+def test_a_pytorch_lightning_trainer_takes_the_plugin_and_trains_as_with_its_own_precision(tmp_path, choice):
+    # It was refused with Lightning's "Found invalid type for plugin": its Precision is another namespace's class.
+    from pytorch_lightning.plugins.precision import MixedPrecision as PLMixedPrecision
+    from pytorch_lightning.plugins.precision import Precision as PLPrecision
+
+    plugin = AutoPrecision(precision=choice)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(LeafSpec|does not have many workers|GradScaler).*")
+        auto, auto_model = _pl_fit(str(tmp_path / "auto"), plugins=[plugin])
+        if choice == "16-mixed":  # Trainer(precision="16-mixed") turns into bf16 on a CPU: build its plugin
+            scaler = torch.amp.GradScaler("cpu", init_scale=plugin.init_scale)
+            _, stock_model = _pl_fit(str(tmp_path / "stock"), plugins=[PLMixedPrecision(choice, "cpu", scaler)])
+        else:
+            _, stock_model = _pl_fit(str(tmp_path / "stock"), precision=choice)
+    assert auto.precision_plugin is plugin and auto.precision == choice
+    assert isinstance(plugin._inner, PLMixedPrecision if choice != "32-true" else PLPrecision)  # pl's own classes
+    assert auto_model.seen == stock_model.seen and len(auto_model.seen) == 4
+    for a, b in zip(auto_model.state_dict().values(), stock_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    saved = torch.load(str(tmp_path / "auto" / "epoch=0-step=4.ckpt"), weights_only=True)
+    assert saved["AutoPrecision"]["precision"] == choice
+    assert (saved["AutoPrecision"]["scaler"] is not None) == (choice == "16-mixed")
