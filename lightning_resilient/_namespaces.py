@@ -6,15 +6,19 @@ classes, so it is registered with the other namespace's ``CheckpointIO`` (an ABC
 precision plugin derives from both namespaces' ``Precision`` (neither is an ABC) and drives the precision classes
 of the Trainer that uses it, so it works under both too. The callbacks reach into Lightning's loops: under
 ``pytorch_lightning`` they say which import to use.
+
+Both namespaces name their connector classes alike, which is how :func:`trainer_on_stack` finds the Trainer that
+calls a plugin or an entry point that Lightning hands no Trainer.
 """
 
 from __future__ import annotations
 
 import sys
+from types import FrameType
 from typing import Any
 
 __all__ = ["LIGHTNING_PYTORCH", "PYTORCH_LIGHTNING", "namespace_of", "register_checkpoint_io",
-           "require_lightning_pytorch"]
+           "require_lightning_pytorch", "trainer_on_stack"]
 
 LIGHTNING_PYTORCH = "lightning.pytorch"
 PYTORCH_LIGHTNING = "pytorch_lightning"
@@ -43,3 +47,20 @@ def require_lightning_pytorch(trainer: Any, who: str) -> None:
     """Raise a TypeError naming the import to use when ``trainer`` is a ``pytorch_lightning`` Trainer."""
     if namespace_of(trainer) == PYTORCH_LIGHTNING:
         raise TypeError(f"{who} was given a pytorch_lightning.Trainer: {_USE}")
+
+
+def trainer_on_stack(owner: str) -> Any:
+    """The Trainer of the innermost ``owner`` up the call stack (a Lightning connector class, such as
+    ``"_CheckpointConnector"``, of either namespace: they hold their Trainer as ``trainer``), or None.
+
+    Lightning hands a ``CheckpointIO`` no Trainer, nor a ``callbacks_factory`` entry point the Trainer being built;
+    what they do depends on it (why a checkpoint loads; whether the Trainer uses our plugin)."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            break
+        found = frame.f_locals.get("self")
+        if type(found).__name__ == owner:
+            return getattr(found, "trainer", None)
+        frame = frame.f_back
+    return None
