@@ -33,10 +33,12 @@ hardware supports (``bf16-mixed`` -> ``16-mixed`` -> ``32-true``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import platform
 import re
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -47,13 +49,7 @@ from lightning.fabric.utilities import rank_zero_info
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_resilient._checks import check_number
-from lightning_resilient._namespaces import LIGHTNING_PYTORCH, namespace_of
-
-try:  # `pip install lightning` installs the standalone namespace too (a 0.1 s import once lightning is imported)
-    from pytorch_lightning.plugins.precision import Precision as StandalonePrecision
-except ImportError:  # pragma: no cover - only without the pytorch_lightning package
-    class StandalonePrecision:  # type: ignore[no-redef]
-        """Stands in for ``pytorch_lightning``'s ``Precision`` where that package is not installed."""
+from lightning_resilient._namespaces import LIGHTNING_PYTORCH, PYTORCH_LIGHTNING, namespace_of
 
 __all__ = ["AutoPrecision", "CHOICES", "PrecisionChoice", "PrecisionName", "choose_for_device", "detect_facts",
            "select_precision"]
@@ -226,11 +222,12 @@ _DELEGATED = ("_after_closure", "_clip_gradients", "_wrap_closure", "backward", 
               "train_step_context", "unscale_gradients", "val_step_context")
 
 
-class AutoPrecision(Precision, StandalonePrecision):  # type: ignore[misc]  # the two namespaces' same methods
+class AutoPrecision(Precision):
     """A Lightning precision plugin that picks bf16-mixed, 16-mixed (with a GradScaler) or 32-true itself.
 
-    It works under a ``lightning.pytorch`` Trainer and a ``pytorch_lightning`` one: it is a ``Precision`` of both
-    namespaces, and drives the precision classes of the Trainer that sets it up.
+    It works under a ``lightning.pytorch`` Trainer and a ``pytorch_lightning`` one: made in a program that has
+    imported ``pytorch_lightning``, it is a ``Precision`` of both namespaces (see :func:`_for_both_namespaces`), and
+    it drives the precision classes of the Trainer that sets it up.
 
     The choice is made for the device the strategy actually trains on (when Lightning sets the model up) and
     logged in one line; ``.precision`` carries it, as on Lightning's own plugins. It is saved in the checkpoint
@@ -252,6 +249,14 @@ class AutoPrecision(Precision, StandalonePrecision):  # type: ignore[misc]  # th
         init_scale: the GradScaler's initial scale when fp16 is chosen.
     """
 
+    # The signature of __init__: inspect.signature (and LightningCLI's parser with it) reads __new__'s when a class
+    # defines one.
+    def __new__(cls, *, precision: PrecisionName | None = None, allow: list[PrecisionName] | None = None,
+                init_scale: float = 2.0**16) -> AutoPrecision:
+        if cls is AutoPrecision and PYTORCH_LIGHTNING in sys.modules:
+            cls = _for_both_namespaces()
+        return super().__new__(cls)
+
     def __init__(self, *, precision: PrecisionName | None = None, allow: list[PrecisionName] | None = None,
                  init_scale: float = 2.0**16) -> None:
         super().__init__()
@@ -265,7 +270,7 @@ class AutoPrecision(Precision, StandalonePrecision):  # type: ignore[misc]  # th
         self.choice: PrecisionChoice | None = None
         self._device_type = "cpu"
         self._namespace = LIGHTNING_PYTORCH  # of the Trainer: its precision classes are the ones driven
-        self._inner: Precision | StandalonePrecision = Precision()
+        self._inner: Any = Precision()  # a precision plugin of the Trainer's namespace
         self._choose_for(None, announce=False)  # a provisional choice, for hooks Lightning calls before setup
 
     # -- the choice --------------------------------------------------------------------------------------------
@@ -329,7 +334,8 @@ class AutoPrecision(Precision, StandalonePrecision):  # type: ignore[misc]  # th
         device = trainer.strategy.root_device if trainer is not None else None
         self._choose_for(device, announce=True,
                          namespace=namespace_of(trainer) if trainer is not None else self._namespace)
-        return self._inner.convert_module(module)
+        converted: torch.nn.Module = self._inner.convert_module(module)
+        return converted
 
     def state_dict(self) -> dict[str, Any]:
         inner = self._inner.state_dict()
@@ -380,3 +386,28 @@ def _delegate(name: str) -> Any:
 
 for _name in _DELEGATED:
     setattr(AutoPrecision, _name, _delegate(_name))
+
+
+@functools.cache
+def _for_both_namespaces() -> type[AutoPrecision]:
+    """``AutoPrecision`` that is also a ``pytorch_lightning`` ``Precision``, which that namespace's Trainer requires
+    of a precision plugin (by ``isinstance``: its ``Precision`` is no ABC, so registering cannot do it).
+
+    Made only in a program that has imported ``pytorch_lightning`` itself: importing it here would move where every
+    Lightning log line goes (both namespaces set ``lightning_utilities``' rank-zero logger, the last import wins), so
+    a user's settings for the ``lightning.pytorch`` logger would stop applying. Its name is ``AutoPrecision``, which
+    is the key of its state in a checkpoint, so either class resumes the other's checkpoints."""
+    from pytorch_lightning.plugins.precision import Precision as StandalonePrecision
+
+    def reduce(self: AutoPrecision) -> tuple[Any, ...]:
+        return _revive, (), self.__dict__.copy()  # by a function: the class is not reachable by its name
+
+    return type("AutoPrecision", (AutoPrecision, StandalonePrecision), {
+        "__module__": __name__, "__qualname__": "AutoPrecision", "__doc__": AutoPrecision.__doc__,
+        "__reduce__": reduce})
+
+
+def _revive() -> AutoPrecision:
+    """An ``AutoPrecision`` of both namespaces, its state restored by pickle (``ddp_spawn``, ``deepcopy``)."""
+    revived: AutoPrecision = object.__new__(_for_both_namespaces())
+    return revived

@@ -255,3 +255,54 @@ def test_a_pytorch_lightning_trainer_takes_the_plugin_and_trains_as_with_its_own
     saved = torch.load(str(tmp_path / "auto" / "epoch=0-step=4.ckpt"), weights_only=True)
     assert saved["AutoPrecision"]["precision"] == choice
     assert (saved["AutoPrecision"]["scaler"] is not None) == (choice == "16-mixed")
+
+
+def test_made_where_pytorch_lightning_is_imported_it_still_trains_resumes_and_pickles_under_lightning_pytorch(
+        memory_backend):
+    pytest.importorskip("pytorch_lightning")
+    import copy
+    import pickle
+
+    from pytorch_lightning.plugins.precision import Precision as PLPrecision
+
+    plugin = AutoPrecision(precision="16-mixed", init_scale=256.0)
+    assert isinstance(plugin, AutoPrecision) and isinstance(plugin, Precision) and isinstance(plugin, PLPrecision)
+    assert type(plugin).__qualname__ == "AutoPrecision"  # the key of its state in a checkpoint
+    for clone in (pickle.loads(pickle.dumps(plugin)), copy.deepcopy(plugin)):  # ddp_spawn, deepcopy of a Trainer
+        assert type(clone) is type(plugin) and clone.init_scale == 256.0 and clone.precision == "16-mixed"
+    root = memory_backend.root
+    first = trainer(max_steps=2, plugins=[plugin, AtomicCheckpointIO()],
+                    callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*GradScaler.*")
+        first.fit(Overflowing(), tiny_loader())
+    scale = plugin.scaler.get_scale()
+    assert scale < 256.0  # the overflowing steps moved it
+    plain = object.__new__(AutoPrecision)  # the class a program without pytorch_lightning makes
+    plain.__init__(precision="16-mixed", init_scale=256.0)  # type: ignore[misc]
+    resumed = trainer(max_steps=2, plugins=[plain, AtomicCheckpointIO()],
+                      callbacks=[ModelCheckpoint(dirpath=root)])
+    resumed.fit(Overflowing(), tiny_loader(), ckpt_path=root)
+    assert plain.scaler.get_scale() == scale  # either class resumes the other's checkpoint
+
+
+@pytest.mark.slow
+def test_made_without_pytorch_lightning_it_imports_it_not_and_lightnings_log_settings_stay_in_force():
+    # A process of its own: importing pytorch_lightning routes Lightning's rank-zero log lines through its logger, so
+    # a program that quieted the lightning.pytorch logger would get them again.
+    import subprocess
+    import sys
+
+    script = """
+import logging, sys
+import lightning.pytorch as L
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+from lightning_resilient import AutoPrecision
+plugin = AutoPrecision()
+L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, plugins=[plugin])
+print(type(plugin).__mro__[1].__module__, "pytorch_lightning" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["lightning.pytorch.plugins.precision.precision", "False"]
+    assert "GPU available" not in done.stderr  # the user's logging settings held
