@@ -39,6 +39,7 @@ class _Check:
     def __init__(self) -> None:
         super().__init__()
         self._held: list[tuple[Any, warnings.WarningMessage]] = []  # "not empty" warnings, kept until on_fit_start
+        self._load_before: Any = None  # the plugin's last load when this fit started: a resume's is another
 
     @property
     def state_key(self) -> str:
@@ -48,8 +49,10 @@ class _Check:
         # Before ModelCheckpoint.setup (Lightning runs checkpoint callbacks last), which lists its dirpath with its
         # own client: without credentials in the environment that fails with botocore's bare NoCredentialsError.
         self._held = []
-        if stage != "fit" or _plugin(trainer) is None:
+        plugin = _plugin(trainer)
+        if stage != "fit" or plugin is None:
             return
+        self._load_before = plugin.last_load
         from lightning_resilient.io.store import check_default_client
 
         for callback in trainer.checkpoint_callbacks:
@@ -116,7 +119,7 @@ class _Check:
         """One line naming the commit a resume continues, in place of Lightning's "not empty" warning for the folder
         it resumes; that warning is shown for any other folder (a new run into a folder that holds one)."""
         held, self._held = self._held, []
-        resumed = _resumed_root(trainer, plugin)
+        resumed = _resumed_root(trainer, plugin) if plugin.last_load is not self._load_before else None
         for callback, message in held:
             if resumed is None or plugin.root(str(callback.dirpath)).url != resumed:
                 _show(message)
