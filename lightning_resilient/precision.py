@@ -33,9 +33,12 @@ hardware supports (``bf16-mixed`` -> ``16-mixed`` -> ``32-true``).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import platform
 import re
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -43,9 +46,10 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities import rank_zero_info
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 
 from lightning_resilient._checks import check_number
+from lightning_resilient._namespaces import LIGHTNING_PYTORCH, PYTORCH_LIGHTNING, namespace_of
 
 __all__ = ["AutoPrecision", "CHOICES", "PrecisionChoice", "PrecisionName", "choose_for_device", "detect_facts",
            "select_precision"]
@@ -221,6 +225,10 @@ _DELEGATED = ("_after_closure", "_clip_gradients", "_wrap_closure", "backward", 
 class AutoPrecision(Precision):
     """A Lightning precision plugin that picks bf16-mixed, 16-mixed (with a GradScaler) or 32-true itself.
 
+    It works under a ``lightning.pytorch`` Trainer and a ``pytorch_lightning`` one: made in a program that has
+    imported ``pytorch_lightning``, it is a ``Precision`` of both namespaces (see :func:`_for_both_namespaces`), and
+    it drives the precision classes of the Trainer that sets it up.
+
     The choice is made for the device the strategy actually trains on (when Lightning sets the model up) and
     logged in one line; ``.precision`` carries it, as on Lightning's own plugins. It is saved in the checkpoint
     with the GradScaler state; resuming under a different choice (another node type) keeps going: the scaler
@@ -241,6 +249,14 @@ class AutoPrecision(Precision):
         init_scale: the GradScaler's initial scale when fp16 is chosen.
     """
 
+    # The signature of __init__: inspect.signature (and LightningCLI's parser with it) reads __new__'s when a class
+    # defines one.
+    def __new__(cls, *, precision: PrecisionName | None = None, allow: list[PrecisionName] | None = None,
+                init_scale: float = 2.0**16) -> AutoPrecision:
+        if cls is AutoPrecision and PYTORCH_LIGHTNING in sys.modules:
+            cls = _for_both_namespaces()
+        return super().__new__(cls)
+
     def __init__(self, *, precision: PrecisionName | None = None, allow: list[PrecisionName] | None = None,
                  init_scale: float = 2.0**16) -> None:
         super().__init__()
@@ -253,7 +269,8 @@ class AutoPrecision(Precision):
         self.override = precision
         self.choice: PrecisionChoice | None = None
         self._device_type = "cpu"
-        self._inner: Precision = Precision()
+        self._namespace = LIGHTNING_PYTORCH  # of the Trainer: its precision classes are the ones driven
+        self._inner: Any = Precision()  # a precision plugin of the Trainer's namespace
         self._choose_for(None, announce=False)  # a provisional choice, for hooks Lightning calls before setup
 
     # -- the choice --------------------------------------------------------------------------------------------
@@ -261,31 +278,32 @@ class AutoPrecision(Precision):
         """Decide for ``device`` (facts detected from it) without changing this plugin."""
         return choose_for_device(device, allow=self.allow, override=self.override)
 
-    def _choose_for(self, device: torch.device | str | None, *, announce: bool) -> None:
+    def _choose_for(self, device: torch.device | str | None, *, announce: bool,
+                    namespace: str = LIGHTNING_PYTORCH) -> None:
         choice = self.choose(device)
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
-        if self.choice is None or choice.precision != self.choice.precision or dev.type != self._device_type:
-            self._inner = self._plugin_for(choice.precision, dev.type)
+        if (self.choice is None or choice.precision != self.choice.precision or dev.type != self._device_type
+                or namespace != self._namespace):
+            self._inner = self._plugin_for(choice.precision, dev.type, namespace)
         self.choice = choice
         self._device_type = dev.type
+        self._namespace = namespace
         if announce:
             rank_zero_info(f"AutoPrecision: {choice.precision} on {dev} ({choice.reason})")
 
-    def _plugin_for(self, precision: str, device_type: str) -> Precision:
+    def _plugin_for(self, precision: str, device_type: str, namespace: str) -> Any:
+        # The Trainer's own namespace: its hooks call that namespace's trainer functions and isinstance checks.
+        plugins = importlib.import_module(f"{namespace}.plugins.precision")
         if precision == "32-true":
-            return Precision()
+            return plugins.Precision()
         if precision in ("bf16-mixed", "16-mixed"):
             scaler = torch.amp.GradScaler(device_type, init_scale=self.init_scale) if precision == "16-mixed" \
                 else None
-            return MixedPrecision(precision, device_type, scaler=scaler)  # type: ignore[arg-type]
+            return plugins.MixedPrecision(precision, device_type, scaler=scaler)
         if device_type == "xla":  # pragma: no cover - needs torch_xla
-            from lightning.pytorch.plugins.precision import XLAPrecision
-
-            return XLAPrecision(precision)  # type: ignore[arg-type]
-        from lightning.pytorch.plugins.precision import HalfPrecision
-
-        return HalfPrecision(precision)  # type: ignore[arg-type]
+            return plugins.XLAPrecision(precision)
+        return plugins.HalfPrecision(precision)
 
     # The base declares a Literal of every Lightning precision; ours is always one of CHOICES, held as a str.
     @property  # type: ignore[override]
@@ -314,8 +332,10 @@ class AutoPrecision(Precision):
         # Called by Strategy.setup before anything trains: the first point where the real device is known.
         trainer = getattr(module, "_trainer", None)
         device = trainer.strategy.root_device if trainer is not None else None
-        self._choose_for(device, announce=True)
-        return self._inner.convert_module(module)
+        self._choose_for(device, announce=True,
+                         namespace=namespace_of(trainer) if trainer is not None else self._namespace)
+        converted: torch.nn.Module = self._inner.convert_module(module)
+        return converted
 
     def state_dict(self) -> dict[str, Any]:
         inner = self._inner.state_dict()
@@ -366,3 +386,28 @@ def _delegate(name: str) -> Any:
 
 for _name in _DELEGATED:
     setattr(AutoPrecision, _name, _delegate(_name))
+
+
+@functools.cache
+def _for_both_namespaces() -> type[AutoPrecision]:
+    """``AutoPrecision`` that is also a ``pytorch_lightning`` ``Precision``, which that namespace's Trainer requires
+    of a precision plugin (by ``isinstance``: its ``Precision`` is no ABC, so registering cannot do it).
+
+    Made only in a program that has imported ``pytorch_lightning`` itself: importing it here would move where every
+    Lightning log line goes (both namespaces set ``lightning_utilities``' rank-zero logger, the last import wins), so
+    a user's settings for the ``lightning.pytorch`` logger would stop applying. Its name is ``AutoPrecision``, which
+    is the key of its state in a checkpoint, so either class resumes the other's checkpoints."""
+    from pytorch_lightning.plugins.precision import Precision as StandalonePrecision
+
+    def reduce(self: AutoPrecision) -> tuple[Any, ...]:
+        return _revive, (), self.__dict__.copy()  # by a function: the class is not reachable by its name
+
+    return type("AutoPrecision", (AutoPrecision, StandalonePrecision), {
+        "__module__": __name__, "__qualname__": "AutoPrecision", "__doc__": AutoPrecision.__doc__,
+        "__reduce__": reduce})
+
+
+def _revive() -> AutoPrecision:
+    """An ``AutoPrecision`` of both namespaces, its state restored by pickle (``ddp_spawn``, ``deepcopy``)."""
+    revived: AutoPrecision = object.__new__(_for_both_namespaces())
+    return revived

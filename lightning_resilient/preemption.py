@@ -299,7 +299,8 @@ class PreemptionCheckpoint(Callback):
             # What failed before (an async save, a persist) is reported, never a reason not to save now: the plugin
             # would raise it from this save, and the emergency checkpoint would be lost to an old error.
             earlier = _settle(io)
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # a full state to resume from; said, so Lightning
+            # does not log that it chose it ("`weights_only` was not set, defaulting to `False`")
             wait = getattr(io, "persist_latest", None) or getattr(io, "wait", None)
             if callable(wait):
                 # An async plugin: committed, not merely snapshotted; with a local tier, persisted to the durable

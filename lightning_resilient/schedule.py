@@ -55,8 +55,13 @@ class AccumulationAwareScheduler(LRScheduler):
             micro-batches; leave that at 1 and set this instead).
         count_skipped_steps: also count optimizer steps that the GradScaler skipped.
         scaler: the GradScaler whose skipped steps ``count_skipped_steps`` counts.
-        total_steps: the schedule's length in optimizer steps, if known, for the warning when training runs past
-            its end (set by :func:`warmup_schedule`).
+        total_steps: the schedule's length in optimizer steps, if known (set by :func:`warmup_schedule`). Past it
+            the wrapped scheduler is no longer advanced, so the LR stays at its final value, with a warning.
+
+    A ``OneCycleLR`` is never advanced past its own ``total_steps`` (torch raises "Tried to step ... times"
+    there): the LR stays at its final value, with the same warning. A resume whose ``total_steps`` differs from
+    the checkpoint's warns once, saying which length the resumed run follows (a ``OneCycleLR`` restores its own,
+    a ``LambdaLR`` of :func:`warmup_schedule` takes this run's).
     """
 
     def __init__(
@@ -126,16 +131,25 @@ class AccumulationAwareScheduler(LRScheduler):
             return
         self._consumed += self.frequency
         self.advances += 1
-        self.scheduler.step(*args, **kwargs)
-        if self.total_steps is not None and self._consumed > self.total_steps and not self._warned_past_end:
-            self._warned_past_end = True
-            warnings.warn(
-                f"the LR schedule was sized for {self.total_steps} optimizer steps but training is at step"
-                f" {self._consumed}: the schedule has ended and the LR stays at its final value. Size it from"
-                " trainer.estimated_stepping_batches or pass the right total_steps.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        if self.total_steps is not None and self._consumed > self.total_steps:
+            self._past_end(self.total_steps)
+        elif isinstance(self.scheduler, OneCycleLR) and self.scheduler.last_epoch >= self.scheduler.total_steps:
+            self._past_end(self.scheduler.total_steps)  # one more step() and torch raises "Tried to step"
+        else:
+            self.scheduler.step(*args, **kwargs)
+
+    def _past_end(self, sized: int) -> None:
+        # The wrapped scheduler stays where it ended: a OneCycleLR would raise, a periodic one would climb again.
+        if self._warned_past_end:
+            return
+        self._warned_past_end = True
+        warnings.warn(
+            f"the LR schedule was sized for {sized} optimizer steps but training is at step {self._consumed}: the"
+            " schedule has ended and the LR stays at its final value. Size it from"
+            " trainer.estimated_stepping_batches or pass the right total_steps.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def get_last_lr(self) -> list[float | torch.Tensor]:
         last = getattr(self.scheduler, "get_last_lr", None)
@@ -151,7 +165,8 @@ class AccumulationAwareScheduler(LRScheduler):
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps,
-                "consumed": self._consumed, "advances": self.advances, "frequency": self.frequency}
+                "consumed": self._consumed, "advances": self.advances, "frequency": self.frequency,
+                "total_steps": self.total_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("frequency", self.frequency) != self.frequency:
@@ -162,6 +177,33 @@ class AccumulationAwareScheduler(LRScheduler):
         self.optimizer_steps = int(state_dict["optimizer_steps"])
         self._consumed = int(state_dict["consumed"])
         self.advances = int(state_dict["advances"])
+        saved = state_dict.get("total_steps")  # absent in checkpoints written before it was saved
+        if saved is None or self.total_steps is None or saved == self.total_steps:
+            return
+        if isinstance(self.scheduler, OneCycleLR):
+            # torch restores OneCycleLR's own length and phases: the resumed run follows the saved schedule.
+            planned, self.total_steps = self.total_steps, int(saved)
+            if planned > saved:
+                self._warned_past_end = True  # said here, before the steps it concerns
+                warnings.warn(f"the resumed LR schedule (OneCycleLR, restored from the checkpoint) ends after {saved}"
+                              f" optimizer steps but training now runs {planned}: the last steps train at the final"
+                              " LR. To follow a longer schedule, start its LR schedule anew (a new run).",
+                              RuntimeWarning, stacklevel=2)
+            else:
+                warnings.warn(f"the resumed LR schedule (OneCycleLR, restored from the checkpoint) ends after {saved}"
+                              f" optimizer steps but training now runs {planned}: it will never decay fully",
+                              RuntimeWarning, stacklevel=2)
+        else:
+            warnings.warn(f"the LR schedule was sized for {saved} optimizer steps when saved and for"
+                          f" {self.total_steps} now: the resumed run follows the new length from step"
+                          f" {self._consumed} on, so the LR changes from the saved trajectory",
+                          RuntimeWarning, stacklevel=2)
+            if isinstance(self.scheduler, LambdaLR):
+                # The optimizer came back with the saved schedule's LR for this step; LambdaLR's LR is a closed
+                # form of its position, so recomputing the current position gives the new schedule's LR from the
+                # first resumed step on (step() adds the 1 back; a chained scheduler could not be recomputed).
+                self.scheduler.last_epoch -= 1
+                self.scheduler.step()
 
 
 def _steps_from_trainer(trainer: Any) -> int:
@@ -197,7 +239,10 @@ def warmup_schedule(
         trainer: take the length from ``trainer.estimated_stepping_batches`` (which already divides by
             ``accumulate_grad_batches``), e.g. ``self.trainer`` inside ``configure_optimizers``.
         total_steps: the length in optimizer steps instead (or as a check against the trainer's count).
-        warmup_steps: optimizer steps of linear warmup from 0, or a fraction (< 1) of the total.
+        warmup_steps: optimizer steps of linear warmup, or a fraction (< 1) of the total: the LR rises for that
+            many steps and the next one trains at the peak (from 0 for ``"linear"``, ``"cosine"`` and
+            ``"constant"``, from OneCycleLR's ``max_lr / 25`` for ``"onecycle"``). With 0 the first step trains at
+            the peak (for ``"onecycle"``, one step into its decay: OneCycleLR's ``pct_start=0``).
         min_lr_ratio: final LR as a fraction of the peak.
 
     The schedule reaches its end value exactly at the last optimizer step. Example::
@@ -234,8 +279,11 @@ def warmup_schedule(
     inner: LRScheduler
     if kind == "onecycle":
         peak = max_lr if max_lr is not None else [g["lr"] for g in optimizer.param_groups]
+        # OneCycleLR rises until position pct_start * (total_steps + 1) - 1, which is `warmup` here: the step after
+        # the warmup trains at the peak, as for the other kinds. A rise that ends at position 0 would divide by
+        # zero in torch, so no warmup is pct_start=0 (torch's "no rise": the decay starts at once).
         inner = OneCycleLR(optimizer, max_lr=peak, total_steps=total_steps + 1,
-                           pct_start=max(warmup, 1) / (total_steps + 1), anneal_strategy="cos")
+                           pct_start=(warmup + 1) / (total_steps + 1) if warmup else 0.0, anneal_strategy="cos")
     else:
         inner = LambdaLR(optimizer, _lambda(kind, total_steps, warmup, min_lr_ratio))
     return AccumulationAwareScheduler(inner, frequency=frequency, count_skipped_steps=count_skipped_steps,

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
-from lightning_resilient.io.store import check_default_client
+from lightning_resilient.io.store import check_default_client, check_store_extra
 
 __all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "is_secret_key", "main", "redact_storage_options",
            "redact_url", "resume_path"]
@@ -151,6 +151,14 @@ class ResilientCLI(LightningCLI):
             help="fit: resume from the newest committed checkpoint under the ModelCheckpoint dirpath when no"
                  " --ckpt_path is given (lightning_resilient.AtomicCheckpointIO); start fresh when there is none")
 
+    def before_instantiate_classes(self) -> None:
+        # ModelCheckpoint opens the filesystem of its dirpath when it is made: a store whose extra is not installed is
+        # named, with its pip command, before that (fsspec would only say "Install s3fs to access S3").
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = config.get("trainer") if isinstance(config, Namespace) else None
+        for url in _folders(trainer.as_dict() if isinstance(trainer, Namespace) else {}):
+            check_store_extra(url)
+
     def before_fit(self) -> None:
         for callback in self.trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
@@ -159,6 +167,16 @@ class ResilientCLI(LightningCLI):
         if config.get("ckpt_path") is not None or not config.get("auto_resume", True):
             return
         config["ckpt_path"] = resume_path(self.trainer)
+
+
+def _folders(config: Any) -> list[str]:
+    """Every ``dirpath`` and ``default_root_dir`` a Trainer config sets (its callbacks' included)."""
+    if isinstance(config, dict):
+        found = [v for k, v in config.items() if k in ("dirpath", "default_root_dir") and isinstance(v, str)]
+        return found + [url for v in config.values() for url in _folders(v)]
+    if isinstance(config, list):
+        return [url for v in config for url in _folders(v)]
+    return []
 
 
 def resume_path(trainer: Any) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -266,3 +267,22 @@ def test_gcs_refusals_name_google_application_credentials():
     assert isinstance(refused, lightning_resilient.StoreCredentialsError)
     assert "GOOGLE_APPLICATION_CREDENTIALS" in str(refused) and "Anonymous caller" in str(refused)
     assert "--storage-options '{\"token\": " in refused.cli_message
+
+
+# -- docs/local-s3.md: your own training against moto, as the demo runs --------------------------------------------
+@pytest.mark.slow
+def test_the_local_s3_page_script_runs_as_it_is_and_its_restart_resumes(bare_env, tmp_path):
+    page = (Path(__file__).parents[1] / "docs" / "local-s3.md").read_text()
+    (script,) = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+    (tmp_path / "train.py").write_text(script)
+    env = {k: v for k, v in bare_env.items() if k != "AWS_EC2_METADATA_DISABLED"}  # the page sets it itself
+    proc = subprocess.run([sys.executable, "train.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("trained to step")]
+    assert [line.split(";")[0] for line in lines] == ["trained to step 4", "trained to step 8"]
+    assert "latest: s3://my-bucket/run-1/checkpoints/epoch=0-step=4.ckpt/" in lines[0]
+    assert "latest: s3://my-bucket/run-1/checkpoints/epoch=0-step=8.ckpt/" in lines[1]
+    resumed = ("AtomicCheckpointIO: resuming the run in s3://my-bucket/run-1/checkpoints from its checkpoint"
+               " epoch=0-step=4.ckpt")
+    assert resumed in proc.stderr  # the restart resumed, and said so

@@ -313,7 +313,8 @@ def test_the_folder_shows_checkpoint_names_only_and_lightning_sees_nothing_else(
     assert sorted(os.listdir(tmp_path / "ours")) == [".lightning_resilient", *names(str(tmp_path / "stock"))]
     assert names(str(tmp_path / "stock")) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "epoch=1-step=12.ckpt",
                                               "last.ckpt"]
-    assert len(warned["ours"]) == len(warned["stock"]) == 1  # the resume into a used folder, as stock
+    # Stock warns that the folder it resumes is not empty; ours says which commit it resumes instead (test_fit_check).
+    assert len(warned["stock"]) == 1 and warned["ours"] == []
 
 
 def test_a_root_of_the_previous_layout_loads_and_its_next_save_moves_the_pointer(tmp_path):
@@ -363,14 +364,34 @@ def test_a_missing_bucket_stops_fit_before_the_first_step(s3_backend, monkeypatc
     assert sum(isinstance(c, FitStartCheck) for c in trainer.callbacks) == 1
 
 
-def test_the_fit_start_check_leaves_stock_trainers_and_checkpoints_alone(tmp_path):
-    # Every Trainer gets the callback; without our plugin it checks nothing, and it adds nothing to a checkpoint.
+@pytest.mark.parametrize("ours", [[], ["ResumeStateCallback"]], ids=["stock", "with-ResumeStateCallback"])
+def test_a_trainer_without_the_plugin_gets_nothing_of_ours_and_logs_nothing_of_ours(tmp_path, caplog, capfd, ours):
+    # Installing the package once gave every Trainer in the environment the check, and a log line saying so.
+    caplog.set_level("DEBUG")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                          enable_model_summary=False,
+                          callbacks=[*(ResumeStateCallback() for _ in ours),
+                                     ModelCheckpoint(dirpath=str(tmp_path / "stock"), every_n_train_steps=2)])
+        trainer.fit(TinyModel(), loader())
+    assert [type(c).__name__ for c in trainer.callbacks] == [*ours, "ModelCheckpoint"]
+    out, err = capfd.readouterr()
+    said = [out, err, *(r.getMessage() for r in caplog.records), *(str(w.message) for w in caught)]
+    assert not [line for line in said if "lightning_resilient" in line or "FitStartCheck" in line]
+    assert not [r for r in caplog.records if r.name.startswith("lightning_resilient")]
+    assert not [w for w in caught if "lightning_resilient" in w.filename]
+
+
+def test_a_trainer_with_the_plugin_gets_the_check_silently_and_its_checkpoints_carry_nothing_of_it(tmp_path, caplog):
+    caplog.set_level("INFO")
     trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                      enable_model_summary=False,
-                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "no" / "such" / "dir"), every_n_train_steps=2)])
+                      enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ours"), every_n_train_steps=2)])
     assert [type(c).__name__ for c in trainer.callbacks].count("FitStartCheck") == 1
+    assert "entry point" not in caplog.text  # Lightning's "Adding 1 callbacks from entry point ..." line
     trainer.fit(TinyModel(), loader())
-    saved = torch.load(str(tmp_path / "no" / "such" / "dir" / "epoch=0-step=2.ckpt"), weights_only=False)
+    saved = load_checkpoint(find_latest_checkpoint(str(tmp_path / "ours")))
     assert not any("FitStartCheck" in key for key in saved["callbacks"])
     clone = pickle.loads(pickle.dumps(trainer.callbacks))
     assert [type(c).__name__ for c in clone] == [type(c).__name__ for c in trainer.callbacks]
@@ -401,6 +422,7 @@ def test_pytorch_lightning_trainer_takes_the_plugin_and_names_the_import_for_cal
     for callback in (ResumeStateCallback(), CheckpointCadence(mtbf_hours=4), TransferAudit(), PreemptionCheckpoint()):
         trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[callback])
+        assert "FitStartCheck" not in [type(c).__name__ for c in trainer.callbacks]  # no plugin, no check
         with pytest.raises(TypeError, match=r"from `lightning\.pytorch`"):
             trainer.fit(PLModel(), loader())
 

@@ -200,3 +200,109 @@ def test_lightning_cli_yaml(tmp_path):
     assert isinstance(plugin, AutoPrecision) and plugin.allow == ("bf16-mixed", "32-true")
     cli.trainer.fit(cli.model, tiny_loader())
     assert plugin.precision in ("bf16-mixed", "32-true")
+
+
+# -- under the standalone pytorch_lightning namespace ----------------------------------------------------------------
+
+def _pl_fit(root: str, **kwargs: Any) -> tuple[Any, list[str]]:
+    """A pytorch_lightning fit of a pytorch_lightning module; returns the trainer and the hooks the module saw."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class PLModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+            self.seen: list[str] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:  # called by the precision plugin's closure
+            self.seen.append(str(self.net[0].weight.grad.dtype))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model = PLModel()
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=4)], **kwargs)
+    trainer.fit(model, tiny_loader())
+    return trainer, model
+
+
+@pytest.mark.parametrize("choice", ["bf16-mixed", "16-mixed", "32-true"])
+def test_a_pytorch_lightning_trainer_takes_the_plugin_and_trains_as_with_its_own_precision(tmp_path, choice):
+    # It was refused with Lightning's "Found invalid type for plugin": its Precision is another namespace's class.
+    from pytorch_lightning.plugins.precision import MixedPrecision as PLMixedPrecision
+    from pytorch_lightning.plugins.precision import Precision as PLPrecision
+
+    plugin = AutoPrecision(precision=choice)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(LeafSpec|does not have many workers|GradScaler).*")
+        auto, auto_model = _pl_fit(str(tmp_path / "auto"), plugins=[plugin])
+        if choice == "16-mixed":  # Trainer(precision="16-mixed") turns into bf16 on a CPU: build its plugin
+            scaler = torch.amp.GradScaler("cpu", init_scale=plugin.init_scale)
+            _, stock_model = _pl_fit(str(tmp_path / "stock"), plugins=[PLMixedPrecision(choice, "cpu", scaler)])
+        else:
+            _, stock_model = _pl_fit(str(tmp_path / "stock"), precision=choice)
+    assert auto.precision_plugin is plugin and auto.precision == choice
+    assert isinstance(plugin._inner, PLMixedPrecision if choice != "32-true" else PLPrecision)  # pl's own classes
+    assert auto_model.seen == stock_model.seen and len(auto_model.seen) == 4
+    for a, b in zip(auto_model.state_dict().values(), stock_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    saved = torch.load(str(tmp_path / "auto" / "epoch=0-step=4.ckpt"), weights_only=True)
+    assert saved["AutoPrecision"]["precision"] == choice
+    assert (saved["AutoPrecision"]["scaler"] is not None) == (choice == "16-mixed")
+
+
+def test_made_where_pytorch_lightning_is_imported_it_still_trains_resumes_and_pickles_under_lightning_pytorch(
+        memory_backend):
+    pytest.importorskip("pytorch_lightning")
+    import copy
+    import pickle
+
+    from pytorch_lightning.plugins.precision import Precision as PLPrecision
+
+    plugin = AutoPrecision(precision="16-mixed", init_scale=256.0)
+    assert isinstance(plugin, AutoPrecision) and isinstance(plugin, Precision) and isinstance(plugin, PLPrecision)
+    assert type(plugin).__qualname__ == "AutoPrecision"  # the key of its state in a checkpoint
+    for clone in (pickle.loads(pickle.dumps(plugin)), copy.deepcopy(plugin)):  # ddp_spawn, deepcopy of a Trainer
+        assert type(clone) is type(plugin) and clone.init_scale == 256.0 and clone.precision == "16-mixed"
+    root = memory_backend.root
+    first = trainer(max_steps=2, plugins=[plugin, AtomicCheckpointIO()],
+                    callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2)])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*GradScaler.*")
+        first.fit(Overflowing(), tiny_loader())
+    scale = plugin.scaler.get_scale()
+    assert scale < 256.0  # the overflowing steps moved it
+    plain = object.__new__(AutoPrecision)  # the class a program without pytorch_lightning makes
+    plain.__init__(precision="16-mixed", init_scale=256.0)  # type: ignore[misc]
+    resumed = trainer(max_steps=2, plugins=[plain, AtomicCheckpointIO()],
+                      callbacks=[ModelCheckpoint(dirpath=root)])
+    resumed.fit(Overflowing(), tiny_loader(), ckpt_path=root)
+    assert plain.scaler.get_scale() == scale  # either class resumes the other's checkpoint
+
+
+@pytest.mark.slow
+def test_made_without_pytorch_lightning_it_imports_it_not_and_lightnings_log_settings_stay_in_force():
+    # A process of its own: importing pytorch_lightning routes Lightning's rank-zero log lines through its logger, so
+    # a program that quieted the lightning.pytorch logger would get them again.
+    import subprocess
+    import sys
+
+    script = """
+import logging, sys
+import lightning.pytorch as L
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+from lightning_resilient import AutoPrecision
+plugin = AutoPrecision()
+L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, plugins=[plugin])
+print(type(plugin).__mro__[1].__module__, "pytorch_lightning" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["lightning.pytorch.plugins.precision.precision", "False"]
+    assert "GPU available" not in done.stderr  # the user's logging settings held

@@ -82,8 +82,9 @@ def pointer(root: str) -> Pointer:
 
 
 @pytest.mark.parametrize(("accumulate", "batch"), [(1, 6), (2, 6), (2, 9)])  # 9: mid-accumulation
-def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bit_identical(tmp_path, capsys,
+def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bit_identical(tmp_path, capsys, caplog,
                                                                                             accumulate, batch):
+    caplog.set_level(logging.INFO)
     _, reference = run(str(tmp_path / "reference"), accumulate=accumulate)
     root = str(tmp_path / "ckpt")
     preemption = PreemptionCheckpoint()
@@ -99,6 +100,7 @@ def test_sigterm_saves_at_the_next_optimizer_step_exits_143_and_the_resume_is_bi
         assert main(["ls", root]) == 0
         assert "| preemption.ckpt (latest) (emergency save: preemption) |" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) is not preemption._on_signal  # handlers given back
+    assert "weights_only" not in caplog.text  # Lightning's "`weights_only` was not set" for a save that did not say
     _, resumed = run(root, accumulate=accumulate, ckpt_path=find_latest_checkpoint(root))
     for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name

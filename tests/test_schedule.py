@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resilient import AccumulationAwareScheduler, AtomicCheckpointIO, warmup_schedule
+from lightning_resilient.io.pointer import POINTER_NAME, Pointer
 
 N = 64  # samples
 B = 2  # micro-batch size
@@ -337,3 +339,103 @@ def test_lightning_fp16_skipped_step_does_not_advance_the_schedule(wrapped, monk
     assert skipped_repeats is wrapped
     if wrapped:
         assert trainer.lr_scheduler_configs[0].scheduler.optimizer_steps == steps - 1
+
+
+# -- onecycle for every warmup, and past its end --------------------------------------------------------------------
+
+def _momentum_opt() -> torch.optim.Optimizer:
+    return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0, momentum=0.9)  # OneCycleLR cycles momentum
+
+
+def _lrs(opt: torch.optim.Optimizer, sched: AccumulationAwareScheduler, steps: int) -> list[float]:
+    seen = []
+    for _ in range(steps):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return seen
+
+
+@pytest.mark.parametrize("total, warmup, rise", [(100, 0, 0), (100, 1, 1), (12, 0.1, 1), (10, 2, 2), (10, 9, 9)])
+def test_onecycle_trains_for_every_warmup_and_peaks_after_it(total, warmup, rise):
+    # warmup_steps=0 and a warmup of one step once divided by zero inside torch's OneCycleLR.
+    opt = _momentum_opt()
+    sched = warmup_schedule(opt, "onecycle", total_steps=total, warmup_steps=warmup)
+    seen = _lrs(opt, sched, total)
+    assert seen[:rise + 1] == sorted(seen[:rise + 1]) and seen[rise:] == sorted(seen[rise:], reverse=True)
+    if rise:
+        assert seen[0] == pytest.approx(1.0 / 25) and seen[rise] == pytest.approx(1.0)  # initial_lr, then max_lr
+    else:
+        assert 0.99 < seen[0] < 1.0  # no rise: the first step is one step into the decay from max_lr
+    assert sched.get_last_lr()[0] == opt.param_groups[0]["initial_lr"] / 1e4 < seen[-1]  # the end, after the last
+
+
+@pytest.mark.parametrize("kind", ["linear", "onecycle"])
+def test_warmup_steps_count_the_same_for_every_kind(kind):
+    opt = _momentum_opt()
+    seen = _lrs(opt, warmup_schedule(opt, kind, total_steps=10, warmup_steps=3), 10)
+    assert max(seen) == seen[3] == pytest.approx(1.0) and seen[2] < seen[3]  # three steps below the peak
+
+
+def test_a_onecycle_run_past_its_end_keeps_the_final_lr_and_warns_once():
+    opt = _momentum_opt()
+    sched = warmup_schedule(opt, "onecycle", total_steps=4, warmup_steps=1)
+    _lrs(opt, sched, 4)
+    final = opt.param_groups[0]["lr"]
+    with pytest.warns(RuntimeWarning, match="sized for 4 optimizer steps but training is at step 5"):
+        seen = _lrs(opt, sched, 4)  # torch would raise "Tried to step 6 times" at the 2nd, and bounce at the 1st
+    assert seen == [final] * 4 and opt.param_groups[0]["lr"] == final
+
+
+def test_a_wrapped_onecycle_is_never_stepped_past_its_total_steps():
+    opt = _momentum_opt()
+    inner = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=5)
+    sched = AccumulationAwareScheduler(inner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _lrs(opt, sched, 5)  # torch's own range: position 5 is allowed
+    held = opt.param_groups[0]["lr"]
+    with pytest.warns(RuntimeWarning, match="sized for 5 optimizer steps but training is at step 6"):
+        seen = _lrs(opt, sched, 3)
+    assert seen == [held] * 3 and inner.last_epoch == 5
+
+
+def test_training_cli_trains_a_onecycle_schedule_without_warmup(tmp_path, monkeypatch):
+    from lightning_resilient.cli import main
+
+    configs = Path(__file__).parents[1] / "configs"
+    for warmup, steps in (("0", 4), ("0.1", 12)):  # 0.1 of 12 is one step: it divided by zero too
+        (tmp_path / warmup).mkdir()
+        monkeypatch.chdir(tmp_path / warmup)  # the config's checkpoint folder is relative: one run each
+        main(["train", "fit", "-c", str(configs / "base.yaml"), "-c", str(configs / "local.yaml"),
+              "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false",
+              "--trainer.enable_model_summary", "false", "--model.schedule", "onecycle",
+              "--model.warmup_steps", warmup])
+        root = tmp_path / warmup / "runs/run-1/checkpoints"
+        assert Pointer.from_bytes((root / POINTER_NAME).read_bytes(), where=str(root)).latest.step == steps
+
+
+# -- a resume that changes the schedule's length ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["onecycle", "cosine"])
+def test_a_resume_with_more_max_steps_warns_which_schedule_it_follows(tmp_path, kind):
+    uninterrupted = Recorder(kind)
+    fit(uninterrupted, B, 1, max_steps=10)
+    first = Recorder(kind)
+    fit(first, B, 1, max_steps=10, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=10)])
+    assert first.lrs == uninterrupted.lrs
+    resumed = Recorder(kind)
+    message = ("ends after 10 optimizer steps but training now runs 18: the last steps train at the final LR"
+               if kind == "onecycle" else "sized for 10 optimizer steps when saved and for 18 now")
+    with pytest.warns(RuntimeWarning, match=message) as caught:
+        trainer = fit(resumed, B, 1, max_steps=18, ckpt_path=str(tmp_path / "epoch=0-step=10.ckpt"),
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path)])
+    assert trainer.global_step == 18 and len(resumed.lrs) == 8  # torch's OneCycleLR once raised at step 12
+    assert sum("LR schedule" in str(w.message) for w in caught) == 1  # one warning, not one more at its end
+    end = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    if kind == "onecycle":  # the restored schedule ended at step 10: its final LR from then on
+        assert resumed.lrs == [end] * 8
+    else:  # the new, longer cosine from the first resumed step on, as if it had been 18 steps long from the start
+        longer = Recorder(kind)
+        fit(longer, B, 1, max_steps=18)
+        assert resumed.lrs == longer.lrs[10:] and end == 0.1 * 0.1

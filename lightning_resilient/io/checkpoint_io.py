@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -12,7 +11,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from types import FrameType
 from typing import Any
 
 import torch
@@ -21,7 +19,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
 from lightning_resilient._checks import check_bool, check_optional_bool
-from lightning_resilient._namespaces import register_checkpoint_io
+from lightning_resilient._namespaces import register_checkpoint_io, trainer_on_stack
 from lightning_resilient.errors import SettingTypeError
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
@@ -586,15 +584,7 @@ def _trainer_loading() -> Any:
 
     The CheckpointIO is handed neither why it loads (to resume a fit, or to validate, test or predict) nor whether
     every rank of the job is loading too; both are facts of that Trainer."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(40):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if type(owner).__name__ == "_CheckpointConnector":  # lightning.pytorch's (or pytorch_lightning's)
-            return getattr(owner, "trainer", None)
-        frame = frame.f_back
-    return None
+    return trainer_on_stack("_CheckpointConnector")
 
 
 def _fn(trainer: Any) -> Any:

@@ -1,31 +1,45 @@
 """Check, when ``fit`` starts, that every checkpoint folder the Trainer will write through ``AtomicCheckpointIO``
 can hold checkpoints: a missing bucket or credentials that cannot see it stop the run before its first step, not at
 its first save a training interval later. It also tells the plugin that a fit starts (a fit that resumed nothing is a
-new job: see ``AtomicCheckpointIO.begin_fit``).
+new job: see ``AtomicCheckpointIO.begin_fit``), and says in one line of its own which commit a resume continues, in
+place of Lightning's "Checkpoint directory ... exists and is not empty" (kept for a folder the fit does not resume).
 
 A ``CheckpointIO`` gets no call from Lightning before it saves (and the folder is a ``ModelCheckpoint`` setting the
-plugin never sees), so the check is a callback. Lightning adds callbacks that packages register under the entry
-point groups ``lightning.pytorch.callbacks_factory`` and ``pytorch_lightning.callbacks_factory`` to every Trainer it
-builds (see ``pyproject.toml``); this one does nothing unless the Trainer's checkpoint plugin is ours, and it keeps
-no state, so checkpoints carry nothing of it. ``ResumeStateCallback`` adds one to a Trainer that lacks it (the
-package run from a source tree without installed entry points).
+plugin never sees), so the check is a callback. Lightning asks the functions that packages register under the entry
+point groups ``lightning.pytorch.callbacks_factory`` and ``pytorch_lightning.callbacks_factory`` (see
+``pyproject.toml``) for callbacks while it builds any Trainer; ours adds the check only when that Trainer's
+checkpoint plugin is ours (the Trainer is found up the call stack: Lightning passes the functions nothing), so a
+Trainer without the plugin gets no callback, and Lightning logs nothing about us for any Trainer. The check keeps no
+state, so checkpoints carry nothing of it. ``ResumeStateCallback`` adds one to a Trainer with the plugin that lacks
+it (a plugin set on the strategy after the Trainer was built, or the package run from a source tree without
+installed entry points).
 
 The check runs in ``on_fit_start``: after every ``setup`` (``ModelCheckpoint.setup`` resolves a ``dirpath`` left
-``None`` to ``<default_root_dir>/.../checkpoints``), before the sanity check and the first step. Every rank checks:
-one that raised alone would leave the others waiting for it at the next collective.
+``None`` to ``<default_root_dir>/.../checkpoints``) and the load of a resume, before the sanity check and the first
+step. Every rank checks: one that raised alone would leave the others waiting for it at the next collective.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+import warnings
 from typing import Any
 
 __all__ = ["add_fit_start_check", "lightning_pytorch_callbacks", "pytorch_lightning_callbacks"]
 
+# ModelCheckpoint.setup's warning for a dirpath that holds files (Lightning 2.x words it so).
+_NOT_EMPTY = r"Checkpoint directory .* exists and is not empty\."
+
 
 class _Check:
     """The check itself, shared by the two namespaces' callback classes (each Trainer wants its own ``Callback``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: list[tuple[Any, warnings.WarningMessage]] = []  # "not empty" warnings, kept until on_fit_start
+        self._load_before: Any = None  # the plugin's last load when this fit started: a resume's is another
 
     @property
     def state_key(self) -> str:
@@ -34,14 +48,19 @@ class _Check:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # Before ModelCheckpoint.setup (Lightning runs checkpoint callbacks last), which lists its dirpath with its
         # own client: without credentials in the environment that fails with botocore's bare NoCredentialsError.
-        if stage != "fit" or _plugin(trainer) is None:
+        self._held = []
+        plugin = _plugin(trainer)
+        if stage != "fit" or plugin is None:
             return
+        self._load_before = plugin.last_load
         from lightning_resilient.io.store import check_default_client
 
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if isinstance(dirpath, (str, os.PathLike)) and str(dirpath):
                 check_default_client(str(dirpath))
+        for callback in trainer.checkpoint_callbacks:
+            self._hold_not_empty_warning(callback)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         plugin = _plugin(trainer)
@@ -49,6 +68,7 @@ class _Check:
             return
         from lightning_resilient.io.checkpoint_io import check_filenames, fit_roots
 
+        self._say_what_resumes(trainer, plugin)  # first: Lightning's warning, if kept, comes before a refusal below
         check_filenames(trainer)
         # A fit that resumed nothing is a new job, also with a plugin an earlier fit of this process used, unless it
         # continues that fit from its state in memory.
@@ -56,20 +76,103 @@ class _Check:
         for dirpath in fit_roots(trainer):
             plugin.check_root(dirpath)
 
-
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         plugin = _plugin(trainer)
         if plugin is not None:
             plugin.end_fit(trainer, pl_module)
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._unhold(trainer)  # a fit that failed between this setup and ModelCheckpoint's (teardown is not called)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._unhold(trainer)
+
+    def _unhold(self, trainer: Any) -> None:
+        for callback in trainer.checkpoint_callbacks:
+            if getattr(callback.__dict__.get("setup"), "_fit_start_check", None) is self:
+                del callback.__dict__["setup"]
+        self._held = []
+
+    # -- Lightning's "not empty" warning, on a resume -----------------------------------------------------------
+    def _hold_not_empty_warning(self, callback: Any) -> None:
+        """Run ``callback``'s next ``setup`` (the one Lightning calls next) keeping its "exists and is not empty"
+        warning until ``on_fit_start``, when it is known whether the fit resumes that folder (the load comes after
+        every ``setup``). Any other warning of that call is shown as it came."""
+        original = callback.setup  # its class's method, bound (or an instance's own)
+
+        def setup(*args: Any, **kwargs: Any) -> Any:
+            if callback.__dict__.get("setup") is setup:
+                del callback.__dict__["setup"]  # once: the callback is itself again, picklable as before
+            with warnings.catch_warnings(record=True) as caught:
+                result = original(*args, **kwargs)
+            for message in caught:
+                if _not_empty(message):
+                    self._held.append((callback, message))
+                else:
+                    _show(message)
+            return result
+
+        setup._fit_start_check = self  # type: ignore[attr-defined]  # our mark, found by teardown()
+        callback.setup = setup
+
+    def _say_what_resumes(self, trainer: Any, plugin: Any) -> None:
+        """One line naming the commit a resume continues, in place of Lightning's "not empty" warning for the folder
+        it resumes; that warning is shown for any other folder (a new run into a folder that holds one)."""
+        held, self._held = self._held, []
+        resumed = _resumed_root(trainer, plugin) if plugin.last_load is not self._load_before else None
+        for callback, message in held:
+            if resumed is None or plugin.root(str(callback.dirpath)).url != resumed:
+                _show(message)
+        last = plugin.last_load
+        if resumed is not None and last is not None:
+            from lightning.fabric.utilities import rank_zero_info
+
+            name, _, folder = last.commit.rpartition("/")
+            rank_zero_info(f"AtomicCheckpointIO: resuming the run in {resumed} from its checkpoint {name} (commit"
+                           f" {folder})")
+
+
+def _not_empty(message: warnings.WarningMessage) -> bool:
+    return re.fullmatch(_NOT_EMPTY, str(message.message)) is not None
+
+
+def _show(message: warnings.WarningMessage) -> None:
+    """Show a warning caught by ``catch_warnings(record=True)`` as it would have been, from where it was raised."""
+    warnings.warn_explicit(message.message, message.category, message.filename, message.lineno, source=message.source)
+
+
+def _resumed_root(trainer: Any, plugin: Any) -> str | None:
+    """The root (as the plugin names it) of a checkpoint folder of this fit that the fit resumed from, or None."""
+    from lightning_resilient.io import _paths
+    from lightning_resilient.io.catalog import normalize
+    from lightning_resilient.io.checkpoint_io import fit_roots
+
+    ckpt_path = getattr(trainer, "ckpt_path", None)
+    if ckpt_path is None or plugin.last_load is None:
+        return None
+    path = normalize(os.fspath(ckpt_path))
+    if _paths.split_protocol(path)[0] in (None, "file", "local"):
+        path = os.path.realpath(path)
+    for dirpath in fit_roots(trainer):
+        url = plugin.root(dirpath).url
+        if path == url or path.startswith(url.rstrip("/") + "/"):
+            return str(url)
+    return None
+
 
 def _plugin(trainer: Any) -> Any:
     """The Trainer's checkpoint plugin when it is ours (also behind Lightning's ``AsyncCheckpointIO`` wrapper)."""
-    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
-
-    io = getattr(trainer.strategy, "checkpoint_io", None)
+    module = sys.modules.get("lightning_resilient.io.checkpoint_io")
+    if module is None:
+        return None  # never imported: no plugin of ours exists (and none is imported for a Trainer without one)
+    strategy = getattr(trainer, "strategy", None)
+    # The plugin the strategy holds, not its ``checkpoint_io`` property, which creates Lightning's default when it
+    # holds none (the factory asks while the Trainer is being built).
+    io = strategy.__dict__.get("_checkpoint_io") if hasattr(strategy, "__dict__") else None
+    if io is None:
+        io = getattr(strategy, "checkpoint_io", None)
     for _ in range(4):  # wrappers hold the plugin they wrap as ``checkpoint_io``
-        if isinstance(io, AtomicCheckpointIO):
+        if isinstance(io, module.AtomicCheckpointIO):
             return io
         io = getattr(io, "checkpoint_io", None)
     return None
@@ -102,19 +205,39 @@ def _rebuild(namespace: str) -> Any:
 _CLASSES: dict[str, type] = {}
 
 
+def _for_trainer_being_built(namespace: str) -> list[Any]:
+    """The check for the Trainer whose callbacks Lightning is collecting, when its checkpoint plugin is ours."""
+    if "lightning_resilient.io.checkpoint_io" not in sys.modules:
+        return []  # no plugin of ours exists: the usual case of a program that does not use this package
+    from lightning_resilient._namespaces import trainer_on_stack
+
+    trainer = trainer_on_stack("_CallbackConnector")
+    if trainer is None:  # a Lightning that calls the factory from elsewhere: without the plugin the check does nothing
+        return [_callback_class(namespace)()]
+    if _plugin(trainer) is None:
+        return []
+    # Lightning logs "Adding 1 callbacks from entry point ..." for what a factory returns, a line about something the
+    # user never added: the check is part of the plugin, so it joins the list Lightning is building (as Lightning
+    # would add it, right after this call) without that line.
+    trainer.callbacks.append(_callback_class(namespace)())
+    return []
+
+
 def lightning_pytorch_callbacks() -> list[Any]:
-    """Entry point ``lightning.pytorch.callbacks_factory``: the callbacks every ``lightning.pytorch`` Trainer gets."""
-    return [_callback_class("lightning.pytorch")()]
+    """Entry point ``lightning.pytorch.callbacks_factory``: the check, for a ``lightning.pytorch`` Trainer with the
+    plugin."""
+    return _for_trainer_being_built("lightning.pytorch")
 
 
 def pytorch_lightning_callbacks() -> list[Any]:
     """Entry point ``pytorch_lightning.callbacks_factory``: the same for ``pytorch_lightning`` Trainers."""
-    return [_callback_class("pytorch_lightning")()]
+    return _for_trainer_being_built("pytorch_lightning")
 
 
 def add_fit_start_check(trainer: Any) -> None:
-    """Give ``trainer`` the check when its entry point did not (a source tree run without installing the package)."""
-    if not any(isinstance(c, _Check) for c in trainer.callbacks):
+    """Give ``trainer`` the check when its checkpoint plugin is ours and it has none (the plugin was set on the
+    strategy after the Trainer was built, or the package runs from a source tree without installed entry points)."""
+    if _plugin(trainer) is not None and not any(isinstance(c, _Check) for c in trainer.callbacks):
         trainer.callbacks = [*trainer.callbacks, _callback_class("lightning.pytorch")()]
 
 

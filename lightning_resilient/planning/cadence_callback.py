@@ -10,6 +10,7 @@ present cadence. With ``adapt=True`` it also sets the interval, in steps, on the
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -27,6 +28,8 @@ from lightning_resilient.planning._units import format_duration, format_percent,
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
 
 __all__ = ["CadenceDecision", "CheckpointCadence", "Method", "SaveMeasurement"]
+
+log = logging.getLogger(__name__)
 
 Method = Literal["daly", "young"]
 _FORMULAS: dict[str, Callable[[float, float], float]] = {"daly": daly_interval, "young": young_interval}
@@ -82,12 +85,18 @@ class CheckpointCadence(Callback):
     """Measure the real cost of each checkpoint and recommend (or, with ``adapt=True``, set) how often to save.
 
     Every ``trainer.save_checkpoint`` call is timed (the wall time the training loop waits, sync or async
-    CheckpointIO alike), and so is every optimizer step. After each save it logs one line: the blocking time,
-    the optimal interval for the given MTBF (Daly 2006 by default, Young 1974 with ``method="young"``) in seconds
-    and steps, and the expected waste at that interval and at the present cadence. With ``adapt=True`` it sets
-    that many steps on every ``ModelCheckpoint`` that saves by ``every_n_train_steps``, within
-    ``min_steps``/``max_steps``, logging each change. Under DDP rank 0's decision is broadcast, so every rank
-    saves at the same steps.
+    CheckpointIO alike), and so is every optimizer step. From them and the given MTBF it computes the optimal
+    interval (Daly 2006 by default, Young 1974 with ``method="young"``) in seconds and steps, and the expected waste
+    at that interval and at the present cadence. With ``adapt=True`` it sets that many steps on every
+    ``ModelCheckpoint`` that saves by ``every_n_train_steps``, within ``min_steps``/``max_steps``. Under DDP rank 0's
+    decision is broadcast, so every rank saves at the same steps.
+
+    It logs one short line per checkpoint (all the saves of one step, such as a ``save_last`` copy, together), once
+    they are done: ``CheckpointCadence: step 200 save 1.2 s; Daly: every 850 steps = 738.0 s (12.3 min), wastes
+    1.20% (now every 100 steps: 2.90%)``, plus the change ``adapt`` made. The reasoning behind each number (the
+    checkpoint cost and step time estimates, the MTBF) goes to the ``lightning_resilient.planning.cadence_callback``
+    logger at DEBUG level, and :meth:`explain` gives it for the latest save; :attr:`measurements` and
+    :attr:`decisions` hold every figure.
 
     Example::
 
@@ -164,6 +173,8 @@ class CheckpointCadence(Callback):
         self._observed_interval: float | None = None
         self._logged = 0  # measurements already sent to pl_module.log
         self._warned_nothing_to_adapt = False
+        self._pending: int | None = None  # the step of saves not said yet (a save_last copy may follow at that step)
+        self._noted_preemption = False
 
     # -- estimates -----------------------------------------------------------------------------------------------
     @property
@@ -212,7 +223,9 @@ class CheckpointCadence(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # Lightning runs ModelCheckpoint after every other callback, so a save at this step has not happened yet:
-        # it lands in the next span and is subtracted there.
+        # it lands in the next span and is subtracted there. The saves of an earlier step are all done.
+        if self._pending is not None and self._pending != trainer.global_step:
+            self._say(trainer)
         now = time.perf_counter()
         if self._mark is not None and trainer.global_step > self._mark[1]:
             steps = trainer.global_step - self._mark[1]  # > 1 never happens per batch; accumulation gives 0 or 1
@@ -228,11 +241,24 @@ class CheckpointCadence(Callback):
                 metrics["cadence/current_waste"] = m.current_waste
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._say(trainer)
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._say(trainer)
         self._restore()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._say(trainer)  # an emergency save, then its exit: said too
         self._restore()  # Lightning skips teardown hooks when fit raises
+
+    def explain(self) -> str:
+        """The latest save's recommendation with the figures behind it (what DEBUG logging shows per save)."""
+        if not self.measurements:
+            return "no save measured yet"
+        m = self.measurements[-1]
+        every_n = [cb._every_n_train_steps for cb in self._step_checkpoints(self._trainer)] if self._trainer else []
+        return self._describe(m, every_n)
 
     # -- internals -----------------------------------------------------------------------------------------------
     def _restore(self) -> None:
@@ -280,16 +306,43 @@ class CheckpointCadence(Callback):
                             interval_seconds=interval, interval_steps=interval_steps, waste=waste,
                             current_interval_seconds=current, current_waste=current_waste)
         self.measurements.append(m)
-        note = ""
-        if any(type(cb).__name__ == "PreemptionCheckpoint" for cb in getattr(trainer, "callbacks", [])):
-            # The interval guards against failures without warning; a preemption with a notice costs the
-            # emergency save instead of half an interval of recomputation.
-            note = (f"; with PreemptionCheckpoint a preemption with notice loses about one save"
-                    f" ({format_duration(c)}), not half an interval: the MTBF here should count failures without"
-                    " notice only")
-        rank_zero_info(f"CheckpointCadence: {self._describe(m, every_n)}{note}")
+        if trainer.is_global_zero:
+            log.debug("CheckpointCadence: %s", self._describe(m, every_n))
         if self.adapt:
             self._adapt(trainer, m)
+        self._pending = step
+
+    def _say(self, trainer: Trainer) -> None:
+        """One short line for the saves of the pending step, now that they are all done (see the class)."""
+        step, self._pending = self._pending, None
+        if step is None or not self.measurements:
+            return
+        m = self.measurements[-1]  # its estimates include every save of the step
+        first = next(x for x in self.measurements if x.global_step == step)  # the cadence in force before them
+        changes = [d for d in self.decisions if d.global_step == step]
+        blocked = next((s for at, s in reversed(self._events) if at == step), m.seconds)  # all saves at that step
+        steps = f"every {plural(m.interval_steps, 'step')} = {format_duration(m.interval_seconds)}" \
+            if m.interval_steps is not None else f"every {format_duration(m.interval_seconds)}"
+        line = (f"CheckpointCadence: step {step} save {format_duration(blocked)}; {_TITLES[self.method]}: {steps},"
+                f" wastes {format_percent(m.waste)}")
+        if first.current_interval_seconds:
+            every_n = [cb._every_n_train_steps for cb in self._step_checkpoints(trainer)]
+            before = changes[0].old_steps if changes else min(every_n) if every_n else None
+            now = plural(before, "step") if before and m.step_seconds else format_duration(
+                first.current_interval_seconds)
+            waste = expected_waste(first.current_interval_seconds, m.checkpoint_seconds, self.mtbf_seconds,
+                                   self.restart_seconds)
+            line += f" (now every {now}: {format_percent(waste)})"
+        if changes:
+            line += f"; set every_n_train_steps {changes[0].old_steps} -> {changes[-1].new_steps}"
+        rank_zero_info(line)
+        if not self._noted_preemption and any(type(cb).__name__ == "PreemptionCheckpoint"
+                                              for cb in getattr(trainer, "callbacks", [])):
+            # The interval guards against failures without warning; a preemption with a notice costs the
+            # emergency save instead of half an interval of recomputation. Said once.
+            self._noted_preemption = True
+            rank_zero_info("CheckpointCadence: with PreemptionCheckpoint a preemption with notice loses one save,"
+                           " not half an interval: count only failures without notice in the MTBF")
 
     def _describe(self, m: SaveMeasurement, every_n: list[int]) -> str:
         step_part = f", step {format_duration(m.step_seconds)}" if m.step_seconds else ""
@@ -334,4 +387,6 @@ class CheckpointCadence(Callback):
             cb._every_n_train_steps = new
             self.decisions.append(CadenceDecision(global_step=m.global_step, old_steps=old, new_steps=new,
                                                   reason=why))
-            rank_zero_info(f"CheckpointCadence: every_n_train_steps {old} -> {new} at step {m.global_step} ({why})")
+            if trainer.is_global_zero:
+                log.debug("CheckpointCadence: every_n_train_steps %d -> %d at step %d (%s)", old, new,
+                          m.global_step, why)

@@ -242,6 +242,8 @@ def untrack(loader: Any) -> None:
     """Undo what :class:`TrackedBatchSampler`, :func:`hook_iterators`, :func:`draw_once_per_epoch` and
     :func:`apply_sample_seeding` did to ``loader``: the user's loader goes back to its own batch sampler and its
     class's methods, its dataset to its own ``__getitems__``."""
+    if not isinstance(loader, DataLoader):
+        return  # only DataLoaders are patched; a plain iterable (a list, a generator) may not even have a __dict__
     if sample_seeding(loader) is not None:
         del loader.dataset.__dict__["__getitems__"]
     collate = getattr(loader, "collate_fn", None)

@@ -17,6 +17,7 @@ from lightning_resilient.planning import (
     steps_for_interval,
     young_interval,
 )
+from lightning_resilient.planning._units import format_duration
 
 from ..models import TinyModel, tiny_loader
 from .conftest import MTBF_SECONDS, SlowIO
@@ -51,10 +52,12 @@ def test_the_recommendation_is_the_formulas_applied_to_the_measurements(cpu_run)
     assert cadence.checkpoint_seconds == cadence.measurements[-1].checkpoint_seconds
 
 
-def test_a_log_line_per_save_and_metrics_on_the_next_step(cpu_run):
-    lines = [line for line in cpu_run.logs if line.startswith("CheckpointCadence: save at step")]
-    assert [line.split(" blocked")[0] for line in lines] == [f"CheckpointCadence: save at step {s}" for s in (2, 4, 6)]
-    assert all("Daly interval" in line and "present cadence (every 2 steps" in line for line in lines)
+def test_a_short_log_line_per_save_and_metrics_on_the_next_step(cpu_run):
+    lines = [line for line in cpu_run.logs if line.startswith("CheckpointCadence:")]
+    assert [line.split(" save ")[0] for line in lines] == [f"CheckpointCadence: step {s}" for s in (2, 4, 6)]
+    for line, m in zip(lines, cpu_run.cadence.measurements, strict=True):
+        assert f"Daly: every {m.interval_steps} steps = " in line and "(now every 2 steps: " in line
+        assert len(line) < 160  # it was two lines of about 400 characters; the figures are in explain()
     # log_metrics=True: the save at step 4 is logged on step 5; the one at step 6 had no step after it.
     logged = cpu_run.trainer.callback_metrics
     assert float(logged["cadence/interval_seconds"]) == pytest.approx(cpu_run.cadence.measurements[1].interval_seconds,
@@ -197,5 +200,33 @@ def test_with_preemption_checkpoint_the_line_says_a_noticed_preemption_costs_one
                                  ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2)])
     with caplog.at_level("INFO"):
         trainer.fit(TinyModel(), tiny_loader())
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CheckpointCadence: save at step")]
-    assert len(lines) == 1 and "with PreemptionCheckpoint a preemption with notice loses about one save" in lines[0]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CheckpointCadence:")]
+    assert len(lines) == 2 and lines[0].startswith("CheckpointCadence: step 2 save ")
+    assert "with PreemptionCheckpoint a preemption with notice loses one save, not half an interval" in lines[1]
+
+
+def test_one_line_per_checkpoint_with_its_change_and_the_figures_behind_it_at_debug_level(tmp_path, caplog):
+    # save_last=True saves twice per checkpoint, and adapt changes the cadence at each: once two long lines each.
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=True)
+    cadence = CheckpointCadence(mtbf_seconds=0.005, adapt=True, min_steps=3)
+    trainer = Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[checkpoint, cadence], plugins=[SlowIO()])
+    with caplog.at_level("DEBUG"):
+        trainer.fit(TinyModel(), tiny_loader())
+    info = [r.getMessage() for r in caplog.records
+            if r.levelname == "INFO" and r.getMessage().startswith("CheckpointCadence:")]
+    steps = sorted({m.global_step for m in cadence.measurements})  # the adapted cadence decides the later ones
+    assert len(steps) >= 2 and len(cadence.measurements) == 2 * len(steps)  # two saves per checkpoint
+    assert [line.split(" save ")[0] for line in info] == [f"CheckpointCadence: step {s}" for s in steps]
+    first = [m for m in cadence.measurements if m.global_step == 2]
+    assert info[0].startswith(f"CheckpointCadence: step 2 save {format_duration(first[1].checkpoint_seconds)};")
+    at_2 = [d for d in cadence.decisions if d.global_step == 2]  # min_steps=3 moves it away from 2 at once
+    assert info[0].endswith(f"; set every_n_train_steps 2 -> {at_2[-1].new_steps}")
+    assert "(now every 2 steps: " in info[0]
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"
+             and r.name == "lightning_resilient.planning.cadence_callback"]
+    assert len([line for line in debug if "blocked the loop" in line]) == len(cadence.measurements)
+    assert any(line.startswith(f"CheckpointCadence: every_n_train_steps 2 -> {at_2[0].new_steps} at step 2")
+               for line in debug)
+    assert cadence.explain().startswith(f"save at step {steps[-1]} blocked the loop")
+    assert "checkpoint cost" in cadence.explain() and "MTBF 5 ms" in cadence.explain()

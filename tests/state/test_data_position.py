@@ -393,3 +393,41 @@ def test_per_sample_seeding_uses_the_resumed_epoch_after_a_save_on_the_last_batc
     make = lambda: DataLoader(PerSampleSeeded(Jittered(), seed=3), batch_size=4, shuffle=True)  # noqa: E731
     full, resumed, _ = interrupted(tmp_path, make, 10, every=5)
     assert_resumed_exactly(full, resumed, 10)
+
+
+# -- plain iterables: nothing to track, nothing to undo ------------------------------------------------------------
+class FromModel(Recorder):
+    """Its training data comes from ``train_dataloader()``, as a user's module gives it."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__()
+        self.data = data
+
+    def train_dataloader(self) -> Any:
+        return self.data()
+
+
+def batches() -> Any:
+    """Three batches as a plain iterator: it has no ``__dict__`` for a patch to live in."""
+    return iter([tuple(torch.stack(t) for t in zip(*(sample(i) for i in range(b, b + 4)), strict=True))
+                 for b in (0, 4, 8)])
+
+
+@pytest.mark.parametrize("data", [list, batches], ids=["empty-list", "iterator"])
+def test_a_plain_iterable_trains_as_it_does_without_the_callback(tmp_path, data):
+    models = []
+    for callback in (False, True):
+        torch.manual_seed(0)
+        model = FromModel(data)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(LeafSpec|across ranks is zero).*")
+            trainer = Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                              enable_model_summary=False, enable_checkpointing=False,
+                              default_root_dir=tmp_path, callbacks=[ResumeStateCallback()] if callback else [])
+            trainer.fit(model)  # teardown once failed on the list: it has no __dict__ to undo patches in
+        models.append((trainer.global_step, model))
+    (steps, plain), (steps_cb, tracked) = models
+    assert steps == steps_cb == (0 if data is list else 3)
+    assert plain.seen == tracked.seen
+    for a, b in zip(plain.state_dict().values(), tracked.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

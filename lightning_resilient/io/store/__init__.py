@@ -20,19 +20,25 @@ from fsspec.core import url_to_fs
 
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store.base import PROTOCOL_DIR, Conditions, ObjectInfo, Store, probe_fencing
-from lightning_resilient.io.store.errors import check_default_client, is_unknown_protocol, open_error
+from lightning_resilient.io.store.errors import (
+    check_default_client,
+    check_store_extra,
+    is_unknown_protocol,
+    open_error,
+)
 from lightning_resilient.io.store.gcs import GCSStore
 from lightning_resilient.io.store.local import LocalStore, file_lock
 from lightning_resilient.io.store.memory import MemoryStore
 from lightning_resilient.io.store.s3 import GatherReader, S3Store
 
 __all__ = ["Conditions", "GCSStore", "GatherReader", "LocalStore", "MemoryStore", "ObjectInfo", "PROTOCOL_DIR",
-           "S3Store", "Store", "check_default_client", "file_lock", "open_store", "probe_fencing"]
+           "S3Store", "Store", "check_default_client", "check_store_extra", "file_lock", "open_store", "probe_fencing"]
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy) -> Store:
     """Build the :class:`Store` for the checkpoint root ``url``; :class:`StoreURLError` for a URL no installed
-    filesystem can open."""
+    filesystem can open (one that this package's ``[s3]`` or ``[gcs]`` extra would install says so)."""
+    check_store_extra(url)
     try:
         fs, path = url_to_fs(url, **(storage_options or {}))
     except (ValueError, ImportError) as exc:

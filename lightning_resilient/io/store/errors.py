@@ -9,7 +9,8 @@ from __future__ import annotations
 from lightning_resilient.errors import BucketNotFoundError, StoreCredentialsError, StoreSetupError, StoreURLError
 from lightning_resilient.io._paths import split_protocol
 
-__all__ = ["check_default_client", "credentials_error", "is_unknown_protocol", "open_error", "translate_error"]
+__all__ = ["check_default_client", "check_store_extra", "credentials_error", "is_unknown_protocol", "open_error",
+           "translate_error"]
 
 
 # What to set when a store sees no (or not enough) credentials, per protocol: (environment, Python option, CLI
@@ -88,12 +89,27 @@ def check_default_client(url: str, client: str = "ModelCheckpoint") -> None:
     its first listing with botocore's bare ``NoCredentialsError``; this says to set them in the environment. It
     sends no request: botocore's own lookup (environment, AWS_PROFILE and the shared files, then the instance
     metadata unless AWS_EC2_METADATA_DISABLED) decides, as it will for that client."""
+    check_store_extra(url)  # botocore comes with s3fs
     if _CLOUD.get(split_protocol(url)[0] or "") != "s3":
         return  # gcsfs falls back to anonymous access rather than failing for want of credentials
     import botocore.session
 
     if botocore.session.Session().get_credentials() is None:
         raise credentials_error(url, "list", client=client)
+
+
+def check_store_extra(url: str) -> None:
+    """Raise :class:`StoreURLError` with the pip command when ``url``'s store needs an extra of this package that is
+    not installed (``s3://`` needs ``[s3]``, ``gs://`` needs ``[gcs]``); checked before any client is made."""
+    from lightning_resilient._extras import PROTOCOL_EXTRAS, MissingExtraError, require
+
+    extra = PROTOCOL_EXTRAS.get(split_protocol(url)[0] or "")
+    if extra is None:
+        return
+    try:
+        require(extra, f"cannot open {url!r}")
+    except MissingExtraError as exc:
+        raise StoreURLError(str(exc)) from None
 
 
 def open_error(url: str, exc: BaseException) -> StoreURLError:
