@@ -13,8 +13,9 @@ package run from a source tree without installed entry points).
 
 The check runs in ``on_fit_start``: after every ``setup`` (``ModelCheckpoint.setup`` resolves a ``dirpath`` left
 ``None`` to ``<default_root_dir>/.../checkpoints``), before the sanity check and the first step. Every rank checks:
-one that raised alone would leave the others waiting for it at the next collective. The URLs are checked earlier, in
-``setup``, before ``ModelCheckpoint.setup`` opens its own client on them. Whether the fit resumed a checkpoint is
+one that raised alone would leave the others waiting for it at the next collective. A ``default_root_dir`` that a
+ModelCheckpoint without a dirpath will use is checked earlier, in ``setup``, before ``ModelCheckpoint.setup`` opens
+its own client on it. Whether the fit resumed a checkpoint is
 known once the checkpoint is loaded: in ``on_fit_start``, except under strategies that restore after setup (FSDP,
 model parallel), whose check runs in ``on_train_start``, still before the first step.
 """
@@ -40,14 +41,12 @@ class _Check:
         # own client: without credentials in the environment that fails with botocore's bare NoCredentialsError.
         if stage != "fit" or _plugin(trainer) is None:
             return
-        from lightning_resilient.io.checkpoint_io import fit_roots
         from lightning_resilient.io.store import check_default_client, check_url
 
         if any(not getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks):
-            # ModelCheckpoint.setup puts such a callback's folder under default_root_dir, with its own client.
+            # ModelCheckpoint.setup puts such a callback's folder under default_root_dir and opens it with its own
+            # client, which fails on "S3://" in fsspec's words. (Every dirpath set is checked in on_fit_start.)
             check_url(str(trainer.default_root_dir))
-        for root in fit_roots(trainer):
-            check_url(root)  # "s3:/bucket" (one slash) would train "fine" into a local folder ./s3:/bucket
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if isinstance(dirpath, (str, os.PathLike)) and str(dirpath):
