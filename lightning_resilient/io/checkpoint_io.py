@@ -644,11 +644,12 @@ def _run_exists_message(found: list[tuple[str, str]]) -> str:
     also = "".join(f"; {other} also holds one (latest: {url})" for other, url in found[1:])
     return (f"this fit loads no checkpoint, but its checkpoint folder {root} holds a committed run (latest: {latest})"
             f"{also}: it would train from step 0 and leave that run behind. To resume it, pass"
-            f" ckpt_path=find_latest_checkpoint({root!r}) to trainer.fit (ckpt_path=\"last\" finds nothing on S3/GCS:"
-            " Lightning lists last.ckpt there without its protocol, Lightning issue #18261; with LightningCLI,"
-            " lightning-resilient train resumes by itself). To start a new run there instead, keeping the old one as"
-            " an abandoned branch until `lightning-resilient gc --abandoned`, pass AtomicCheckpointIO(new_run=True);"
-            " or give the new run a ModelCheckpoint dirpath of its own.")
+            f" ckpt_path=find_latest_checkpoint({root!r}) to trainer.fit (ckpt_path=\"last\" finds no last.ckpt on"
+            " S3/GCS, where Lightning lists it without its protocol, Lightning issue #18261, nor without"
+            " ModelCheckpoint(save_last=True); with LightningCLI, lightning-resilient train resumes by itself). To"
+            " start a new run there instead, keeping the old one as an abandoned branch until `lightning-resilient gc"
+            " --abandoned`, pass AtomicCheckpointIO(new_run=True); or give the new run a ModelCheckpoint dirpath of its"
+            " own.")
 
 
 def _names_last(callback: Any, name: str) -> bool:
