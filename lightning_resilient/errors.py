@@ -12,10 +12,12 @@ __all__ = [
     "BucketNotFoundError",
     "CheckpointCorruptedError",
     "CheckpointError",
+    "RunExistsError",
     "SettingTypeError",
     "ShardedCheckpointError",
     "StaleWriterError",
     "StoreCredentialsError",
+    "StorePermissionError",
     "StoreSetupError",
     "StoreURLError",
     "UnfencedStoreError",
@@ -104,6 +106,18 @@ class BucketNotFoundError(StoreSetupError, FileNotFoundError):
 
 class StoreCredentialsError(StoreSetupError, PermissionError):
     """No credentials reach the store, or they may not do what was asked; the message names what to set."""
+
+
+class StorePermissionError(StoreSetupError, PermissionError):
+    """Local disk refuses this process what was asked (a read-only checkpoint folder, another user's): the message is
+    about the folder's permissions, not about credentials."""
+
+
+class RunExistsError(StoreSetupError, FileExistsError):
+    """A ``fit`` that resumes no checkpoint was started into a checkpoint folder that holds a committed run: it would
+    train from step 0 and leave that run behind (an abandoned branch). Raised when ``fit`` starts, before its first
+    step; the message names the checkpoint to resume. ``AtomicCheckpointIO(new_run=True)`` says the fit is meant to
+    start a new run there."""
 
 
 class StoreURLError(StoreSetupError, ValueError):

@@ -97,8 +97,11 @@ class _AtomicSharded:
 
             return load
 
-        done = load_resolved(normalize(str(checkpoint_path)), io.root, fallback=io.settings.fallback_on_corruption,
-                             load_for=load_for, together=together)
+        # In a fit, ckpt_path="last" (<dirpath>/last.ckpt) means the newest committed checkpoint of that root's run.
+        module = self.lightning_module  # type: ignore[attr-defined]
+        url = io.resolve_last(normalize(str(checkpoint_path)), module.trainer if module is not None else None)
+        done = load_resolved(url, io.root, fallback=io.settings.fallback_on_corruption, load_for=load_for,
+                             together=together, shown=str(checkpoint_path))
         if done is None:  # a stock Lightning checkpoint: the Lightning strategy loads it
             stock: dict[str, Any] = super().load_checkpoint(  # type: ignore[misc]  # a mixin: the strategy's
                 self.broadcast(str(checkpoint_path)), weights_only=weights_only)  # type: ignore[attr-defined]

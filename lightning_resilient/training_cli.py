@@ -3,7 +3,10 @@
 Rerunning the same ``fit`` command after a kill continues from the newest committed checkpoint under the
 configured checkpoint root (the ``dirpath`` of the run's ``ModelCheckpoint``, written through
 :class:`~lightning_resilient.AtomicCheckpointIO`), and starts fresh when there is none: no ``--ckpt_path`` to
-edit between attempts. An explicit ``--ckpt_path`` still wins; ``--auto_resume false`` turns the lookup off.
+edit between attempts. An explicit ``--ckpt_path`` still wins (``--ckpt_path last`` is the root's newest committed
+checkpoint, on every store); ``--auto_resume false`` turns the lookup off (over a root that holds a run, the fit then
+stops at its start unless the plugin's ``new_run`` is set). Checkpoint URLs in the config that no store would read as
+meant (``s3:/bucket`` with one slash, ``S3://``) are refused before anything is built.
 
 Use it in place of ``LightningCLI`` in your script, or run any LightningModule through it::
 
@@ -26,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
-from lightning_resilient.io.store import check_default_client, check_store_extra
+from lightning_resilient.io.store import check_default_client, check_store_extra, check_url
 
 __all__ = ["REDACTED", "RedactingSaveConfigCallback", "ResilientCLI", "is_secret_key", "main", "redact_storage_options",
            "redact_url", "resume_path"]
@@ -152,11 +155,12 @@ class ResilientCLI(LightningCLI):
                  " --ckpt_path is given (lightning_resilient.AtomicCheckpointIO); start fresh when there is none")
 
     def before_instantiate_classes(self) -> None:
-        # ModelCheckpoint opens the filesystem of its dirpath when it is made: a store whose extra is not installed is
-        # named, with its pip command, before that (fsspec would only say "Install s3fs to access S3").
+        # Before ModelCheckpoint is built: it opens a client on its dirpath and fails on "S3://" with fsspec's own
+        # "Protocol not known", takes "s3:/bucket" (one slash) for a local folder, and on a store whose extra is not
+        # installed says only "Install s3fs to access S3" (we name the pip command).
         config = self.config.get(self.subcommand) if self.subcommand else self.config
-        trainer = config.get("trainer") if isinstance(config, Namespace) else None
-        for url in _folders(trainer.as_dict() if isinstance(trainer, Namespace) else {}):
+        for url in _locations(config.get("trainer") if config is not None else None):
+            check_url(url)
             check_store_extra(url)
 
     def before_fit(self) -> None:
@@ -164,19 +168,27 @@ class ResilientCLI(LightningCLI):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
                 check_default_client(str(callback.dirpath))  # before ModelCheckpoint's bare NoCredentialsError
         config = self.config_init["fit"]
+        if config.get("ckpt_path") == "last" and isinstance(self.trainer.strategy.checkpoint_io, AtomicCheckpointIO):
+            # Lightning resolves "last" by listing last*.ckpt, which finds nothing on S3/GCS (it drops the protocol):
+            # with our plugin it is the root's newest committed checkpoint, on every store.
+            config["ckpt_path"] = resume_path(self.trainer)
+            return
         if config.get("ckpt_path") is not None or not config.get("auto_resume", True):
             return
         config["ckpt_path"] = resume_path(self.trainer)
 
 
-def _folders(config: Any) -> list[str]:
-    """Every ``dirpath`` and ``default_root_dir`` a Trainer config sets (its callbacks' included)."""
-    if isinstance(config, dict):
-        found = [v for k, v in config.items() if k in ("dirpath", "default_root_dir") and isinstance(v, str)]
-        return found + [url for v in config.values() for url in _folders(v)]
-    if isinstance(config, list):
-        return [url for v in config for url in _folders(v)]
-    return []
+def _locations(config: Any) -> list[str]:
+    """The checkpoint locations in a trainer config: every ``dirpath`` (of any callback) and ``default_root_dir``."""
+    found: list[str] = []
+    items = vars(config).items() if isinstance(config, Namespace) else config.items() if isinstance(config, dict) \
+        else enumerate(config) if isinstance(config, (list, tuple)) else []
+    for key, value in items:
+        if key in ("dirpath", "default_root_dir") and isinstance(value, str) and value:
+            found.append(value)
+        elif isinstance(value, (Namespace, dict, list, tuple)):
+            found += _locations(value)
+    return found
 
 
 def resume_path(trainer: Any) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import re
 import subprocess
 import sys
 import warnings
@@ -20,6 +21,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resilient import (
@@ -27,6 +29,8 @@ from lightning_resilient import (
     CheckpointCadence,
     PreemptionCheckpoint,
     ResumeStateCallback,
+    RunExistsError,
+    StoreURLError,
     TransferAudit,
     export_checkpoint,
     find_latest_checkpoint,
@@ -112,10 +116,10 @@ def test_flow_keeps_what_stock_keeps_and_best_holds_the_same_weights(tmp_path, f
     limits = {k: options.pop(k) for k in ("max_epochs", "max_steps") if k in options}
     stock = fit(str(tmp_path / "stock"), ours=False, **limits, **options)
     ours = fit(str(tmp_path / "ours"), ours=True, **limits, **options)
-    # The checkpoints kept are stock's. A name top-k dropped is retired: its folder goes after the next commit (a
-    # reader already loading it keeps its bytes until then), so the listing may still show the last one dropped.
+    # The checkpoints kept are stock's, and so is the listing: what top-k dropped after the last save (retired, its
+    # data waiting for a later commit) is deleted when the fit ends.
     assert committed(str(tmp_path / "ours")) == names(str(tmp_path / "stock"))
-    assert len(set(names(str(tmp_path / "ours"))) - set(names(str(tmp_path / "stock")))) <= 1
+    assert names(str(tmp_path / "ours")) == names(str(tmp_path / "stock"))
     s, o = stock.checkpoint_callback, ours.checkpoint_callback
     assert os.path.basename(o.best_model_path) == os.path.basename(s.best_model_path)
     assert os.path.basename(o.last_model_path) == os.path.basename(s.last_model_path)
@@ -216,12 +220,21 @@ def test_export_command_writes_a_stock_file(tmp_path, capsys):
     assert not (tmp_path / "x.ckpt").exists()
 
 
-def test_a_missing_checkpoint_is_reported_in_lightnings_words(tmp_path):
+def test_a_missing_checkpoint_is_reported_in_lightnings_words(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     root = str(tmp_path / "ckpt")
     fit(root, ours=True, max_steps=4, every_n_train_steps=2)
     for missing in (str(tmp_path / "nothing"), f"{root}/epoch=9-step=99.ckpt"):
         with pytest.raises(FileNotFoundError, match=r"^Checkpoint file not found: "):
             fit(root, ours=True, max_steps=8, every_n_train_steps=2, ckpt_path=missing)
+    # The path as it was given, as stock says it ("not existing", not the absolute path it resolves to).
+    with pytest.raises(FileNotFoundError) as stock:
+        fit(str(tmp_path / "stock"), ours=False, max_steps=2, ckpt_path="not existing")
+    for call in (lambda: fit(str(tmp_path / "fresh"), ours=True, max_steps=2, ckpt_path="not existing"),
+                 lambda: load_checkpoint("not existing")):
+        with pytest.raises(FileNotFoundError) as ours:
+            call()
+        assert str(ours.value).startswith(f"{stock.value}.") and str(tmp_path) not in str(ours.value)
 
 
 # -- save_last -------------------------------------------------------------------------------------------------------
@@ -248,12 +261,159 @@ def test_save_last_on_s3_resumes_by_its_url_and_find_latest(s3_backend, monkeypa
         resumed = fit(root, ours=True, io=io(), max_steps=12 + 4 * i, every_n_train_steps=4, save_top_k=-1,
                       save_last=True, ckpt_path=ckpt_path)
         assert resumed.global_step == 12 + 4 * i
-    # ckpt_path="last" finds nothing on S3 (Lightning lists last*.ckpt without the protocol, for stock files too)
-    # and the fit starts from step 0: the first save says so, and keeps the run it branched from.
-    with pytest.warns(RuntimeWarning, match=r"started from scratch .* holds a run up to step 16"):
+    # ckpt_path="last" finds nothing on S3 (Lightning lists last*.ckpt without the protocol, for stock files too):
+    # rather than train from step 0 over the run, the fit stops before its first step and says how to resume.
+    fs, path = s3_backend.fs(), s3_backend.path(POINTER_NAME)
+    before = fs.cat_file(path)
+    model = ValModel()
+    with pytest.raises(RunExistsError, match=re.escape(f"ckpt_path=find_latest_checkpoint({root!r})")):
         fit(root, ours=True, io=io(), max_steps=4, every_n_train_steps=4, save_top_k=-1, save_last=True,
-            ckpt_path="last")
+            ckpt_path="last", model=model)
+    fs.invalidate_cache()
+    assert model.losses == [] and fs.cat_file(path) == before  # not a step trained, not a byte of the pointer moved
+    # Said to be a new run, it starts from step 0; the first save says so, and keeps the run it branched from.
+    with pytest.warns(RuntimeWarning, match=r"started from scratch .* holds a run up to step 16"):
+        fit(root, ours=True, io=AtomicCheckpointIO(storage_options=s3_backend.storage_options, new_run=True),
+            max_steps=4, every_n_train_steps=4, save_top_k=-1, save_last=True, ckpt_path="last")
     assert load_checkpoint(f"{root}/epoch=1-step=16.ckpt", storage_options=s3_backend.storage_options)
+
+
+# -- a fit that resumes nothing never quietly abandons a run; "last" is the root's latest ----------------------------
+def test_a_fit_that_resumes_nothing_over_a_run_stops_before_its_first_step(tmp_path):
+    root = str(tmp_path / "ckpt")
+    fit(root, ours=True, max_steps=4, every_n_train_steps=2, save_top_k=-1)  # a first run on an empty root
+    before = (tmp_path / "ckpt" / POINTER_NAME).read_bytes()
+    for ckpt_path in (None, "last"):  # "last" without save_last: Lightning finds no last*.ckpt, resumes nothing
+        model = ValModel()
+        with pytest.raises(RunExistsError) as info:
+            fit(root, ours=True, max_steps=4, every_n_train_steps=2, save_top_k=-1, ckpt_path=ckpt_path, model=model)
+        assert model.losses == [] and (tmp_path / "ckpt" / POINTER_NAME).read_bytes() == before
+    latest = find_latest_checkpoint(root)
+    assert (f"its checkpoint folder {root} holds a committed run (latest: {latest})" in str(info.value)
+            and f"ckpt_path=find_latest_checkpoint({root!r})" in str(info.value) and "new_run=True" in str(info.value))
+    # Resuming an older checkpoint (a rollback) resumes something: not refused.
+    assert fit(root, ours=True, max_steps=4, every_n_train_steps=2, save_top_k=-1,
+               ckpt_path=f"{root}/epoch=0-step=2.ckpt").global_step == 4
+
+
+def test_new_run_is_a_setting_that_lets_a_fresh_fit_start_over_a_run(tmp_path):
+    root = str(tmp_path / "ckpt")
+    fit(root, ours=True, max_steps=4, every_n_train_steps=2, save_top_k=-1)
+    with pytest.warns(RuntimeWarning, match="started from scratch"):
+        trainer = fit(root, ours=True, io=AtomicCheckpointIO(new_run=True), max_steps=2, every_n_train_steps=2,
+                      save_top_k=-1)
+    assert trainer.global_step == 2
+    pointer = Pointer.from_bytes((tmp_path / "ckpt" / POINTER_NAME).read_bytes(), where=root)
+    assert [e.step for e in pointer.candidates()] == [2] and {e.step for e in pointer.abandoned()} == {2, 4}
+
+
+class LateRestore(SingleDeviceStrategy):
+    """A strategy that loads the checkpoint after ``on_fit_start``, as FSDP and model parallel do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def test_under_a_strategy_that_restores_after_setup_the_check_waits_for_the_load(tmp_path):
+    root = str(tmp_path / "ckpt")
+    fit(root, ours=True, max_steps=4, every_n_train_steps=2)
+    resumed = Trainer(max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                      strategy=LateRestore(device=torch.device("cpu")),
+                      callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2)], num_sanity_val_steps=0)
+    resumed.fit(ValModel(), loader(), ckpt_path=find_latest_checkpoint(root))  # not refused: it resumes step 4
+    assert resumed.global_step == 6
+    fresh = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                    strategy=LateRestore(device=torch.device("cpu")),
+                    callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2)], num_sanity_val_steps=0)
+    model = ValModel()
+    with pytest.raises(RunExistsError):
+        fresh.fit(model, loader())
+    assert model.losses == []
+
+
+def test_ckpt_path_last_resumes_the_roots_latest_not_an_older_last_ckpt(tmp_path):
+    """On local disk Lightning resolves "last" to <dirpath>/last.ckpt: with the plugin that is the newest committed
+    checkpoint of the root's run. Here the name lags behind it twice: an emergency save after the last regular one,
+    and a rollback whose run has not saved last.ckpt yet (the catalog's last.ckpt is then the abandoned branch's)."""
+    root = str(tmp_path / "ckpt")
+    options = {"every_n_train_steps": 4, "save_top_k": -1, "save_last": True}
+    io = AtomicCheckpointIO()
+    seed_everything(0, workers=True)
+    trainer = Trainer(max_steps=8, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[io], callbacks=[ModelCheckpoint(dirpath=root, **options)],
+                      num_sanity_val_steps=0)
+    model = ValModel()
+    trainer.fit(model, loader(), loader())
+    trainer.fit_loop.epoch_loop.max_steps = 10
+    trainer.fit(model, loader(), loader())  # the same job goes on to step 10, no regular save there...
+    trainer.save_checkpoint(f"{root}/preemption.ckpt")  # ...and its emergency save is the newest checkpoint
+    assert load_checkpoint(f"{root}/last.ckpt")["global_step"] == 8
+    resumed = fit(root, ours=True, io=(reader := AtomicCheckpointIO()), max_steps=12, ckpt_path="last", **options)
+    assert reader.last_load is not None and reader.last_load.commit.startswith("preemption.ckpt/")
+    assert resumed.global_step == 12
+    # A rollback to step 4 whose job died before saving: last.ckpt in the catalog is the abandoned run's step 12.
+    AtomicCheckpointIO(claim_on_load=True).load_checkpoint(f"{root}/epoch=0-step=4.ckpt")
+    assert load_checkpoint(f"{root}/last.ckpt")["global_step"] == 12
+    again = fit(root, ours=True, io=(reader := AtomicCheckpointIO()), max_steps=8, ckpt_path="last", **options)
+    assert reader.last_load is not None and reader.last_load.commit.startswith("epoch=0-step=4.ckpt/")
+    assert again.global_step == 8
+
+
+# -- checkpoint folders that cannot work stop the fit at its start, in one line ---------------------------------------
+def test_a_url_with_one_slash_or_an_unknown_scheme_is_refused_when_the_fit_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = ValModel()
+    # ModelCheckpoint makes the dirpath the local path <cwd>/s3:/bucket/run: a folder named like a protocol.
+    with pytest.raises(StoreURLError, match=r"^cannot open '.*/s3:/bucket/run': .* Did you mean 's3://bucket/run'\?"):
+        fit("s3:/bucket/run", ours=True, max_steps=2, every_n_train_steps=1, model=model)
+    assert model.losses == [] and not (tmp_path / "s3:").exists()  # nothing trained, no local folder ./s3:
+    # ModelCheckpoint(dirpath="S3://...") fails in its own constructor (fsspec's "Protocol not known"); a dirpath
+    # left to default_root_dir is opened by ModelCheckpoint.setup, after the fit-start check has refused it.
+    trainer = Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[AtomicCheckpointIO()], default_root_dir="S3://bucket/run",
+                      callbacks=[ModelCheckpoint(every_n_train_steps=1)])
+    with pytest.raises(StoreURLError, match="Did you mean 's3://bucket/run'"):
+        trainer.fit(model, loader())
+    assert model.losses == []
+
+
+def test_a_dirpath_that_is_a_file_is_refused_when_the_fit_starts(tmp_path):
+    (tmp_path / "ckpt").write_bytes(b"not a folder")
+    model = ValModel()
+    with pytest.raises(NotADirectoryError, match=r"is a file, not a checkpoint root"):
+        fit(str(tmp_path / "ckpt"), ours=True, max_steps=2, every_n_train_steps=1, model=model)
+    assert model.losses == [] and (tmp_path / "ckpt").read_bytes() == b"not a folder"
+
+
+# -- the listing after a fit is stock's ------------------------------------------------------------------------------
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_the_last_top_k_removal_of_a_fit_leaves_the_listing_stock_leaves(tmp_path, request, monkeypatch, store):
+    """ModelCheckpoint(monitor=..., save_top_k=1) with an improving metric over 3 epochs: stock keeps the best file
+    only. The previous best is removed after the fit's last save (its data waits for a later commit): the end of the
+    fit deletes it. With async saves the removal itself runs after that save, at the end of the fit."""
+    options = {"max_epochs": 3, "monitor": "epoch", "mode": "max", "save_top_k": 1}
+    stock = str(tmp_path / "stock")
+    fit(stock, ours=False, **options)
+    if store == "s3":
+        backend = request.getfixturevalue("s3_backend")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", backend.endpoint)  # ModelCheckpoint's own client
+        ours, fs = backend.root, backend.fs()
+    else:
+        ours, fs = str(tmp_path / "ours"), None
+    fit(ours, ours=True, io=AtomicCheckpointIO(storage_options=request.getfixturevalue("s3_backend").storage_options
+                                               if store == "s3" else None, async_save=True), **options)
+    if fs is not None:
+        fs.invalidate_cache()
+        listed = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(backend.path()))
+        listed = [n for n in listed if not n.startswith(".")]
+        commits = [p for p in fs.find(backend.path()) if "/." not in p]
+        assert all(p.split("/")[-3] == "epoch=2-step=24.ckpt" for p in commits), commits
+    else:
+        listed = names(ours)
+    assert names(stock) == ["epoch=2-step=24.ckpt"] and listed == names(stock)
 
 
 def test_keep_last_counts_training_states_not_the_last_ckpt_name(tmp_path):

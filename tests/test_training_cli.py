@@ -85,12 +85,32 @@ def test_each_config_trains_and_the_same_command_resumes(store_env, caplog):
     assert any(v.startswith("resumed from") for v in second.protected.values())
 
 
+def with_plugin(store: str, folder: Path, **init_args: object) -> str:
+    """The store's config with ``init_args`` added to its AtomicCheckpointIO, written to ``folder``."""
+    config = yaml.safe_load((CONFIGS / f"{store}.yaml").read_text())
+    plugin = next(p for p in config["trainer"]["plugins"] if p["class_path"].endswith("AtomicCheckpointIO"))
+    plugin["init_args"].update(init_args)
+    path = folder / f"{store}-{'-'.join(init_args)}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
 @pytest.mark.parametrize("store_env", ["local"], indirect=True)
-def test_explicit_ckpt_path_wins_and_auto_resume_can_be_turned_off(store_env, caplog):
+def test_explicit_ckpt_path_wins_and_auto_resume_can_be_turned_off(store_env, caplog, capsys, tmp_path):
     store, root = store_env
     caplog.set_level(logging.INFO)
     fit(store, 4)
-    fit(store, 4, "--auto_resume", "false")  # starts over: trains 4 steps from scratch into the same root
+    # Turned off over a root that holds a run, it would train from step 0 and leave the run behind: refused at the
+    # fit's start, in one line, unless the plugin is told it is a new run.
+    capsys.readouterr()
+    assert main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(CONFIGS / f"{store}.yaml"),
+                 "--trainer.max_steps", "4", *QUIET, "--auto_resume", "false"]) == 2
+    err = capsys.readouterr().err  # Lightning's own log lines come first
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lightning-resilient train: this fit loads no checkpoint, but its checkpoint folder")
+    assert "new_run=True" in last and "Traceback" not in err
+    assert pointer(root).writer_epoch == 1
+    fit(store, 4, "--auto_resume", "false", "-c", with_plugin(store, tmp_path, new_run=True))  # starts over
     # Resumed, it would have had nothing left to train and committed nothing; fresh, it wrote step 4 again.
     assert pointer(root).latest.writer_epoch == 2
     older = find_latest_checkpoint(root)
@@ -223,3 +243,32 @@ def test_every_credential_form_in_storage_options_is_redacted_and_nothing_else()
     # A URL with credentials is one anywhere in a config (a logger's tracking URI, say).
     assert redact_storage_options({"tracking_uri": "https://me:pw@mlflow.example"}) == \
         {"tracking_uri": f"https://{REDACTED}@mlflow.example"}
+
+
+@pytest.mark.parametrize("store_env", ["s3"], indirect=True)
+def test_ckpt_path_last_resumes_the_roots_latest_on_s3(store_env, caplog):
+    """Lightning resolves "last" by listing last*.ckpt, without the protocol on S3 (Lightning #18261): it would find
+    nothing. lightning-resilient train makes it the root's newest committed checkpoint, on every store."""
+    store, root = store_env
+    fit(store, 4)
+    first = pointer(root)
+    caplog.set_level(logging.INFO)
+    fit(store, 6, "--ckpt_path", "last", "--auto_resume", "false")
+    second = pointer(root)
+    assert second.latest.step == 6 and second.writer_epoch == 2
+    assert second.origins[2].commit == first.latest.commit  # resumed the latest, not a fresh start
+
+
+def test_a_checkpoint_url_no_store_reads_is_refused_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((CONFIGS / "s3.yaml").read_text())
+    checkpoint = next(c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))
+    checkpoint["init_args"]["dirpath"] = "S3://lightning-resilient-example/run-1/checkpoints"
+    (tmp_path / "upper.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", "fit", "-c", str(CONFIGS / "base.yaml"), "-c", str(tmp_path / "upper.yaml"), *QUIET]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("lightning-resilient train: cannot open 'S3://lightning-resilient-example/run-1/checkpoints':"
+                    " protocols are lower case. Did you mean 's3://lightning-resilient-example/run-1/checkpoints'?"
+                    " Use a local path, s3://bucket/prefix, gs://bucket/prefix or another fsspec URL whose filesystem"
+                    " is installed.")
+    assert list(tmp_path.iterdir()) == [tmp_path / "upper.yaml"]  # nothing was built or written

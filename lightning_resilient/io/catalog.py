@@ -22,10 +22,10 @@ from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.root import INSPECTING, CheckpointRoot, Loaded, open_root
-from lightning_resilient.io.store import Store
+from lightning_resilient.io.store import Store, check_url
 
-__all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "check_bucket", "latest_in_root", "load_resolved",
-           "normalize", "reader", "repair_pointer", "resolve", "stock_checkpoints", "was_retired"]
+__all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "check_bucket", "check_not_a_file", "latest_in_root",
+           "load_resolved", "normalize", "reader", "repair_pointer", "resolve", "stock_checkpoints", "was_retired"]
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,10 @@ _RESOLVE_ATTEMPTS = 5
 
 
 def normalize(url: str) -> str:
-    """A local path made absolute (``~`` expanded); any other URL without its trailing slash."""
+    """A local path made absolute (``~`` expanded); any other URL without its trailing slash. A URL no store would
+    read as meant (``s3:/bucket`` with one slash, ``S3://``, ``s4://``) raises ``StoreURLError`` naming the one
+    most likely meant (``check_url``)."""
+    check_url(url)
     protocol, rest = _paths.split_protocol(url)
     if protocol in (None, "file", "local"):
         return os.path.abspath(os.path.expanduser(rest))
@@ -81,6 +84,15 @@ def check_bucket(store: Store) -> None:
                                     " credentials that can see it")
 
 
+def check_not_a_file(store: Store, shown: str) -> None:
+    """Raise ``NotADirectoryError`` naming ``shown`` (the root as the caller gave it) when the root is a file: a
+    checkpoint root is the folder a ModelCheckpoint saves into."""
+    if store.root_is_file():
+        raise NotADirectoryError(f"{shown!r} is a file, not a checkpoint root: pass the folder that holds the"
+                                 " checkpoints (the ModelCheckpoint dirpath); a checkpoint file itself is loaded with"
+                                 " load_checkpoint(path)")
+
+
 def reader(root: str, storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
     """A root opened outside any plugin (find_latest_checkpoint, repair_pointer): default retries, serial I/O."""
     if storage_options is not None and not isinstance(storage_options, dict):
@@ -118,12 +130,14 @@ def older(pointer: Pointer, entry: Entry, origin: Origin | None = None) -> list[
     return [e for e in Lineage.below(origins, entry).members(pointer.entries()) if e.commit != entry.commit]
 
 
-def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | None:
+def resolve(url: str, root_for: Callable[[str], CheckpointRoot], *, shown: str | None = None) -> Resolved | None:
     """What ``url`` names: a commit folder, a root (its latest), or a name in a root; None for a plain file.
 
     A root or a commit folder (what :func:`find_latest_checkpoint` returns) costs one pointer read: the load then
-    reads the manifest and the data, and nothing else.
+    reads the manifest and the data, and nothing else. ``shown``: the path as the caller gave it, for messages
+    (``url`` is normalized: a relative path made absolute).
     """
+    shown = url if shown is None else shown
     url = _follow_local_link(url)
     name = _paths.basename(url)
     if writer_epoch_of(name) is not None:
@@ -147,7 +161,7 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
         if pointer.writer_epoch:
             latest = pointer.candidates()
             raise FileNotFoundError(
-                f"{NOT_FOUND}{url}. It no longer exists: {root.url} holds no commit {commit!r} (retention deletes the"
+                f"{NOT_FOUND}{shown}. It no longer exists: {root.url} holds no commit {commit!r} (retention deletes the"
                 " checkpoints keep_last or a top-k rotation drop, a save later; a save that never committed leaves"
                 " no manifest; a checkpoint of a local tier that was not persisted is only on the node that wrote it:"
                 " pass that plugin's local_tier)."
@@ -158,7 +172,7 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
     if root_pointer is not None:
         candidates = root_pointer.candidates()
         if not candidates:
-            raise FileNotFoundError(f"checkpoint root {url} has a pointer but no committed checkpoint of its current"
+            raise FileNotFoundError(f"checkpoint root {shown} has a pointer but no committed checkpoint of its current"
                                     " run yet")
         return Resolved(as_root, candidates[0], candidates[1:], pinned=False)
 
@@ -178,7 +192,7 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
         if named is not None:
             return Resolved(parent, named, older(scanned_parent, named), pinned=False)
     if parent_pointer is not None:
-        raise FileNotFoundError(f"{NOT_FOUND}{url}. No committed checkpoint is named {name!r} under {parent.url}:"
+        raise FileNotFoundError(f"{NOT_FOUND}{shown}. No committed checkpoint is named {name!r} under {parent.url}:"
                                 f" committed names are {sorted(parent_pointer.checkpoints)}")
     scanned = as_root.scan().pointer() if as_root.store.list_dir("") else None
     if scanned is not None and scanned.candidates():
@@ -187,7 +201,7 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot]) -> Resolved | N
                       f" by scanning, {candidates[0].commit}. lightning_resilient.repair_pointer({url!r}) restores"
                       " the pointer.", RuntimeWarning, stacklevel=3)
         return Resolved(as_root, candidates[0], candidates[1:], pinned=False)
-    raise FileNotFoundError(f"{NOT_FOUND}{url}. It is not a checkpoint root (no {POINTER_NAME}), not a committed"
+    raise FileNotFoundError(f"{NOT_FOUND}{shown}. It is not a checkpoint root (no {POINTER_NAME}), not a committed"
                             f" name in its parent's pointer, not a checkpoint folder (no {MANIFEST_NAME}), and not a"
                             " file")
 
@@ -236,7 +250,7 @@ class _Plan:
 
 def load_resolved(url: str, root_for: Callable[[str], CheckpointRoot], *, fallback: bool,
                   load_for: Callable[[CheckpointRoot], Callable[..., Loaded]], together: Together = ALONE,
-                  **load_kwargs: Any) -> tuple[Resolved, Loaded] | None:
+                  shown: str | None = None, **load_kwargs: Any) -> tuple[Resolved, Loaded] | None:
     """Resolve ``url`` and load it, falling back when ``fallback``; None when it names a plain file.
 
     With several processes (``together``), rank 0 resolves ``url`` (whatever each rank was given) and every rank
@@ -246,12 +260,14 @@ def load_resolved(url: str, root_for: Callable[[str], CheckpointRoot], *, fallba
 
     A checkpoint retired by retention while it was read is not reported as corrupted: the URL is resolved again
     (the root's latest has moved on), or, for a URL naming that very commit, a ``FileNotFoundError`` says so.
+    ``shown``: ``url`` as the caller gave it, for messages.
     """
+    shown = url if shown is None else shown
     for _ in range(_RESOLVE_ATTEMPTS):
         plan: _Plan | BaseException | None = None
         if together.rank == 0:
             try:
-                found = resolve(url, root_for)
+                found = resolve(url, root_for, shown=shown)
             except Exception as exc:  # every rank raises what rank 0 found
                 plan = exc
             else:
@@ -268,7 +284,7 @@ def load_resolved(url: str, root_for: Callable[[str], CheckpointRoot], *, fallba
         if done is not None:
             return done
         log.info("a checkpoint resolved from %s was retired while it was read: resolving it again", url)
-    raise FileNotFoundError(f"every checkpoint resolved from {url} was retired while it was being read"
+    raise FileNotFoundError(f"every checkpoint resolved from {shown} was retired while it was being read"
                             f" ({_RESOLVE_ATTEMPTS} times): the job writing it saves faster than it can be read")
 
 
@@ -322,11 +338,12 @@ def _loud(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
-def latest_in_root(checkpoint_root: CheckpointRoot) -> str | None:
+def latest_in_root(checkpoint_root: CheckpointRoot, shown: str) -> str | None:
     """The newest committed checkpoint of the current run in one root (see :func:`~lightning_resilient.io.latest.
-    find_latest_checkpoint`, which also looks in a local tier), read again while retention retires the candidates."""
+    find_latest_checkpoint`, which also looks in a local tier), read again while retention retires the candidates.
+    ``shown``: the root as the caller gave it, for messages."""
     for _ in range(_RESOLVE_ATTEMPTS):
-        found = _find_latest(checkpoint_root)
+        found = _find_latest(checkpoint_root, shown)
         if found is not _RETIRED:
             return found  # type: ignore[return-value]
     raise FileNotFoundError(f"every checkpoint found under {checkpoint_root.url} was retired while it was being read"
@@ -336,12 +353,14 @@ def latest_in_root(checkpoint_root: CheckpointRoot) -> str | None:
 _RETIRED = object()
 
 
-def _find_latest(checkpoint_root: CheckpointRoot) -> str | object | None:
+def _find_latest(checkpoint_root: CheckpointRoot, shown: str) -> str | object | None:
     """One attempt of latest_in_root; ``_RETIRED`` when retention retired the candidates meanwhile."""
     store = checkpoint_root.store
     pointer, _ = checkpoint_root.read_pointer()
     unreadable: dict[str, str] = {}
     if pointer is None:
+        # Only here: a root with a pointer is a folder, and a resume pays one pointer and one manifest read, no more.
+        check_not_a_file(store, shown)
         check_bucket(store)
         scan = checkpoint_root.scan()
         unreadable = dict(scan.unreadable)
@@ -398,6 +417,7 @@ def repair_pointer(root: str, storage_options: dict[str, Any] | None = None) -> 
     """
     checkpoint_root = reader(root, storage_options)
     store = checkpoint_root.store
+    check_not_a_file(store, root)
     pointer = checkpoint_root.scan().pointer()
     pointer.txn = "repaired"
     current = store.read_versioned(POINTER_NAME)

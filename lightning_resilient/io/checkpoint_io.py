@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -20,24 +21,26 @@ from typing_extensions import override
 
 from lightning_resilient._checks import check_bool, check_optional_bool
 from lightning_resilient._namespaces import register_checkpoint_io, trainer_on_stack
-from lightning_resilient.errors import SettingTypeError
+from lightning_resilient.errors import RunExistsError, SettingTypeError
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.catalog import (
     ALONE,
     Together,
     check_bucket,
+    check_not_a_file,
     load_resolved,
     normalize,
     repair_pointer,
 )
+from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.latest import find_latest_checkpoint
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.node_cache import NodeCache
 from lightning_resilient.io.pointer import Entry
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, open_root
-from lightning_resilient.io.store import LocalStore, MemoryStore
+from lightning_resilient.io.store import LocalStore, MemoryStore, probe_write
 from lightning_resilient.io.tiered import (
     TieredResolved,
     TieredRoot,
@@ -107,6 +110,14 @@ class AtomicCheckpointIO(CheckpointIO):
             incomplete multipart uploads. A save of the current writer is never deleted, whatever its age.
         fallback_on_corruption: when a checkpoint fails verification on load, load the previous committed one
             of the same lineage (with a loud warning) instead of raising.
+        new_run: a ``fit`` that loads no checkpoint may start a new run in a checkpoint folder that holds a committed
+            run (a new experiment in a used folder): the old run is kept as an abandoned branch (until
+            ``lightning-resilient gc --abandoned``), with a warning. False (the default): such a fit stops when it
+            starts (:class:`~lightning_resilient.RunExistsError`, naming the checkpoint to resume) instead of
+            training from step 0 over the run; the usual cause is a forgotten ``ckpt_path``, or ``ckpt_path="last"``
+            on S3/GCS, which Lightning cannot resolve there. A fit that resumes a checkpoint, continues the previous
+            fit in memory, or starts in an empty folder is never refused. With ``new_run=True`` a fit without a
+            ``ckpt_path`` starts over every time: its restarts must pass one (``find_latest_checkpoint``).
         allow_unfenced_store: write a store that accepts conditional writes without enforcing them (a server, or a
             proxy in front of it, that ignores ``If-Match``/``If-None-Match`` or ``ifGenerationMatch``: a probe finds
             out before the first write), with a warning. False (the default): ``fit`` refuses to start on such a
@@ -150,6 +161,7 @@ class AtomicCheckpointIO(CheckpointIO):
         node_cache_dir: str | None = None,
         orphan_grace_seconds: float = 3600.0,
         fallback_on_corruption: bool = True,
+        new_run: bool = False,
         allow_unfenced_store: bool = False,
         claim_on_load: bool | None = None,
         local_tier: str | os.PathLike[str] | None = None,
@@ -169,6 +181,7 @@ class AtomicCheckpointIO(CheckpointIO):
                                      allow_unfenced_store=allow_unfenced_store)
         check_bool("async_save", async_save)
         check_bool("node_cache", node_cache)
+        check_bool("new_run", new_run)
         check_optional_bool("claim_on_load", claim_on_load, none_means="a resuming fit claims", none_first=True)
         check_optional_bool("pin_memory", pin_memory, none_means="pin when CUDA is available")
         if pin_memory and not torch.cuda.is_available():
@@ -180,6 +193,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
         self.max_concurrency = self.settings.max_concurrency  # checked (a plain int)
         self.claim_on_load = claim_on_load
+        self.new_run = new_run
         self.async_save = async_save
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._async = AsyncSaver(pin_memory=self.pin_memory) if async_save else None
@@ -195,6 +209,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self._tiers: dict[str, TieredRoot] = {}  # durable root URL -> its two tiers, for saves
         self._lock = threading.Lock()
         self._last_fit: _FitEnd | None = None  # where the last fit ended (a next fit may continue it)
+        self._continuing = False  # the current fit continues the previous one from its state in memory
         self._fit_dirpaths: list[str] = []  # the checkpoint folders of the current (or last) fit
 
     # -- pickling ----------------------------------------------------------------------------------------------
@@ -323,21 +338,23 @@ class AtomicCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        url = normalize(_fspath(path))
+        given = _fspath(path)  # messages name the path as the caller gave it
+        url = normalize(given)
         if self._async is not None:
             self._async.wait()  # a load never races the save in flight
             self._async.raise_error()
         trainer = _trainer_loading()
+        url = self.resolve_last(url, trainer)
         kwargs = {"map_location": map_location, "weights_only": weights_only,
                   "pin_memory": self.pin_memory and _targets_cuda(map_location)}
         together = _together(trainer)
         if self.local_tier is not None:
-            tiered = self._load_tiered(url, trainer, together, kwargs)
+            tiered = self._load_tiered(url, trainer, together, kwargs, shown=given)
             if tiered is not None:
                 return tiered
         # Under a strategy, every rank of the job loads the commit rank 0 resolved.
         done = load_resolved(url, self.root, fallback=self.settings.fallback_on_corruption, load_for=self._loader,
-                             together=together or ALONE, **kwargs)
+                             together=together or ALONE, shown=given, **kwargs)
         if done is None:
             return _load_plain_file(url, self._options(None), map_location, weights_only)
         found, loaded = done
@@ -349,6 +366,32 @@ class AtomicCheckpointIO(CheckpointIO):
         if trainer is not None and _fn(trainer) == "fit":
             mark_resumed_step_saved(trainer, loaded.checkpoint)
         return loaded.checkpoint
+
+    def resolve_last(self, url: str, trainer: Any) -> str:
+        """What a resuming fit's checkpoint ``url`` means: ``<dirpath>/last.ckpt`` (or ``last-v1.ckpt``, ...) of one of
+        the fit's ModelCheckpoints, which is what Lightning makes of ``ckpt_path="last"`` on local disk, means the
+        newest committed checkpoint of that root's run (the root's URL); any other ``url`` is returned as it is.
+
+        Stock Lightning's ``last.ckpt`` is the newest save by construction. In a root of this plugin the name may lag
+        behind the root's latest: an emergency save of ``PreemptionCheckpoint``, a save of another callback into the
+        same folder, or a rollback whose run has not saved ``last.ckpt`` yet (the catalog's ``last.ckpt`` is then the
+        abandoned branch's). Other loads (validate, test, a script) read the name as it is."""
+        if trainer is None or _fn(trainer) != "fit":
+            return url
+        name, dirpath = _paths.basename(url), _paths.dirname(url)
+        if not any(_names_last(callback, name) and self.root(str(callback.dirpath)).url == self.root(dirpath).url
+                   for callback in getattr(trainer, "checkpoint_callbacks", []) if getattr(callback, "dirpath", None)):
+            return url
+        pointer, _ = self.root(dirpath).read_pointer()
+        candidates = pointer.candidates() if pointer is not None else []
+        if not candidates:
+            return url  # no run of ours there (stock files), or none of the current run yet: the name as it is
+        named = pointer.checkpoints.get(name) if pointer is not None else None
+        if named is None or named.commit != candidates[0].commit:
+            log.info("%s: resuming %s, the newest committed checkpoint of the run in %s (step %d), not %s", url,
+                     candidates[0].commit, dirpath, candidates[0].step,
+                     f"{name} (step {named.step})" if named is not None else name)
+        return dirpath
 
     def _continue_from(self, root: CheckpointRoot, entry: Entry, trainer: Any, *,
                        elsewhere: bool = False) -> CheckpointRoot:
@@ -388,14 +431,14 @@ class AtomicCheckpointIO(CheckpointIO):
         return root
 
     def _load_tiered(self, url: str, trainer: Any, together: Together | None,
-                     kwargs: dict[str, Any]) -> dict[str, Any] | None:
+                     kwargs: dict[str, Any], *, shown: str) -> dict[str, Any] | None:
         """Load across the local and the durable tier (see ``io/tiered.py``); None when neither tier knows ``url``
         (a plain file, a stock checkpoint: the single-tier path handles it)."""
         assert self.local_tier is not None
         found: TieredResolved | None = None
         if together is None or together.rank == 0:
             try:
-                found = resolve_tiered(url, self.local_tier, self.root)
+                found = resolve_tiered(url, self.local_tier, self.root, shown=shown)
             except Exception as exc:
                 if together is None:
                     raise
@@ -446,8 +489,18 @@ class AtomicCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         """Wait for the save in flight (async saves) and raise its error, if any; with ``local_tier``, persist the
-        newest local checkpoint (the last save of a fit) of every root and wait for every persist."""
+        newest local checkpoint (the last save of a fit) of every root and wait for every persist. Then delete what
+        the fit retired since its last commit (Lightning's last top-k removal, the last ``keep_last`` drop), which
+        otherwise waits for a later commit that this job will not make: the root then holds what Lightning kept
+        (see ``Retention.end_of_writer`` for why readers stay safe)."""
         self._each_tier(lambda tier: tier.close(), first=self._async.close if self._async is not None else None)
+        with self._lock:
+            written = [root for root in self._roots.values() if root.writer_epoch is not None]
+        for root in written:
+            try:
+                root.end_of_writer()
+            except Exception as exc:  # what was retired stays until the next commit or gc: nothing is lost
+                log.warning("could not delete the folders retired under %s at the end of the fit: %s", root.url, exc)
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) has committed and, with ``local_tier``, the persists
@@ -499,7 +552,8 @@ class AtomicCheckpointIO(CheckpointIO):
         last, self._last_fit = self._last_fit, None
         if trainer is not None:
             self._fit_dirpaths = [normalize(d) for d in fit_roots(trainer)]
-        if resumed or (last is not None and trainer is not None and last.continued_by(trainer, pl_module)):
+        self._continuing = last is not None and trainer is not None and last.continued_by(trainer, pl_module)
+        if resumed or self._continuing:
             return
         with self._lock:
             claimed = [root for root in self._roots.values() if root.writer_epoch is not None]
@@ -513,14 +567,50 @@ class AtomicCheckpointIO(CheckpointIO):
 
     # -- extras ------------------------------------------------------------------------------------------------
     def check_root(self, root: str) -> None:
-        """Raise now, naming what to fix, when ``root`` cannot hold checkpoints: its bucket does not exist, the
-        credentials cannot see it, or the store ignores conditional writes (``UnfencedStoreError``, unless
-        ``allow_unfenced_store``). The fit-start check calls it for every checkpoint folder of the fit, so a wrong
-        bucket or an unfenced store stops the run before its first step rather than at its first save."""
+        """Raise now, naming what to fix, when ``root`` cannot hold checkpoints: it is not a URL a store reads as
+        meant (``StoreURLError``), its bucket does not exist, it is a file, this process may not list or write it
+        (a probe object is written and deleted: ``StorePermissionError`` about the folder's permissions on local
+        disk, ``StoreCredentialsError`` on a cloud store), or the store ignores conditional writes
+        (``UnfencedStoreError``, unless ``allow_unfenced_store``). The fit-start check calls it for every checkpoint
+        folder of the fit, so any of these stops the run before its first step rather than at its first save."""
         checked = self.root(root)
         check_bucket(checked.store)
+        check_not_a_file(checked.store, root)
         checked.store.list_dir("")  # credentials that can name the bucket but not list it fail here
+        probe_write(checked.store)
         checked.check_fencing()
+
+    def check_new_run(self, trainer: Any) -> None:
+        """Refuse, when a fit of ``trainer`` starts, a fit that loads no checkpoint into a checkpoint folder that holds
+        a committed run (:class:`~lightning_resilient.RunExistsError`, naming the checkpoint to resume): trained
+        from step 0, it would leave that run behind as an abandoned branch. Not refused: a fit that resumed a
+        checkpoint (``trainer.ckpt_path``), one that continues the previous fit of this plugin in memory, one whose
+        folders hold no run of ours (empty, or stock files), and any fit with ``new_run=True``.
+
+        Rank 0 decides and every rank raises the same error (one that raised alone would leave the others waiting at
+        the next collective). The fit-start check calls it once the checkpoint is loaded: in ``on_fit_start``, or in
+        ``on_train_start`` for strategies that restore after setup (FSDP, model parallel)."""
+        if self.new_run or self._continuing or getattr(trainer, "ckpt_path", None) is not None:
+            return
+        together = _together(trainer)
+        verdict: list[tuple[str, str]] | BaseException = []
+        if together is None or together.rank == 0:
+            try:
+                verdict = [(root, latest) for root in fit_roots(trainer)
+                           if (latest := self._committed_latest(root)) is not None]
+            except Exception as exc:  # every rank raises what rank 0 found
+                verdict = exc
+        if together is not None:
+            verdict = together.broadcast(verdict)
+        if isinstance(verdict, BaseException):
+            raise verdict
+        if verdict:
+            raise RunExistsError(_run_exists_message(verdict))
+
+    def _committed_latest(self, root: str) -> str | None:
+        """The newest committed checkpoint of the run in ``root`` (either tier); None when it holds none of ours."""
+        latest = self.find_latest_checkpoint(root)
+        return latest if latest is not None and writer_epoch_of(_paths.basename(latest)) is not None else None
 
     def find_latest_checkpoint(self, root: str) -> str | None:
         """Like :func:`find_latest_checkpoint`, with this plugin's storage options and local tier."""
@@ -545,6 +635,29 @@ class _FitEnd:
         """Whether a fit of ``trainer`` on ``pl_module`` starts where this one ended, from its state in memory."""
         return (self.step > 0 and self.trainer() is trainer and self.module() is pl_module
                 and int(getattr(trainer, "global_step", -1)) == self.step)
+
+
+def _run_exists_message(found: list[tuple[str, str]]) -> str:
+    root, latest = found[0]
+    also = "".join(f"; {other} also holds one (latest: {url})" for other, url in found[1:])
+    return (f"this fit loads no checkpoint, but its checkpoint folder {root} holds a committed run (latest: {latest})"
+            f"{also}: it would train from step 0 and leave that run behind. To resume it, pass"
+            f" ckpt_path=find_latest_checkpoint({root!r}) to trainer.fit (ckpt_path=\"last\" finds no last.ckpt on"
+            " S3/GCS, where Lightning lists it without its protocol, Lightning issue #18261, nor without"
+            " ModelCheckpoint(save_last=True); with LightningCLI, lightning-resilient train resumes by itself). To"
+            " start a new run there instead, keeping the old one as an abandoned branch until `lightning-resilient gc"
+            " --abandoned`, pass AtomicCheckpointIO(new_run=True); or give the new run a ModelCheckpoint dirpath of its"
+            " own.")
+
+
+def _names_last(callback: Any, name: str) -> bool:
+    """Whether ``name`` is one of ``callback``'s ``save_last`` names (``last.ckpt``, ``last-v1.ckpt``, ...)."""
+    last = getattr(callback, "CHECKPOINT_NAME_LAST", None)
+    if not isinstance(last, str):
+        return False
+    join = re.escape(str(getattr(callback, "CHECKPOINT_JOIN_CHAR", "-")))
+    extension = re.escape(str(getattr(callback, "FILE_EXTENSION", ".ckpt")))
+    return re.fullmatch(f"{re.escape(last)}({join}v\\d+)?{extension}", name) is not None
 
 
 def fit_roots(trainer: Any) -> list[str]:

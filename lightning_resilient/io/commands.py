@@ -1,7 +1,13 @@
 """``lightning-resilient ls | verify | gc | export``: look at, check and clean a checkpoint root without writing Python.
 
 Exit status: 0 when all is well, 1 when a checkpoint fails verification (or the pointer is damaged), 2 for bad
-input (a URL no filesystem knows, a missing bucket, missing credentials, a checkpoint that does not exist).
+input (a URL no filesystem knows, a missing bucket, missing credentials, a checkpoint that does not exist, a file
+where a root should be), always as one line naming the fix.
+
+A checkpoint is named the same way everywhere: a root (its latest), ``ROOT/NAME`` (``last.ckpt``, a top-k name) or a
+commit folder ``ROOT/NAME/c...`` (what ``find_latest_checkpoint`` returns), as ``export`` and ``load_checkpoint`` take
+it; ``verify ROOT NAME`` also takes the name apart from its root. ``ls`` and ``gc`` work on a root, and say which
+when given a checkpoint in one. Their hints name the command that acts on what they describe.
 """
 
 from __future__ import annotations
@@ -46,10 +52,11 @@ def add_commands(subparsers: Any) -> None:
     verify = subparsers.add_parser("verify", help="check every checksum of a checkpoint (default: the latest)",
                                    description="Read every object of a checkpoint and check every checksum, with a"
                                                " progress bar. Exit status 1 on any failure.")
-    verify.add_argument("root", help="the checkpoint root")
+    verify.add_argument("root", help="the checkpoint root (its latest), a checkpoint in it (ROOT/last.ckpt) or a commit"
+                                     " folder (ROOT/NAME/c...)")
     verify.add_argument("checkpoint", nargs="?", default=None,
-                        help="a checkpoint name (last.ckpt), commit folder or URL; default: the pointer's latest")
-    verify.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+                        help="a checkpoint name (last.ckpt), commit folder or URL under ROOT; default: what ROOT names")
+    verify.add_argument("--all", action="store_true", help="verify every committed checkpoint of the root")
     verify.add_argument("--no-progress", action="store_true", help="no progress bar")
     _storage_option(verify)
     verify.set_defaults(func=_guarded(_verify))
@@ -112,7 +119,7 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
         except StoreSetupError as exc:
             print(f"lightning-resilient {args.command}: {exc.cli_message}", file=sys.stderr)
             return 2
-        except (FileNotFoundError, PermissionError) as exc:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
             print(f"lightning-resilient {args.command}: {exc}", file=sys.stderr)
             return 2
         except CheckpointError as exc:
@@ -124,14 +131,37 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 def _open(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
     # The protocol's modules import torch: only a command that runs needs them, `--help` answers without.
-    from lightning_resilient.io.catalog import check_bucket, normalize
+    from lightning_resilient.io.catalog import check_bucket, check_not_a_file, normalize
     from lightning_resilient.io.root import INSPECTING, open_root
 
     # A URL no filesystem knows raises StoreURLError here.
     root = open_root(normalize(args.root), _options(args), settings=replace(INSPECTING, orphan_grace_seconds=grace),
                      executor=_cli_pool)
     check_bucket(root.store)
+    check_not_a_file(root.store, args.root)
     return root
+
+
+def _open_root_only(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
+    """The root ``args.root`` names, for a command that works on a whole root (``ls``, ``gc``): a checkpoint in one
+    (``ROOT/NAME`` or a commit folder) is refused with the command that would work."""
+    from lightning_resilient.io import _paths
+    from lightning_resilient.io.folders import writer_epoch_of
+    from lightning_resilient.io.root import INSPECTING, open_root
+
+    root = _open(args, grace=grace)
+    given, name = args.root.rstrip("/") or args.root, _paths.basename(root.url)
+    if writer_epoch_of(name) is not None:  # a commit folder, ROOT/NAME/c...
+        parent = _paths.dirname(_paths.dirname(given)) or "."
+    else:
+        if _pointer(root) is not None:
+            return root
+        around = _pointer(open_root(_paths.dirname(root.url), _options(args), settings=INSPECTING))
+        if around is None or name not in around.checkpoints:
+            return root
+        parent = _paths.dirname(given) or "."  # a name the root above it catalogs, ROOT/NAME
+    raise _Usage(f"{args.root} is a checkpoint in the root {parent}, not a root: run"
+                 f" `lightning-resilient {args.command} {parent}`")
 
 
 def _cli_pool() -> ThreadPoolExecutor:
@@ -195,7 +225,7 @@ def _ls(args: argparse.Namespace) -> int:
     from lightning_resilient.io.fencing import RESUMED
     from lightning_resilient.io.folders import writer_epoch_of
 
-    root = _open(args)
+    root = _open_root_only(args)
     pointer = _pointer(root)
     print(f"root:    {root.url}")
     scanned = pointer is None
@@ -231,9 +261,17 @@ def _ls(args: argparse.Namespace) -> int:
             " (emergency save: preemption)" if e.name.startswith(PREEMPTION_PREFIX) else "")
         print(f"| {e.name}{marks} | {e.step} | {e.epoch} | {e.writer_epoch} | {_size(e.size)} | {_age(e.created)} |"
               f" {e.commit} | {status} |")
+    # What `gc` would delete now (default grace), so that every hint below says what acts on what it describes.
+    collectable = {url for url, _ in root.collect_garbage(dry_run=True)} if not scanned else set()
+    gc_root = f"`lightning-resilient gc {args.root}`"
     if abandoned:
-        print(f"\n{len(abandoned)} checkpoint(s) belong to an abandoned branch (a later job resumed from an earlier"
-              f" checkpoint): never resumed; `lightning-resilient gc {args.root} --abandoned` deletes them")
+        with_abandoned = {url for url, _ in root.collect_garbage(dry_run=True, abandoned=True)}
+        going = [e for e in abandoned if any(root.store.url(f) in with_abandoned for f in e.folders)]
+        kept = len(abandoned) - len(going)
+        print(f"\n{len(abandoned)} checkpoint(s) belong to an abandoned branch (a later job started fresh or resumed"
+              f" an earlier checkpoint): never resumed; `lightning-resilient gc {args.root} --abandoned` deletes"
+              + (" them" if not kept else f" {len(going)} of them ({kept} kept: the latest, or what a job resumed"
+                                           " from)"))
     live = pointer.live_folders()
     retired, others, uncommitted = [], [], []
     for name in root.store.list_dir(""):
@@ -250,14 +288,20 @@ def _ls(args: argparse.Namespace) -> int:
             else:
                 uncommitted.append(folder)
     if retired:
-        print(f"\n{len(retired)} folder(s) retired by retention, deleted after the next commit")
+        print(f"\n{len(retired)} folder(s) retired by retention (no longer checkpoints; deleted at the next commit of"
+              " the job writing the root, or when its fit ends): "
+              + _gc_hint(retired, root, collectable, gc_root, "are deleted by gc once the pointer has not changed for"
+                         " --grace seconds (default: an hour)"))
     if others and not scanned:
-        print(f"\n{len(others)} committed folder(s) the pointer does not reference (a save whose job died before its"
-              f" pointer update, or an older commit of a name): kept; `gc --abandoned` deletes those outside the"
-              f" current run")
+        print(f"\n{len(others)} committed folder(s) the pointer does not reference (a job died between a save's"
+              " manifest and its pointer update, or a rebuilt pointer named only the newest commit of a name): "
+              + _gc_hint(others, root, collectable, gc_root, "are kept while they belong to the current run or to"
+                         " the job writing the root, or are younger than --grace (default: an hour)"))
     if uncommitted:
-        print(f"\n{len(uncommitted)} folder(s) without a manifest (crashed or in-progress saves): never loadable; see"
-              f" `lightning-resilient gc {args.root} --dry-run`")
+        print(f"\n{len(uncommitted)} folder(s) without a manifest (interrupted saves, or a save in progress; never"
+              " loadable): "
+              + _gc_hint(uncommitted, root, collectable, gc_root, "are saves of the job writing the root (never"
+                         " collected while it writes) or younger than --grace (default: an hour)"))
     if stock:
         print(f"\n{len(stock)} stock Lightning checkpoint file(s) (written without this plugin; resumed from only when"
               " no"
@@ -271,6 +315,17 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"\n{len(bad)} checkpoint(s) FAIL verification", file=sys.stderr)
         return 1
     return 0
+
+
+def _gc_hint(folders: list[str], root: CheckpointRoot, collectable: set[str], gc_root: str, rest: str) -> str:
+    """What ``gc`` does with ``folders``: those in ``collectable`` (its dry run) it deletes now; ``rest`` says what
+    becomes of the others."""
+    now = sum(root.store.url(f) in collectable for f in folders)
+    if now == len(folders):
+        return f"{gc_root} deletes them now"
+    if now:
+        return f"{gc_root} deletes {now} of them now; the others {rest}"
+    return f"they {rest}"
 
 
 def _local_root(args: argparse.Namespace, root: CheckpointRoot) -> CheckpointRoot | None:
@@ -378,21 +433,50 @@ def _print_stock(root: CheckpointRoot, stock: list[tuple[str, float]]) -> None:
     print("| name | size | age | verifies |")
     print("|---|---:|---:|---|")
     for name, modified in stock:
-        print(f"| {name} | {_size(sizes[name].size)} | {_age(modified)} | stock (unverified) |")
+        size = sizes[name].size if name in sizes else None
+        print(f"| {name} | {'?' if size is None else _size(size)} | {_age(modified)} | stock (unverified) |")
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from lightning_resilient.io.catalog import was_retired
+    from lightning_resilient.io import _paths
+    from lightning_resilient.io.catalog import resolve, was_retired
     from lightning_resilient.io.folders import writer_epoch_of
+    from lightning_resilient.io.root import INSPECTING, open_root
 
-    root = _open(args)
+    opened = _open(args)
+    roots = {opened.url: opened}
+
+    def root_for(url: str) -> CheckpointRoot:
+        if url not in roots:
+            roots[url] = open_root(url, _options(args), settings=INSPECTING, executor=_cli_pool)
+        return roots[url]
+
+    def pick() -> tuple[CheckpointRoot, Entry]:
+        """The root and the checkpoint the arguments name (what load_checkpoint would load)."""
+        if args.checkpoint is not None or _pointer(opened) is not None:
+            return opened, _target(opened, args.checkpoint)
+        try:
+            found = resolve(opened.url, root_for, shown=args.root)  # ROOT/NAME, or a commit folder
+        except FileNotFoundError:
+            if not opened.store.list_dir("") and _pointer(root_for(_paths.dirname(opened.url))) is None:
+                raise _Usage(f"no committed checkpoint under {args.root} (no {POINTER_NAME}); name one to verify"
+                             ) from None
+            raise
+        if found is None:
+            raise _Usage(f"{args.root} is a plain file (a stock checkpoint?), not a committed checkpoint: it carries"
+                         " no checksums to verify")
+        return found.root, found.entry
+
+    root, first = pick()
     if args.all:
         pointer = _pointer(root)
         if pointer is None:
             raise _Usage(f"no pointer under {root.url}: nothing committed to verify")
         targets = pointer.candidates() + pointer.abandoned()
     else:
-        targets = [_target(root, args.checkpoint)]
+        targets = [first]
+    # The arguments named one commit: if retention deletes it meanwhile there is nothing else to verify.
+    named = writer_epoch_of(_paths.basename(args.checkpoint if args.checkpoint is not None else args.root)) is not None
     failed = 0
     attempts = 0
     while targets:
@@ -405,15 +489,14 @@ def _verify(args: argparse.Namespace) -> int:
             if was_retired(root, entry):
                 # Retention of the job writing the root deleted it while it was read: nothing is damaged.
                 print(f"RETIRED {url}: deleted by retention while it was verified (not a failure)")
-                named = (args.checkpoint is None
-                         or writer_epoch_of(args.checkpoint.rstrip("/").rsplit("/", 1)[-1]) is None)
                 if args.all:
                     continue
-                if not named:
+                if named:
                     raise _Usage(f"{url} no longer exists: retention deleted it while it was being verified") from exc
                 if attempts < 5:
                     attempts += 1
-                    targets.append(_target(root, args.checkpoint))  # the latest (or the name) moved on: verify it
+                    root, again = pick()  # the latest (or the name) moved on: verify what it names now
+                    targets.append(again)
                 continue
             failed += 1
             print(f"FAILED {url}: {exc}")
@@ -470,7 +553,7 @@ def _gc(args: argparse.Namespace) -> int:
         raise _Usage(f"--orphan-grace-seconds/--grace must be >= 0 seconds, got {args.grace}")
     if args.keep_last is not None and args.keep_last < 1:
         raise _Usage(f"--keep-last must be >= 1, got {args.keep_last}")
-    root = _open(args, grace=args.grace)
+    root = _open_root_only(args, grace=args.grace)
     if _pointer(root) is None and root.scan().manifests:
         raise _Usage(f"{root.store.url(POINTER_NAME)} is missing: nothing is deleted under a root whose pointer is lost"
                      " (its checkpoints are all kept). Rebuild it first: python -c \"import lightning_resilient as lr;"

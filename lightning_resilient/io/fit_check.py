@@ -1,8 +1,10 @@
 """Check, when ``fit`` starts, that every checkpoint folder the Trainer will write through ``AtomicCheckpointIO``
-can hold checkpoints: a missing bucket or credentials that cannot see it stop the run before its first step, not at
-its first save a training interval later. It also tells the plugin that a fit starts (a fit that resumed nothing is a
-new job: see ``AtomicCheckpointIO.begin_fit``), and says in one line of its own which commit a resume continues, in
-place of Lightning's "Checkpoint directory ... exists and is not empty" (kept for a folder the fit does not resume).
+can hold checkpoints: a URL no store reads as meant, a missing bucket, credentials that cannot see it or a folder this
+process may not write stop the run before its first step, not at its first save a training interval later. So does a
+fit that loads no checkpoint into a folder that holds a committed run (``AtomicCheckpointIO.check_new_run``). It also
+tells the plugin that a fit starts (a fit that resumed nothing is a new job: see ``AtomicCheckpointIO.begin_fit``),
+and says in one line of its own which commit a resume continues, in place of Lightning's "Checkpoint directory ...
+exists and is not empty" (kept for a folder the fit does not resume).
 
 A ``CheckpointIO`` gets no call from Lightning before it saves (and the folder is a ``ModelCheckpoint`` setting the
 plugin never sees), so the check is a callback. Lightning asks the functions that packages register under the entry
@@ -15,8 +17,12 @@ it (a plugin set on the strategy after the Trainer was built, or the package run
 installed entry points).
 
 The check runs in ``on_fit_start``: after every ``setup`` (``ModelCheckpoint.setup`` resolves a ``dirpath`` left
-``None`` to ``<default_root_dir>/.../checkpoints``) and the load of a resume, before the sanity check and the first
-step. Every rank checks: one that raised alone would leave the others waiting for it at the next collective.
+``None`` to ``<default_root_dir>/.../checkpoints``), before the sanity check and the first step. Every rank checks:
+one that raised alone would leave the others waiting for it at the next collective. A ``default_root_dir`` that a
+ModelCheckpoint without a dirpath will use is checked earlier, in ``setup``, before ``ModelCheckpoint.setup`` opens
+its own client on it. Whether the fit resumed a checkpoint is
+known once the checkpoint is loaded: in ``on_fit_start``, except under strategies that restore after setup (FSDP,
+model parallel), whose check runs in ``on_train_start``, still before the first step.
 """
 
 from __future__ import annotations
@@ -53,8 +59,12 @@ class _Check:
         if stage != "fit" or plugin is None:
             return
         self._load_before = plugin.last_load
-        from lightning_resilient.io.store import check_default_client
+        from lightning_resilient.io.store import check_default_client, check_url
 
+        if any(not getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks):
+            # ModelCheckpoint.setup puts such a callback's folder under default_root_dir and opens it with its own
+            # client, which fails on "S3://" in fsspec's words. (Every dirpath set is checked in on_fit_start.)
+            check_url(str(trainer.default_root_dir))
         for callback in trainer.checkpoint_callbacks:
             dirpath = getattr(callback, "dirpath", None)
             if isinstance(dirpath, (str, os.PathLike)) and str(dirpath):
@@ -75,6 +85,13 @@ class _Check:
         plugin.begin_fit(resumed=getattr(trainer, "ckpt_path", None) is not None, trainer=trainer, pl_module=pl_module)
         for dirpath in fit_roots(trainer):
             plugin.check_root(dirpath)
+        if not _restores_after_setup(trainer):
+            plugin.check_new_run(trainer)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        plugin = _plugin(trainer)
+        if plugin is not None and _restores_after_setup(trainer):
+            plugin.check_new_run(trainer)  # the checkpoint (if any) is loaded only after on_fit_start there
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         plugin = _plugin(trainer)
@@ -158,6 +175,11 @@ def _resumed_root(trainer: Any, plugin: Any) -> str | None:
         if path == url or path.startswith(url.rstrip("/") + "/"):
             return str(url)
     return None
+
+
+def _restores_after_setup(trainer: Any) -> bool:
+    """Whether the Trainer's strategy loads the checkpoint after ``on_fit_start`` (FSDP, model parallel)."""
+    return bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
 
 
 def _plugin(trainer: Any) -> Any:

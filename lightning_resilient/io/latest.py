@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_resilient.io.catalog import latest_in_root, reader
+from lightning_resilient.io.catalog import check_not_a_file, latest_in_root, reader
 from lightning_resilient.io.tiered import find_latest_tiered, local_tier_url
 
 __all__ = ["find_latest_checkpoint"]
@@ -34,8 +34,9 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
     """
     checkpoint_root = reader(root, storage_options)
     if local_tier is not None:
+        check_not_a_file(checkpoint_root.store, root)  # the tiers' view reads the root's folders whatever it holds
         local = reader(local_tier_url(local_tier, checkpoint_root.url))
         found_tiered = find_latest_tiered(checkpoint_root, local)
         if found_tiered is not None:
             return found_tiered
-    return latest_in_root(checkpoint_root)
+    return latest_in_root(checkpoint_root, root)

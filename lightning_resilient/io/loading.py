@@ -81,8 +81,11 @@ def export_checkpoint(checkpoint_path: str | os.PathLike[str], out: str | os.Pat
     """
     from fsspec.core import url_to_fs
 
-    checkpoint = load_checkpoint(checkpoint_path, map_location="cpu", storage_options=storage_options)
+    from lightning_resilient.io.store import check_url
+
     target = os.fspath(out)
+    check_url(target)  # before the checkpoint is read: "s3:/bucket/x.ckpt" would be written to a local folder
+    checkpoint = load_checkpoint(checkpoint_path, map_location="cpu", storage_options=storage_options)
     fs: Any
     path: str
     fs, path = url_to_fs(target, **(out_storage_options or {}))

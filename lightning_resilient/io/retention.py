@@ -5,7 +5,9 @@ Nothing else in the package deletes a committed checkpoint's data. The rules (ea
 - a folder the pointer no longer references (``keep_last``, Lightning's removals, a name saved again) is *retired*:
   recorded in the pointer, its manifest deleted at once (it is no checkpoint any more, even for a pointer rebuilt
   after a loss), and its data once a later commit has happened: a reader already reading it has a save interval to
-  finish;
+  finish. Two events stand in for a later commit that will not come: the end of the writer's fit
+  (:meth:`Retention.end_of_writer`, so that a finished run holds what Lightning kept and nothing more), and, for an
+  operator's ``gc``, a pointer that has not changed for ``orphan_grace_seconds`` (the job that retired them stopped);
 - a folder the pointer does not reference, written by a writer epoch older than the pointer's (a fenced writer,
   which can never commit it): without a manifest (a crashed upload), or with one outside the current lineage (the
   writer died between its manifest and the pointer update: never visible, never resumable). A save in progress
@@ -28,7 +30,7 @@ import re
 import time
 from collections.abc import Callable
 
-from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
+from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError, UnsupportedFormatError
 from lightning_resilient.io.fencing import WriterFence, is_resumed
 from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.lineage import ORIGINS_DIR, Lineage
@@ -141,6 +143,43 @@ class Retention:
         self.tidy_names({f.split("/", 1)[0] for f in deleted})
         return deleted
 
+    def end_of_writer(self) -> list[str]:
+        """This process's fit of the root has ended (the plugin's teardown): delete the folders it retired that are
+        still waiting for a later commit (the last top-k removal, the last ``keep_last`` drop), and prune the
+        records of what it deleted from the pointer. Returns the folders deleted.
+
+        Why this is safe for readers, though no later commit gave them a save interval: a retired folder lost its
+        manifest when it was retired, so no reader resolves it any more, and none ever loads part of it (every
+        chunk is verified against a manifest read before); a reader that resolved it before and is still reading
+        finds its objects gone, which the catalog tells from damage (the pointer no longer names it, its manifest
+        is gone) and answers by resolving again to the newer checkpoint that replaced it (a reader that named that
+        very commit is told it was deleted by retention). Held folders (being copied) and what a job resumed from
+        are live, never retired. Waiting instead for the next commit would keep checkpoints Lightning removed until
+        the next job's first save, and for ever once the run is done. Only the root's current writer does it: once
+        a newer job has claimed the root, its own commits delete them."""
+        if self.fence.writer_epoch is None:
+            return []
+        pointer, _ = self.fence.read_pointer()
+        if pointer is None or pointer.writer_epoch != self.fence.writer_epoch:
+            return []
+        try:
+            self.fence.check_current(pointer)
+        except StaleWriterError:
+            return []
+        waiting = sorted(set(pointer.retired) - pointer.live_folders())
+        deleted = [folder for folder in waiting if self.delete_committed(folder)]
+        self.fence.deleted(deleted)
+        self.tidy_names({f.split("/", 1)[0] for f in deleted})
+        if self.fence.has_deleted:
+            # The records of what it deleted leave the pointer. A newer writer that claimed meanwhile prunes them at
+            # its next update instead (deleting a folder that is gone already is a no-op).
+            with contextlib.suppress(StaleWriterError):
+                self.fence.update(lambda p: p, fenced=True)
+        if deleted:
+            log.info("the fit writing %s ended: deleted the %d folder(s) it retired since its last commit", self.url,
+                     len(deleted))
+        return deleted
+
     def tidy_names(self, names: set[str]) -> None:
         # Local disk keeps empty name folders after their last commit is deleted; object stores have none.
         if not self.store.supports_read_into:  # i.e. not local disk
@@ -153,7 +192,11 @@ class Retention:
         """Delete what no committed checkpoint of the root needs; returns ``(url, why)`` of each folder deleted
         (or, with ``dry_run``, that would be).
 
-        - retired folders whose time has come (a commit has happened since retention dropped them);
+        - retired folders whose time has come (a commit has happened since retention dropped them), or, for an
+          operator's collection (this process does not write the root), whose pointer has not changed for
+          ``orphan_grace_seconds`` (measured from the store's timestamp of the pointer, by this host's clock: a
+          skewed clock only shortens or lengthens the time a reader that was reading one had to finish, since a
+          retired folder is never loaded again);
         - folders the pointer does not reference, of a writer epoch older than the pointer's (their writer is
           fenced, so it can never commit them): those without a manifest, and those whose manifest lies outside the
           current lineage (the writer died between its manifest and the pointer update, so no resume can ever pick
@@ -175,16 +218,29 @@ class Retention:
             return []
         doomed: list[tuple[str, str]] = []
         if abandoned:
-            for entry in self.drop_abandoned(dry_run=dry_run):
-                doomed += [(self.store.url(f), f"checkpoint {entry.name} (step {entry.step}) of an abandoned branch")
-                           for f in entry.folders]
+            dropped = self.drop_abandoned(dry_run=dry_run)
+            # A folder goes only when no checkpoint left needs it (last.ckpt shares the data of a top-k save at its
+            # step), and is listed once, whichever checkpoints it served.
+            remaining = pointer.copy()
+            for entry in dropped:
+                remaining.checkpoints.pop(entry.name, None)
+            kept = remaining.live_folders()
+            def why(entry: Entry) -> str:
+                return f"checkpoint {entry.name} (step {entry.step}) of an abandoned branch"
+
+            # Each folder under the checkpoint it holds the manifest of, before those that only share its data.
+            doomed += [(self.store.url(e.commit), why(e)) for e in dropped if e.commit not in kept]
+            doomed += [(self.store.url(f), why(e)) for e in dropped for f in e.folders if f not in kept]
             pointer, _ = self.fence.read_pointer()
             if pointer is None:
-                return doomed
+                return _once(doomed)
         head, live, due = pointer.writer_epoch, pointer.live_folders(), pointer.retired_due()
         lineage = pointer.lineage()
-        reference = self.store.modified(POINTER_NAME) or self.store.modified(LEGACY_POINTER_NAME) or time.time()
+        written = self.store.modified(POINTER_NAME) or self.store.modified(LEGACY_POINTER_NAME)
+        reference = written or time.time()
         grace = self.orphan_grace_seconds
+        if self.fence.writer_epoch is None and written is not None and time.time() - written >= grace:
+            due = set(pointer.retired)  # the job that retired them has not committed for the grace period
         partial: list[str] = []
         committed: list[str] = []
         for name in self.store.list_dir(""):
@@ -228,6 +284,7 @@ class Retention:
                 log.info("aborted incomplete multipart upload %s", key)
             for name in self.store.remove_stale_temp_files(POINTER_NAME):
                 log.info("removed %s, left by an interrupted pointer write", name)
+        doomed = _once(doomed)
         if doomed:
             log.info("%s %d folder(s) under %s", "would delete" if dry_run else "deleted", len(doomed), self.url)
         return doomed
@@ -247,6 +304,14 @@ class Retention:
             return True  # a manifest that does not load makes nothing loadable
         except UnsupportedFormatError:
             return False  # a newer version wrote it: not ours to judge
+
+
+def _once(doomed: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Each URL once, with the first reason given for it."""
+    first: dict[str, str] = {}
+    for url, why in doomed:
+        first.setdefault(url, why)
+    return list(first.items())
 
 
 def _beyond(p: Pointer, keep: int) -> list[Entry]:

@@ -205,6 +205,11 @@ class CheckpointRoot:
         """Delete what no committed checkpoint needs (:meth:`Retention.collect_garbage`); ``(url, why)`` each."""
         return self.retention.collect_garbage(dry_run=dry_run, abandoned=abandoned)
 
+    def end_of_writer(self) -> list[str]:
+        """This process's fit of the root ended: delete what it retired since its last commit
+        (:meth:`Retention.end_of_writer`)."""
+        return self.retention.end_of_writer()
+
     def retain(self, keep_last: int, *, dry_run: bool = False) -> list[Entry]:
         return self.retention.retain(keep_last, dry_run=dry_run)
 

@@ -474,12 +474,13 @@ class TieredResolved:
     fallbacks: list[Entry]
 
 
-def resolve_tiered(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot]) -> TieredResolved | None:
+def resolve_tiered(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot], *,
+                   shown: str | None = None) -> TieredResolved | None:
     """What ``url`` names across the two tiers of its durable root; None when neither tier knows it (the caller's
     single-tier resolution then handles it: a plain file, a stock checkpoint, the error message).
 
     ``url`` may name the durable root (its newest checkpoint in either tier), a name in it, a commit folder in it, or
-    the same in its local tier root (``<local_tier>/<...>``).
+    the same in its local tier root (``<local_tier>/<...>``). ``shown``: ``url`` as the caller gave it, for messages.
     """
     durable_url, rel = _split(url, local_tier, root_for)
     if durable_url is None:
@@ -493,7 +494,7 @@ def resolve_tiered(url: str, local_tier: str, root_for: Callable[[str], Checkpoi
     if writer_epoch_of(rel) is not None:
         entry = view.entry(rel)
         if entry is None:
-            raise FileNotFoundError(f"{NOT_FOUND}{url}. Neither {durable_url} nor its local tier"
+            raise FileNotFoundError(f"{NOT_FOUND}{shown or url}. Neither {durable_url} nor its local tier"
                                     f" {view.local.url} holds a committed {rel!r}")
         return TieredResolved(durable_url, entry, view.older(entry))
     candidates = view.candidates()

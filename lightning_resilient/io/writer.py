@@ -337,7 +337,7 @@ class RootWriter:
         found = self.reader.stored_sizes({o.path for o in objects})
         for obj in objects:
             size = found.get(obj.path)
-            if size == obj.size:
+            if size == obj.size or (size is None and obj.path in found):  # stored, of a size the store cannot tell
                 continue
             pointer, _ = self.fence.read_pointer()
             if pointer is not None:  # gone because a newer job (or a new incarnation of the root) collected it

@@ -61,9 +61,10 @@ def main(root: str, max_steps: int, io_options: dict[str, Any]) -> None:
     trainer = Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=max_steps, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, plugins=[CountingIO(**io_options)],
                       callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1), Report()])
-    trainer.fit(TinyModel(), tiny_loader(n=128),
-                ckpt_path=find_latest_checkpoint(root, io_options.get("storage_options"),
-                                                 local_tier=io_options.get("local_tier")))
+    # FRESH=1: a job that forgets its ckpt_path.
+    ckpt_path = None if os.environ.get("FRESH") == "1" else find_latest_checkpoint(
+        root, io_options.get("storage_options"), local_tier=io_options.get("local_tier"))
+    trainer.fit(TinyModel(), tiny_loader(n=128), ckpt_path=ckpt_path)
 
 
 if __name__ == "__main__":

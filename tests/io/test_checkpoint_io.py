@@ -1,6 +1,12 @@
-"""Construction-time validation and the public surface."""
+"""Construction-time validation, the public surface, and the checks that run when a fit starts."""
 
 from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -33,6 +39,7 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
     ({"claim_on_load": 1}, "claim_on_load must be None \\(a resuming fit claims\\), True or False"),
     ({"async_save": "no"}, "async_save must be True or False"),
     ({"pin_memory": 1}, "pin_memory must be True, False or None"),
+    ({"new_run": "yes"}, "new_run must be True or False, got 'yes'"),
 ])
 def test_bad_types_fail_at_construction(kwargs, message):
     with pytest.raises(TypeError, match=message):
@@ -92,3 +99,86 @@ def test_every_constructor_argument_is_typed_for_the_cli():
     sig = inspect.signature(AtomicCheckpointIO.__init__)
     untyped = [n for n, p in sig.parameters.items() if n != "self" and p.annotation is inspect.Parameter.empty]
     assert not untyped
+
+
+# -- what the fit-start check refuses in a checkpoint folder --------------------------------------------------------
+def as_unprivileged(call: Callable[[], Any]) -> Any:
+    """``call()`` as a user without privileges, returning what it returned or raising what it raised: root ignores
+    folder permissions, so as root it runs in a forked child that has dropped to the user "nobody" (uid 65534)."""
+    if os.geteuid() != 0:
+        return call()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, only the call and its outcome down the pipe
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                outcome: Any = ("ok", call())
+            except BaseException as exc:
+                outcome = ("raised", exc)
+            os.write(write, pickle.dumps(outcome))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    kind, value = pickle.loads(data)
+    if kind == "raised":
+        raise value
+    return value
+
+
+def test_a_read_only_local_folder_is_refused_when_the_fit_starts_about_its_permissions():
+    """The probe object the fit-start check writes and deletes in the protocol folder finds it before the first save;
+    the message is about the folder's permissions, not about AWS credentials."""
+    base = tempfile.mkdtemp()  # under /tmp, which every user may traverse
+    try:
+        os.chmod(base, 0o755)
+        readonly = os.path.join(base, "ckpt")
+        os.mkdir(readonly, 0o755)
+        if os.geteuid() != 0:
+            os.chmod(readonly, 0o555)
+        with pytest.raises(lightning_resilient.StorePermissionError) as info:
+            as_unprivileged(lambda: AtomicCheckpointIO().check_root(readonly))
+        message = str(info.value)
+        assert f"permission denied to write {readonly}/.lightning_resilient/" in message
+        assert "Fix its permissions or ownership" in message and "AWS" not in message
+        assert isinstance(info.value, PermissionError)
+        assert os.listdir(readonly) == []
+        if os.geteuid() == 0:
+            AtomicCheckpointIO().check_root(readonly)  # its owner may write it: the same check passes
+    finally:
+        os.chmod(base, 0o755)
+        for folder, _, files in os.walk(base, topdown=False):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.unlink(os.path.join(folder, name))
+            os.rmdir(folder)
+
+
+def test_a_writable_root_keeps_no_probe(local_backend, s3_backend):
+    for backend in (local_backend, s3_backend):
+        AtomicCheckpointIO(storage_options=backend.storage_options).check_root(backend.root)
+        fs = backend.fs()
+        fs.invalidate_cache()
+        probes = [p for p in fs.find(backend.path()) if "probe" in p]
+        assert probes == [], probes
+
+
+def test_a_root_that_is_a_file_is_named_as_given(tmp_path, monkeypatch, capsys):
+    from lightning_resilient.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.ckpt").write_bytes(b"a file, not a folder")
+    with pytest.raises(NotADirectoryError) as info:
+        lightning_resilient.find_latest_checkpoint("model.ckpt")
+    assert str(info.value).startswith("'model.ckpt' is a file, not a checkpoint root")
+    assert ".lightning_resilient" not in str(info.value) and str(tmp_path) not in str(info.value)
+    with pytest.raises(NotADirectoryError, match=r"'model\.ckpt' is a file"):
+        AtomicCheckpointIO().check_root("model.ckpt")
+    for command in ("ls", "gc", "verify"):
+        assert main([command, "model.ckpt"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"lightning-resilient {command}: {info.value}\n"

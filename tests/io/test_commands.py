@@ -10,6 +10,7 @@ from lightning_resilient.cli import main
 from lightning_resilient.io.manifest import MANIFEST_NAME
 
 from .helpers import make_checkpoint, put, read_pointer
+from .test_protocol import commits_on_store
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -129,3 +130,87 @@ def test_bad_input_exits_2_with_a_message(s3_backend, local_backend, tmp_path, c
 def test_empty_root_is_not_an_error(local_backend, capsys):
     assert main(["ls", local_backend.root]) == 0
     assert "no checkpoints" in capsys.readouterr().out
+
+
+def test_verify_takes_a_checkpoint_as_export_and_load_checkpoint_take_it(filled, capsys):
+    pointer = read_pointer(filled)
+    named = pointer.checkpoints["epoch=0-step=2.ckpt"]
+    for target in (filled.url("epoch=0-step=2.ckpt"), filled.url(named.commit)):  # ROOT/NAME, a commit folder URL
+        assert run(filled, "verify", target, "--no-progress") == 0
+        assert f"OK     {filled.url(named.commit)}:" in capsys.readouterr().out
+    assert run(filled, "verify", filled.root, "--no-progress") == 0  # the root: its latest, as before
+    assert f"OK     {filled.url(pointer.latest.commit)}:" in capsys.readouterr().out
+    assert run(filled, "verify", filled.url("epoch=0-step=9.ckpt"), "--no-progress") == 2
+    assert "No committed checkpoint is named 'epoch=0-step=9.ckpt'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["ls", "gc"])
+def test_ls_and_gc_given_a_checkpoint_name_the_root_to_run_them_on(filled, capsys, command):
+    commit = read_pointer(filled).checkpoints["epoch=0-step=2.ckpt"].commit
+    for target in (filled.url("epoch=0-step=2.ckpt"), filled.url(commit)):
+        assert run(filled, command, target) == 2
+        assert capsys.readouterr().err == (f"lightning-resilient {command}: {target} is a checkpoint in the root"
+                                           f" {filled.root}, not a root: run `lightning-resilient {command}"
+                                           f" {filled.root}`\n")
+
+
+def test_what_ls_says_of_abandoned_checkpoints_gc_abandoned_deletes_each_once(request, make_io, capsys):
+    """A rollback abandons a top-k checkpoint and the last.ckpt that shares its data (one folder, two names): ls
+    names the command, whose dry run lists every folder once, and which then deletes them."""
+    backend = request.getfixturevalue("s3_backend")
+    old = make_io(backend, shard_size=4096)
+    for step in (1, 2):
+        old.save_checkpoint(make_checkpoint(step, size=512), backend.url(f"epoch=0-step={step}.ckpt"))
+    old.save_checkpoint(make_checkpoint(2, size=512), backend.url("last.ckpt"))  # shares step 2's shards
+    pointer = read_pointer(backend)
+    step2, last = pointer.checkpoints["epoch=0-step=2.ckpt"], pointer.checkpoints["last.ckpt"]
+    assert step2.commit in last.folders
+    rollback = make_io(backend)
+    rollback.root(backend.root).claim(resumed_from=pointer.checkpoints["epoch=0-step=1.ckpt"])
+    assert run(backend, "ls", backend.root) == 0
+    out = capsys.readouterr().out
+    assert (f"2 checkpoint(s) belong to an abandoned branch (a later job started fresh or resumed an earlier"
+            f" checkpoint): never resumed; `lightning-resilient gc {backend.root} --abandoned` deletes them") in out
+    assert run(backend, "gc", backend.root, "--abandoned", "--dry-run") == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("would delete")]
+    assert sorted(listed) == sorted(f"would delete {backend.url(folder)}: checkpoint {name} (step 2) of an abandoned"
+                                    " branch" for folder, name in ((step2.commit, "epoch=0-step=2.ckpt"),
+                                                                   (last.commit, "last.ckpt")))
+    assert run(backend, "gc", backend.root, "--abandoned") == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("deleted")]) == 2
+    assert not commits_on_store(backend) & {step2.commit, last.commit}
+    assert run(backend, "ls", backend.root) == 0
+    assert "abandoned" not in capsys.readouterr().out
+
+
+def test_what_a_dead_job_retired_is_named_with_the_gc_that_deletes_it(local_backend, make_io, plugins, capsys):
+    """A job killed after its last save (no end of fit) leaves a retired folder that no commit will delete: ls says
+    gc deletes it once the pointer has stood still for --grace, and so it does."""
+    backend = local_backend
+    job = make_io(backend, keep_last=1)
+    for step in (1, 2):
+        job.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    plugins.abandoned(job)  # killed: its fit never ends
+    retired = next(c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/"))
+    assert run(backend, "ls", backend.root) == 0
+    assert ("1 folder(s) retired by retention (no longer checkpoints; deleted at the next commit of the job writing"
+            " the root, or when its fit ends): they are deleted by gc once the pointer has not changed for --grace"
+            " seconds (default: an hour)") in capsys.readouterr().out
+    assert run(backend, "gc", backend.root, "--dry-run") == 0
+    assert "nothing to delete" in capsys.readouterr().out  # the pointer changed just now
+    assert run(backend, "gc", backend.root, "--grace", "0") == 0
+    assert f"deleted {backend.url(retired)}: retired by retention" in capsys.readouterr().out
+    assert retired not in commits_on_store(backend) and not read_pointer(backend).retired
+    assert run(backend, "ls", backend.root) == 0
+    assert "folder(s) retired" not in capsys.readouterr().out
+
+
+def test_ls_says_what_gc_does_with_folders_without_a_manifest(filled, capsys):
+    assert run(filled, "ls", filled.root) == 0
+    assert ("1 folder(s) without a manifest (interrupted saves, or a save in progress; never loadable): they are"
+            " saves of the job writing the root (never collected while it writes) or younger than --grace") \
+        in capsys.readouterr().out
+    assert run(filled, "gc", filled.root, "--dry-run") == 0
+    assert "nothing to delete" in capsys.readouterr().out
+    assert run(filled, "gc", filled.root, "--dry-run", "--grace", "0") == 0
+    assert "0badf00d" in capsys.readouterr().out

@@ -72,3 +72,18 @@ def test_a_damaged_read_on_one_rank_makes_every_rank_fall_back_to_the_same_commi
         ("2", next(c for _, _, c in starts))}, out
     assert next(c for _, _, c in starts).startswith("epoch=0-step=2.ckpt/")
 
+
+
+@pytest.mark.slow
+def test_a_ddp_fit_that_resumes_nothing_over_a_run_stops_on_every_rank(local_backend):
+    """Rank 0 decides, every rank raises the same RunExistsError before its first step: none is left waiting at a
+    collective for one that stopped alone (the run would hang until its timeout)."""
+    root = local_backend.root
+    run(root, 2)
+    before = read_pointer(local_backend)
+    proc = subprocess.run([sys.executable, str(CHILD), root, "4", "{}"], capture_output=True, text=True, timeout=240,
+                          start_new_session=True, env={**os.environ, "FRESH": "1"})
+    assert proc.returncode != 0
+    assert proc.stderr.count("RunExistsError: this fit loads no checkpoint") == 2, proc.stderr[-3000:]
+    assert "START" not in proc.stdout and "SAVE" not in proc.stdout  # before the first step, nothing saved
+    assert read_pointer(local_backend) == before

@@ -249,3 +249,56 @@ def test_a_job_whose_origin_was_retired_before_it_claimed_refuses_to_commit(loca
         new.save_checkpoint(make_checkpoint(2, seed=9), backend.url("new-step=2.ckpt"))
     assert read_pointer(backend).writer_epoch == 1  # the old job is not fenced by a claim that could not be made
     assert find_latest_checkpoint(backend.root).startswith(backend.url("step=3.ckpt/"))
+
+
+def test_the_end_of_a_fit_deletes_what_it_retired_since_its_last_commit(backend, make_io):
+    """keep_last=1: the last save retires the one before, whose data waits for a later commit; at the end of the fit
+    (the plugin's teardown) there will be none, so it goes then, and its record leaves the pointer."""
+    io = make_io(backend, keep_last=1)
+    for step in (1, 2):
+        io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    retired = [c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/")]
+    assert retired and retired[0] in read_pointer(backend).retired  # waiting for a commit that will not come
+    io.teardown()
+    pointer = read_pointer(backend)
+    assert commits_on_store(backend) == pointer.live_folders() and not pointer.retired
+    assert make_io(backend).load_checkpoint(backend.root)["global_step"] == 2
+
+
+def test_a_reader_of_what_the_end_of_a_fit_deletes_reads_the_new_latest(backend, make_io):
+    """The reader-safety argument of ``Retention.end_of_writer``: a reader that resolved the checkpoint before it was
+    retired and deleted at the end of the fit resolves the root again, and never reports corruption."""
+    writer = make_io(backend, keep_last=1)
+    writer.save_checkpoint(make_checkpoint(1), backend.url("step=1.ckpt"))
+    reader = make_io(backend)
+    root = reader.root(backend.root)
+    read = root.load
+    raced: list[str] = []
+
+    def load_after_the_fit_ended(commit: str, **kwargs):
+        if not raced:
+            raced.append(commit)
+            writer.save_checkpoint(make_checkpoint(2), backend.url("step=2.ckpt"))  # retires step 1: data kept
+            assert backend.fs().exists(backend.path(f"{commit}/skeleton.pt"))
+            writer.teardown()  # the fit ends: step 1 is deleted now
+            assert not backend.fs().exists(backend.path(commit))
+        return read(commit, **kwargs)
+
+    root.load = load_after_the_fit_ended  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "corrupted" warning
+        assert reader.load_checkpoint(backend.root)["global_step"] == 2
+    assert raced and raced[0].startswith("step=1.ckpt/")
+
+
+def test_a_fenced_writer_leaves_what_it_retired_to_the_newer_one(local_backend, make_io):
+    backend = local_backend
+    old = make_io(backend, keep_last=1)
+    for step in (1, 2):
+        old.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    new = make_io(backend, claim_on_load=True)
+    new.load_checkpoint(backend.root)  # claims the root: the old job is fenced off
+    old.teardown()
+    assert [c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/")]  # not the old job's to delete now
+    new.save_checkpoint(make_checkpoint(3), backend.url("step=3.ckpt"))  # the newer writer's commit deletes it
+    assert not [c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/")]

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from lightning_resilient import CheckpointCorruptedError, find_latest_checkpoint, repair_pointer
+from lightning_resilient import CheckpointCorruptedError, RunExistsError, find_latest_checkpoint, repair_pointer
 from lightning_resilient.cli import main
 from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
@@ -183,7 +183,7 @@ def test_an_evaluation_load_is_no_origin_for_a_later_fresh_fit(local_backend, pl
                        enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=local_backend.root)])
 
     trainer(plugins.track(AtomicCheckpointIO()), 4).fit(Validated(), tiny_loader())  # the old run
-    io = plugins.track(AtomicCheckpointIO())
+    io = plugins.track(AtomicCheckpointIO(new_run=True))  # the fit below starts a new run over it, on purpose
     again = trainer(io, 2)
     again.validate(Validated(), tiny_loader(), ckpt_path=find_latest_checkpoint(local_backend.root), verbose=False)
     again.fit(Validated(), tiny_loader())  # from scratch, the same plugin
@@ -290,10 +290,16 @@ def test_a_second_fit_that_continues_training_is_the_same_job(request, monkeypat
     assert loaded["global_step"] == 4
     for name, tensor in at_4.items():
         assert torch.equal(loaded["state_dict"][name], tensor), name
-    # Another model on the same Trainer: a new run, whatever the step counter says.
+    # Another model on the same Trainer: a new run, whatever the step counter says. It resumes nothing over the
+    # run, so it stops at its start unless the plugin is told it is a new run.
     trainer.fit_loop.epoch_loop.max_steps = 10
+    other = TinyModel(width=4)
+    with pytest.raises(RunExistsError, match="holds a committed run"):
+        trainer.fit(other, tiny_loader())
+    assert other.losses == [] and read_pointer(backend).writer_epoch == epoch  # no step, no claim
+    io.new_run = True
     with pytest.warns(RuntimeWarning, match="started from scratch"):
-        trainer.fit(TinyModel(width=4), tiny_loader())
+        trainer.fit(other, tiny_loader())
     pointer = read_pointer(backend)
     assert pointer.writer_epoch == epoch + 1 and pointer.origins[pointer.writer_epoch] == Origin(None)
     assert [e.step for e in pointer.candidates()] == [10]

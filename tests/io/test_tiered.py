@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, StaleWriterError, find_latest_checkpoint
+from lightning_resilient import (
+    AtomicCheckpointIO,
+    CheckpointCorruptedError,
+    RunExistsError,
+    StaleWriterError,
+    find_latest_checkpoint,
+)
 from lightning_resilient.cli import main
 from lightning_resilient.io.catalog import reader
 from lightning_resilient.io.manifest import MANIFEST_NAME
@@ -281,6 +287,9 @@ def test_a_fresh_fit_with_a_reused_plugin_is_a_new_job(tmp_path, plugins):
                                            save_top_k=-1)]).fit(TinyModel(), tiny_loader())
 
     fit(6, "a")
+    with pytest.raises(RunExistsError, match="holds a committed run"):
+        fit(3, "b")  # resumes nothing over the run: refused at its start, unless said to be a new run
+    io.new_run = True
     with pytest.warns(RuntimeWarning, match="started from scratch"):
         fit(3, "b")  # a new model from step 0, same plugin and folder: a new lineage, not epoch 1 continued
     latest = find_latest_checkpoint(root, local_tier=nvme)

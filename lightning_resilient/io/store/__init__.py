@@ -6,6 +6,7 @@
 - ``memory.py``: ``memory://``, a process-wide lock;
 - ``s3.py``: ``If-None-Match: *`` to create, ``If-Match: <etag>`` to replace;
 - ``gcs.py``: ``ifGenerationMatch`` (0 to create);
+- ``http.py``: HTTP(S), read-only (URL-quoted listings without sizes, servers that ignore ``Range``);
 - ``errors.py``: backend errors mapped to messages that name the URL and the fix.
 
 :func:`open_store` picks the backend for a URL.
@@ -19,20 +20,23 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.store.base import PROTOCOL_DIR, Conditions, ObjectInfo, Store, probe_fencing
+from lightning_resilient.io.store.base import PROTOCOL_DIR, Conditions, ObjectInfo, Store, probe_fencing, probe_write
 from lightning_resilient.io.store.errors import (
     check_default_client,
     check_store_extra,
+    check_url,
     is_unknown_protocol,
     open_error,
 )
 from lightning_resilient.io.store.gcs import GCSStore
+from lightning_resilient.io.store.http import HTTPStore
 from lightning_resilient.io.store.local import LocalStore, file_lock
 from lightning_resilient.io.store.memory import MemoryStore
 from lightning_resilient.io.store.s3 import GatherReader, S3Store
 
-__all__ = ["Conditions", "GCSStore", "GatherReader", "LocalStore", "MemoryStore", "ObjectInfo", "PROTOCOL_DIR",
-           "S3Store", "Store", "check_default_client", "check_store_extra", "file_lock", "open_store", "probe_fencing"]
+__all__ = ["Conditions", "GCSStore", "GatherReader", "HTTPStore", "LocalStore", "MemoryStore", "ObjectInfo",
+           "PROTOCOL_DIR", "S3Store", "Store", "check_default_client", "check_store_extra", "check_url", "file_lock",
+           "open_store", "probe_fencing", "probe_write"]
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy) -> Store:
@@ -55,6 +59,8 @@ def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPol
         cls = S3Store
     elif "gs" in protocols or "gcs" in protocols:
         cls = GCSStore
+    elif "http" in protocols or "https" in protocols:
+        cls = HTTPStore
     else:
         cls = Store
     return cls(fs, url.rstrip("/") or url, path.rstrip("/") or path, retry)

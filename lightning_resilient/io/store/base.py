@@ -30,7 +30,7 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store.errors import translate_error
 
 __all__ = ["Conditions", "ObjectInfo", "PROTOCOL_DIR", "Pieces", "READ_PIECE", "Store", "content_version",
-           "probe_fencing"]
+           "probe_fencing", "probe_write"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,9 +50,12 @@ PROTOCOL_DIR = ".lightning_resilient"
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """What a listing says of one stored object: its size, and when the store last wrote it (the store's clock)."""
+    """What a listing says of one stored object: its size, and when the store last wrote it (the store's clock).
 
-    size: int
+    ``size`` is None when the listing does not say (a static HTTP server's folder listing): unknown, never 0
+    (:meth:`Store.size` asks the store for it)."""
+
+    size: int | None
     modified: float | None
 
 
@@ -199,8 +202,18 @@ class Store:
 
         return self._call("stat", rel, isfile)
 
-    def size(self, rel: str) -> int:
-        return int(self._call("stat", rel, lambda: self.fs.size(self.path(rel))))
+    def size(self, rel: str) -> int | None:
+        """The stored size of ``rel``; None when the store cannot tell."""
+        size = self._call("stat", rel, lambda: self.fs.size(self.path(rel)))
+        return None if size is None else int(size)
+
+    def root_is_file(self) -> bool:
+        """Whether the root URL names a file (an object), not a folder that holds checkpoints."""
+        return self.is_file("")
+
+    def _name(self, listed: str) -> str:
+        """The name of an entry of a listing (fsspec lists full paths)."""
+        return listed.rstrip("/").rsplit("/", 1)[-1]
 
     def list_dir(self, rel: str) -> list[str]:
         """Names directly under ``rel``; empty when it does not exist."""
@@ -212,7 +225,7 @@ class Store:
                 entries = self.fs.ls(path, detail=False)
             except FileNotFoundError:
                 return []
-            return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+            return sorted({self._name(str(e)) for e in entries} - {""})
 
         return self._call("list", rel, ls)
 
@@ -228,9 +241,10 @@ class Store:
                 return {}
             out = {}
             for e in entries:
-                name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+                name = self._name(str(e.get("name", "")))
+                size = e.get("size")
                 if name and e.get("type", "file") == "file":
-                    out[name] = ObjectInfo(int(e.get("size") or 0), _timestamp(e))
+                    out[name] = ObjectInfo(None if size is None else int(size), _timestamp(e))
             return out
 
         return self._call("list", rel, ls)
@@ -310,6 +324,21 @@ class Store:
             )
         self.write(rel, data)
         return True
+
+
+def probe_write(store: Store) -> None:
+    """Write a probe object under :data:`PROTOCOL_DIR` and delete it, so that a root this process may not write (a
+    read-only folder, credentials that may read but not write) is refused now, in the store's words (``errors.py``:
+    folder permissions on local disk, credentials on a cloud store), rather than at the first save. A probe that
+    cannot be deleted is a warning: saves work, but retention and ``gc`` will not be able to delete anything."""
+    rel = f"{PROTOCOL_DIR}/write-probe-{uuid.uuid4().hex}"
+    store.write(rel, b"probe")
+    try:
+        store.remove_object(rel)
+    except Exception as exc:
+        warnings.warn(f"{store.root_url} can be written but the probe {store.url(rel)} could not be deleted ({exc}):"
+                      " checkpoints will be saved, but keep_last, Lightning's top-k removals and gc cannot delete"
+                      " anything there", RuntimeWarning, stacklevel=3)
 
 
 def probe_fencing(store: Store, bogus_version: str, conditions: Conditions) -> str | None:

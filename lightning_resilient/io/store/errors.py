@@ -6,11 +6,24 @@ call goes through :func:`translate_error`, so the user reads one message shape w
 
 from __future__ import annotations
 
-from lightning_resilient.errors import BucketNotFoundError, StoreCredentialsError, StoreSetupError, StoreURLError
+import difflib
+import os
+import re
+
+from lightning_resilient.errors import (
+    BucketNotFoundError,
+    StoreCredentialsError,
+    StorePermissionError,
+    StoreSetupError,
+    StoreURLError,
+)
 from lightning_resilient.io._paths import split_protocol
 
-__all__ = ["check_default_client", "check_store_extra", "credentials_error", "is_unknown_protocol", "open_error",
-           "translate_error"]
+__all__ = ["LOCAL_PROTOCOLS", "check_default_client", "check_store_extra", "check_url", "credentials_error",
+           "is_unknown_protocol", "open_error", "permission_error", "translate_error"]
+
+#: What ``split_protocol`` gives for a path on local disk (None: a plain path).
+LOCAL_PROTOCOLS = (None, "file", "local")
 
 
 # What to set when a store sees no (or not enough) credentials, per protocol: (environment, Python option, CLI
@@ -32,7 +45,13 @@ def credentials_error(url: str, what: str, *, detail: str | None = None,
     """The error for a store that sees no credentials (``detail`` None) or refuses these ones (``detail``: the
     store's words). ``client``: whose client it was, when not ours (``ModelCheckpoint``), which storage options
     never reach, so only the environment helps."""
-    cloud = _CLOUD.get(split_protocol(url)[0] or "", "s3")
+    cloud = _CLOUD.get(split_protocol(url)[0] or "")
+    if cloud is None:  # another remote filesystem (http, az, ...): its credentials go in its storage options
+        head = (f"no credentials to {what} {url}" if detail is None else
+                f"access denied to {what} {url} ({detail}): check the credentials and their rights on it")
+        return StoreCredentialsError(f"{head}; pass them as storage_options={{...}} (the options of its fsspec"
+                                     " filesystem)",
+                                     cli_message=f"{head}; pass them with --storage-options '{{...}}'")
     env, option, cli_option = _CREDENTIALS[cloud]
     if client is not None:
         head = (f"{client} lists {url} with its own client, which gets no storage_options and"
@@ -45,6 +64,19 @@ def credentials_error(url: str, what: str, *, detail: str | None = None,
     else:
         head = f"access denied to {what} {url} ({detail}): check the credentials ({env}) and their rights on it"
     return StoreCredentialsError(f"{head}, or pass {option}", cli_message=f"{head}, or pass {cli_option}")
+
+
+def permission_error(url: str, what: str, detail: str) -> StorePermissionError:
+    """The error for local disk refusing this process (a read-only folder, another user's): about the folder's
+    permissions, never about cloud credentials."""
+    return StorePermissionError(
+        f"permission denied to {what} {url} ({detail}): the checkpoint folder (and the folders above it) must let"
+        f" this user (uid {os.getuid()}) {'write' if what in _WRITES else 'read'} there. Fix its permissions or"
+        " ownership, or choose another checkpoint dirpath.")
+
+
+# The store operations (``Store._call``'s ``what``) that write.
+_WRITES = frozenset({"write", "conditional write", "delete", "move", "sync"})
 
 
 def _no_credentials(exc: BaseException) -> bool:
@@ -72,7 +104,10 @@ def translate_error(exc: Exception, url: str, what: str) -> Exception:
     if _no_credentials(exc):
         return credentials_error(url, what)
     if _refused(exc, protocol):
-        return credentials_error(url, what, detail=" ".join(text.split()) or type(exc).__name__)
+        detail = " ".join(text.split()) or type(exc).__name__
+        if split_protocol(url)[0] in LOCAL_PROTOCOLS:
+            return permission_error(url, what, detail)
+        return credentials_error(url, what, detail=detail)
     names_bucket = "bucket" in text.lower() or "NoSuchBucket" in text
     if isinstance(exc, FileNotFoundError) and protocol in _CLOUD and names_bucket:
         bucket = split_protocol(url)[1].split("/", 1)[0]
@@ -112,12 +147,89 @@ def check_store_extra(url: str) -> None:
         raise StoreURLError(str(exc)) from None
 
 
+_USE = "Use a local path, s3://bucket/prefix, gs://bucket/prefix or another fsspec URL whose filesystem is installed."
+# A scheme (RFC 3986 letters; two at least, so that a Windows drive "C:/" stays a path), the slashes after its colon,
+# and the rest.
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(/*)(.*)", re.DOTALL)
+# The protocols a misspelt one most likely meant, tried before every protocol fsspec knows.
+_COMMON = ("s3", "gs", "gcs", "file", "memory", "http", "https", "az", "abfs", "hdfs")
+
+
 def open_error(url: str, exc: BaseException) -> StoreURLError:
     """The error for a URL whose filesystem fsspec does not know (``ValueError``) or cannot import
-    (``ImportError``): what was wrong and what would work."""
+    (``ImportError``): what was wrong, the URL most likely meant, and what would work."""
     reason = " ".join(str(exc).split()) or type(exc).__name__
-    return StoreURLError(f"cannot open {url!r}: {reason}. Use a local path, s3://bucket/prefix, gs://bucket/prefix"
-                         " or another fsspec URL whose filesystem is installed.")
+    match = _SCHEME.fullmatch(url)
+    meant = _meant(match.group(1), match.group(3)) if match is not None and not isinstance(exc, ImportError) else None
+    return _url_error(url, reason, meant)
+
+
+def check_url(url: str) -> None:
+    """Refuse, with :class:`StoreURLError`, a checkpoint location that no store would read as it was meant:
+
+    - a scheme with one slash (``s3:/bucket/run``), which fsspec reads as the local folder ``./s3:/bucket/run`` (a
+      run would "train fine" into it);
+    - a scheme fsspec does not know (``s4://``), or one in capitals (``S3://``: protocols are lower case);
+    - a local path with a folder named like a protocol (``/home/me/s3:/bucket/run``): what such a URL becomes once made
+      a local path (``ModelCheckpoint`` makes its dirpath absolute; ``pathlib.Path("s3://b")`` is ``s3:/b``).
+
+    The message names the URL most likely meant. A plain path, a URL fsspec knows and fsspec's chained URLs
+    (``simplecache::s3://...``) pass; a known protocol whose filesystem is not installed is reported when the store
+    is opened (``open_error``)."""
+    if "::" in url:
+        return
+    match = _SCHEME.fullmatch(url)
+    if match is None:
+        _check_path(url)
+        return
+    scheme, slashes, rest = match.groups()
+    if slashes == "/":
+        where = os.path.abspath(url)
+        raise _url_error(url, f"'{scheme}:' is followed by one slash, so it would be read as the local folder"
+                              f" {where!r}", _meant(scheme, rest))
+    if len(slashes) < 2:
+        return  # "name:rest", a local name with a colon in it
+    from fsspec import available_protocols
+
+    if scheme in available_protocols():
+        return
+    what = ("protocols are lower case" if scheme.lower() in available_protocols()
+            else f"fsspec knows no protocol {scheme!r}")
+    raise _url_error(url, what, _meant(scheme, slashes[2:] + rest))
+
+
+def _check_path(path: str) -> None:
+    """Refuse a local path with a folder named ``<protocol>:`` (``/home/me/s3:/bucket/run``)."""
+    from fsspec import available_protocols
+
+    parts = path.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part.endswith(":") and part[:-1].lower() in available_protocols() and len(part) > 2:
+            rest = "/".join(parts[i + 1:])
+            raise _url_error(path, f"it has a folder named {part!r}, which is what a URL with one slash after"
+                                   f" '{part}' becomes once made a local path (ModelCheckpoint makes its dirpath"
+                                   " absolute)", _meant(part[:-1], rest))
+
+
+def _meant(scheme: str, rest: str) -> str | None:
+    """The URL ``<scheme>:<rest>`` most likely meant: its protocol in lower case, or the known one closest to it."""
+    from fsspec import available_protocols
+
+    known = set(available_protocols())
+    lower = scheme.lower()
+    protocol = lower if lower in known else next(
+        iter(difflib.get_close_matches(lower, [p for p in _COMMON if p in known], n=1, cutoff=0.5)
+             or difflib.get_close_matches(lower, sorted(known), n=1, cutoff=0.6)), None)
+    if protocol is None:
+        return None
+    if protocol in ("file", "local"):
+        return "/" + rest.lstrip("/")  # the path itself: file:/tmp/x means /tmp/x
+    return f"{protocol}://{rest.lstrip('/')}"
+
+
+def _url_error(url: str, reason: str, meant: str | None) -> StoreURLError:
+    hint = f" Did you mean {meant!r}?" if meant is not None and meant != url else ""
+    return StoreURLError(f"cannot open {url!r}: {reason}.{hint} {_USE}")
 
 
 def is_unknown_protocol(exc: BaseException) -> bool:
