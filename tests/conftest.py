@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--soak", action="store_true", help="run the randomized protocol test long (2000 operations)")
+    parser.addoption("--soak", action="store_true",
+                     help="run the randomized protocol test long (thousands of operations per store, a new seed)")
     parser.addoption("--protocol-seed", type=int, default=None, help="replay the randomized protocol test's seed")
 
 

@@ -4,10 +4,11 @@
 then for each line ``spawn IN OUT`` (two named pipes) forks a writer process, in a session of its own, and prints
 ``PID <pid>``; the parent SIGKILLs writers at any instant, and a new one costs a fork, not an import.
 
-A writer reads from IN one line ``ROOT OPTIONS_JSON KEEP_LAST TAG [ORIGIN_URL]`` naming the root and where this
-job's training comes from (a commit URL to resume, or nothing for a fresh start), loads that commit and writes
-``READY <step>`` to OUT. Then each line ``save <step>`` saves the checkpoint :func:`content` gives for (TAG, step)
-as ``TAG-step=<step>.ckpt``, writing ``BEGIN <step>`` before and ``END <commit>`` (or ``ERROR <message>``) after.
+A writer reads from IN one line ``ROOT OPTIONS_JSON KEEP_LAST TAG ORIGIN_URL`` naming the root and where this
+job's training comes from (a commit URL to resume, or ``-`` for a fresh start), loads that commit and writes
+``READY <step>`` to OUT. Then each line ``save <step> <name>`` saves the checkpoint :func:`content` gives for
+(TAG, step) as ``name`` (its first save claims the root), writing ``BEGIN <step>`` before and ``END <commit>`` (or
+``ERROR <message>``) after.
 """
 
 from __future__ import annotations
@@ -42,25 +43,25 @@ def writer(lines: IO[str], out: IO[str]) -> None:
         out.write(text + "\n")
         out.flush()
 
-    root_url, options, keep_last, tag, *origin = lines.readline().split()
+    root_url, options, keep_last, tag, origin = lines.readline().split()
     settings = RootSettings(keep_last=int(keep_last), shard_size=4096, orphan_grace_seconds=0.0,
                             fallback_on_corruption=True, chunk_size=2048, max_concurrency=4)
     root = CheckpointRoot(open_store(normalize(root_url), json.loads(options), RetryPolicy(3, 0.01, 0.1)), settings,
                           lambda: ThreadPoolExecutor(4))
     step = 0
-    if origin:
-        found = resolve(normalize(origin[0]), lambda _: root)
+    if origin != "-":
+        found = resolve(normalize(origin), lambda _: root)
         assert found is not None
         loaded = root.load(found.entry.commit, map_location=None, weights_only=True)
         root.resumed(found.entry)
         step = loaded.checkpoint["global_step"]
     say(f"READY {step}")
     for line in lines:
-        command, arg = line.split()
+        command, arg, name = line.split()
         assert command == "save", line
         say(f"BEGIN {arg}")
         try:
-            entry = root.save(content(tag, int(arg)), f"{tag}-step={arg}.ckpt")
+            entry = root.save(content(tag, int(arg)), name)
         except Exception as exc:  # reported to the parent, which decides
             say(f"ERROR {type(exc).__name__}: {exc}".replace("\n", " "))
         else:

@@ -1,0 +1,159 @@
+"""Nine one-line breakages of the storage protocol's safety rules, and which tests catch each.
+
+Not collected by pytest (no ``test_`` prefix). Run from the repository root::
+
+    python tests/io/mutations.py                       # every mutation, against tests/io/test_protocol_random.py
+    python tests/io/mutations.py --tests tests/io -x    # against the io suite, stopping at the first failure
+    python tests/io/mutations.py --only commit-fallback gc-protections
+
+For each mutation it copies the working tree (without ``.git``) into a temporary folder, applies the one edit there
+(the original line must occur exactly once, so a mutation never silently applies to nothing), runs pytest in the
+copy with ``PYTHONPATH`` pointing at it (subprocesses the tests start load the mutated package too), and reports
+which tests failed: a mutation no test catches *survived*. The real tree is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    rule: str  # the safety rule it breaks
+    path: str  # the module, relative to the repository root
+    before: str  # the original line (stripped of its indentation), exactly once in the module
+    after: str  # what replaces it (same indentation)
+
+
+MUTATIONS = [
+    Mutation("commit-fallback", "fallback of a commit URL ignoring lineage", "lightning_resilient/io/catalog.py",
+             "return [e for e in Lineage.below(origins, entry).members(pointer.entries()) if e.commit != entry.commit]",
+             "return [e for e in sorted(pointer.entries(), key=lambda e: e.order, reverse=True)"
+             " if e.commit != entry.commit]"),
+    Mutation("root-fallback", "fallback of a root URL ignoring lineage", "lightning_resilient/io/catalog.py",
+             "return Resolved(as_root, candidates[0], candidates[1:], pinned=False)\n"
+             "\n    parent = root_for(_paths.dirname(url))",
+             "return Resolved(as_root, candidates[0], [e for e in sorted(root_pointer.entries(), key=lambda e: e.order,"
+             " reverse=True) if e.commit != candidates[0].commit], pinned=False)\n"
+             "\n    parent = root_for(_paths.dirname(url))"),
+    Mutation("gc-protections", "GC's live set ignoring holds and protections",
+             "lightning_resilient/io/retention.py",
+             "head, live, due = pointer.writer_epoch, pointer.live_folders(), pointer.retired_due()",
+             "head, live, due = pointer.writer_epoch, {f for e in pointer.entries() for f in e.folders},"
+             " pointer.retired_due()"),
+    Mutation("gc-in-flight", "GC collecting the current writer's in-flight saves",
+             "lightning_resilient/io/retention.py",
+             "if epoch >= head:", "if epoch > head:"),
+    Mutation("gc-lineage", "GC deleting unreferenced commits inside the lineage",
+             "lightning_resilient/io/retention.py",
+             "elif self._outside(lineage, folder):", "else:"),
+    Mutation("pointer-rebuild", "a missing pointer not rebuilt before an update", "lightning_resilient/io/fencing.py",
+             "base = scan.pointer()", "base = Pointer()"),
+    Mutation("keep-last-resumed", "keep_last dropping the resumed-from checkpoint",
+             "lightning_resilient/io/retention.py",
+             "return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit) and not"
+             " is_resumed(p, e)]",
+             "return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit)]"),
+    Mutation("stored-check", "no stored-objects check before the manifest", "lightning_resilient/io/writer.py",
+             "self._check_stored(manifest.objects, folder)", "pass"),
+    Mutation("gc-abandoned", "plain gc dropping abandoned branches", "lightning_resilient/io/retention.py",
+             "if abandoned:\n            for entry in self.drop_abandoned(dry_run=dry_run):",
+             "if True:\n            for entry in self.drop_abandoned(dry_run=dry_run):"),
+]
+
+
+def apply(mutation: Mutation, tree: Path) -> None:
+    """Apply ``mutation`` to the copy ``tree`` (the original must occur exactly once)."""
+    module = tree / mutation.path
+    text = module.read_text()
+    count = text.count(mutation.before)
+    if count != 1:
+        raise SystemExit(f"{mutation.name}: the original line occurs {count} times in {mutation.path}, not once:"
+                         f" the mutation is out of date\n  {mutation.before}")
+    module.write_text(text.replace(mutation.before, mutation.after))
+
+
+def copy_tree(into: Path, root: Path = ROOT) -> Path:
+    tree = into / "tree"
+    shutil.copytree(root, tree, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache",
+                                                              ".mypy_cache", ".ruff_cache", "*.egg-info"))
+    return tree
+
+
+def run(tree: Path, tests: list[str], extra: list[str], timeout: float,
+        verbose: bool = False) -> tuple[int, list[str], float]:
+    """Run pytest in ``tree``; returns (exit status, failed test ids, seconds)."""
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "-rf", "-p", "no:cacheprovider",
+                           "-p", "no:randomly", *extra], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if verbose:
+        print(proc.stdout[-6000:], proc.stderr[-2000:], sep="\n")
+    # A strict xfail that passes under a mutation (XPASS) fails the run without catching anything: not counted.
+    failed = sorted({m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)(.*)$", proc.stdout, flags=re.MULTILINE)
+                     if "XPASS" not in m.group(2)})
+    return proc.returncode, failed, time.monotonic() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tests", nargs="+", default=["tests/io/test_protocol_random.py"],
+                        help="what pytest runs against each mutation (default: the randomized protocol tests)")
+    parser.add_argument("--only", nargs="+", choices=[m.name for m in MUTATIONS], help="run these mutations only")
+    parser.add_argument("-x", action="store_true", help="stop each run at its first failure (faster, names one test)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per pytest run")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run of the unmutated tree")
+    parser.add_argument("--keep", action="store_true", help="print where each mutated copy is, and keep it")
+    parser.add_argument("--verbose", action="store_true", help="print pytest's output of each run")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the working tree to mutate (default: this one)")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if args.only is None or m.name in args.only]
+    extra = (["-x"] if args.x else []) + args.pytest_args
+    rows = []
+    scratch = tempfile.mkdtemp(prefix="mutations-")
+    try:
+        if not args.no_baseline:
+            baseline = copy_tree(Path(scratch) / "baseline", args.root)
+            status, failed, seconds = run(baseline, args.tests, extra, args.timeout, args.verbose)
+            print(f"unmutated: exit {status}, {len(failed)} failed, {seconds:.0f} s", flush=True)
+            if status != 0:
+                print("the unmutated tree fails already:", *failed, sep="\n  ")
+                return 2
+            shutil.rmtree(baseline)
+        for mutation in chosen:
+            tree = copy_tree(Path(scratch) / mutation.name, args.root)
+            apply(mutation, tree)
+            status, failed, seconds = run(tree, args.tests, extra, args.timeout, args.verbose)
+            caught = bool(failed)
+            rows.append((mutation, caught, failed, seconds))
+            print(f"{mutation.name}: {'caught' if caught else 'SURVIVED'} ({seconds:.0f} s)"
+                  + "".join(f"\n  {f}" for f in failed) + (f"\n  copy kept in {tree}" if args.keep else ""),
+                  flush=True)
+            if not args.keep:
+                shutil.rmtree(tree)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print("\n| mutation | rule broken | caught by |\n|---|---|---|")
+    for mutation, caught, failed, _ in rows:
+        by = ", ".join(f.split("::", 1)[-1] for f in failed) if caught else "**survived**"
+        print(f"| `{mutation.name}` | {mutation.rule} | {by} |")
+    return 0 if all(caught for _, caught, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
