@@ -44,8 +44,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests that start processes (``slow``, tens of seconds each) run first, in their order; the rest after them.
 
     xdist's load scheduling deals tests out in this order as workers free up, so the long ones are spread over the
-    workers from the start and the run ends on short tests, instead of one worker finishing a 60 s test alone."""
+    workers from the start and the run ends on short tests, instead of one worker finishing a 60 s test alone.
+
+    ``--soak`` runs the randomized protocol test for thousands of operations: longer than the per-test timeout."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if config.getoption("--soak"):
+        for item in items:
+            if item.path.name == "test_protocol_random.py":
+                item.add_marker(pytest.mark.timeout(0))
 
 
 @dataclass

@@ -8,12 +8,14 @@ commit (which job wrote it, at which step, under which name), and derives from t
   start (ordered by writer epoch, step, creation), and the lineage *below* a commit (what a load of it falls back to);
 - which commits retention or ``gc`` *may* have deleted by now (``may_go``): a name saved again, ``keep_last`` beyond
   the newest states of the lineage (never the latest, never what the writing job resumed from), ``gc --abandoned``,
-  a commit no pointer ever named outside the lineage, a damaged manifest no pointer names;
+  a commit no pointer ever named outside the lineage, a damaged manifest no pointer names, a commit a rebuilt
+  pointer no longer catalogs (another commit of its name outranks it);
 - so which commits must still be whole (``must_keep``), and what a resume or a load must return.
 
 The model never asks the package what the lineage is or what retention dropped: a package bug that changes either
 is a difference between the two, which the test reports. Where the protocol's promise is weaker than "kept" (after
 a pointer was lost, a name shared with another branch may be re-cataloged), the model says "may go", never "kept".
+One rule follows a known protocol bug instead of the promise (``claimed_by``, marked KNOWN PROTOCOL BUG).
 """
 
 from __future__ import annotations
