@@ -5,11 +5,16 @@ claimed the root (fenced: every save must raise and never move the pointer); new
 back to an older commit (leaving an abandoned branch), go back to an abandoned branch, resume a stray (a manifest its
 writer never got into the pointer) or start fresh; forks, which resume a commit of the root into a second root; jobs
 that save in the background (``AsyncSaver``) or through a node-local tier (``TieredRoot``, persisting every Nth
-save). A save can be paused at a random instant (before its n-th object, its manifest or its pointer move), and
-while it is paused other operations run: readers load the root and commit URLs, ``gc`` runs at grace 0 (plain, with
-``--abandoned`` or as ``gc --keep-last``), a new job claims the root, the pointer is deleted, objects of other
-commits are damaged. A paused job is then released, or never is (it died there). The slow variant also SIGKILLs
-real writer processes at random instants of their saves.
+save). A save can be paused at random instants (before its n-th object, before or after its manifest, before its
+pointer write), and while it is paused other operations run: readers load the root and commit URLs, ``gc`` runs at
+grace 0 (plain, with ``--abandoned`` or as ``gc --keep-last``), a new job claims the root, the pointer is deleted,
+objects and manifests of other commits are damaged. A paused job is then released (a stalled writer waking up after
+it was fenced and its upload collected), or never is (it died there). Bursts of damage to the newest checkpoints make
+resumes fall back deep into the lineage, across abandoned branches. The slow variant also SIGKILLs real writer
+processes at random instants of their saves.
+
+The pauses are instance attributes on the job's own store object (``Gate``), as other tests here replace a store
+method; nothing else of the store or the package is replaced.
 
 The model (``protocol_model.py``) knows every commit and its lineage; after every operation the test checks against
 the store that
@@ -22,7 +27,10 @@ the store that
 (3) no load returns another lineage: ``find_latest_checkpoint`` and a load of the root URL give the newest intact
     checkpoint of the current lineage, a load of a commit URL falls back only along the lineage below that commit;
 (4) loads are bit-exact: what loads equals, tensor for tensor, what that job saved at that step;
-(5) a manifest never names an object that is gone (checked at every pause of a save before its pointer move).
+(5) a manifest never names an object that is gone (checked at every pause of a save after its manifest).
+
+The directed tests at the end each reproduce one rule the random run reaches only rarely (or one protocol gap it
+found, as a strict xfail). ``tests/io/mutations.py`` shows which of these tests catch nine one-line breakages.
 
 Seeds in the suite: ``SEEDS`` per store. ``pytest --soak`` runs ``SOAK_OPERATIONS`` operations per store with a new
 seed; ``--protocol-seed N`` replays seed N. A failure names the seed, the replay command and the last operations.
