@@ -60,7 +60,13 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, CheckpointError, find_latest_checkpoint
+from lightning_resilient import (
+    AtomicCheckpointIO,
+    CheckpointCorruptedError,
+    CheckpointError,
+    StaleWriterError,
+    find_latest_checkpoint,
+)
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.catalog import normalize, reader
 from lightning_resilient.io.folders import writer_epoch_of
@@ -315,6 +321,15 @@ class Run:
             commit.stray, commit.cataloged, commit.durable = False, True, True
             self.committed(model, commit)
         return commit
+
+    def register_stray(self, model: RootModel, job: Job, folder: str) -> Commit:
+        """A manifest ``job``'s save wrote that the pointer does not name (yet, or ever)."""
+        stray = self.register(model, job, folder, stray=True)
+        if job in self.gap:  # KNOWN GAP: what gc collected before this manifest named it counts as damaged
+            cache: dict[str, dict[str, int]] = {}
+            model.damaged.update(p for p, size in stray.objects.items()
+                                 if self.listing(model, p.rsplit("/", 1)[0], cache).get(p) != size)
+        return stray
 
     def committed(self, model: RootModel, commit: Commit) -> None:
         """The pointer moved to ``commit``: its name's older commit leaves the catalog, retention runs."""
@@ -715,7 +730,10 @@ class Run:
             self.note(f"{job} save {saving.names} step {saving.step}: failed on the set-aside name collision")
             return
         if saving.error is not None:
-            self.expect(not writes and isinstance(saving.error, CheckpointError),
+            # A fenced writer learns it from the pointer: StaleWriterError. Only with no pointer to read (it was lost)
+            # may it learn it otherwise (its objects collected: "missing just before ... was to be committed").
+            refusal = StaleWriterError if before is not None else CheckpointError
+            self.expect(not writes and isinstance(saving.error, refusal),
                         f"{job}'s save of step {saving.step} failed: {_trace(saving.error)}", model)
             self.expect(self.raw_pointer(model) == before or handle.tiers is not None,
                         f"{job}, fenced, failed its save but moved the pointer")
@@ -723,7 +741,7 @@ class Run:
                 if self.has_manifest(model, folder):
                     # Refused after its manifest: a stray, kept while the pointer may name it (it is missing, or a
                     # job resumed it), else discarded by its writer.
-                    self.register(model, job, folder, stray=True)
+                    self.register_stray(model, job, folder)
                 elif folder in model.commits:
                     del model.commits[folder]
             if handle.tiers is not None:
@@ -804,7 +822,7 @@ class Run:
             if point in ("written", "pointer"):
                 self.check_paused(self.main, job)
                 if gate.folders and self.has_manifest(self.main, gate.folders[-1]):
-                    self.register(self.main, job, gate.folders[-1], stray=True)
+                    self.register_stray(self.main, job, gate.folders[-1])
             for _ in range(self.rng.randint(0, 3)):
                 self.interleave(job)
                 self.check()
@@ -1352,7 +1370,7 @@ def test_a_rebuilt_pointer_never_takes_an_abandoned_branch_for_the_lineage(local
     epochs before C's are pruned. Then the pointer is lost while A (stale, still running) saves: refused, its manifest
     stays. The rebuilt pointer knows no origin for B's epoch, so it takes every older epoch (A's) for the lineage:
     with the lineage's checkpoints damaged, a load of the root loads A's abandoned branch instead of failing."""
-    from lightning_resilient import StaleWriterError, repair_pointer
+    from lightning_resilient import repair_pointer
 
     url = normalize(local_backend.root)
     a = _job(url)
@@ -1451,8 +1469,6 @@ def test_a_manifest_never_names_an_object_gc_collected(local_backend):
 def test_a_recreated_root_refuses_the_old_job(local_backend):
     """Job A writes root R as writer epoch 2; R is deleted and job C starts on it (writer epoch 1). A's next save
     must be refused and leave C's pointer as it was; a restart resumes C's checkpoint, never A's."""
-    from lightning_resilient import StaleWriterError
-
     url = normalize(local_backend.root)
     first = _job(url)
     first.claim()
