@@ -271,6 +271,14 @@ class Run:
         got = self.observer[model.label].store.read_versioned(POINTER_NAME)
         return got[0] if got is not None else None
 
+    def pointer_or_scan(self, model: RootModel) -> Pointer | None:
+        """The pointer, or the one a scan of the manifests rebuilds when it is lost (what resumes then read)."""
+        pointer = self.pointer(model)
+        if pointer is None:
+            scan = self.observer[model.label].scan()
+            pointer = scan.pointer() if scan.manifests else None
+        return pointer
+
     def store(self, model: RootModel) -> Any:
         return self.observer[model.label].store
 
@@ -412,9 +420,9 @@ class Run:
                         f"{model.label}: find_latest_checkpoint raised {exc!r}, expected {readable[:1]}", model)
             return None
         want = f"{model.url}/{readable[0].folder}" if readable else None
-        if got != want and got is not None and pointer is not None:
+        if got != want and got is not None:
             found = model.commits.get(got[len(model.url) + 1:])
-            if found is not None and self.legacy_confused(model, pointer, found):
+            if found is not None and self.legacy_confused(model, self.pointer_or_scan(model), found):
                 return got  # KNOWN BUG: the pointer's lineage lost an origin (see legacy_confused)
         self.expect(got == want, f"{model.label}: find_latest_checkpoint gave {got}, expected {want}", model)
         return got
@@ -445,12 +453,8 @@ class Run:
         is possible, and none happened)."""
         if model.head() is None and target is None:
             return None
-        pointer = self.pointer(model)
-        if pointer is None:
-            scan = self.observer[model.label].scan()
-            entries = {e.commit for e in scan.pointer().entries()} if scan.manifests else set()
-        else:
-            entries = {e.commit for e in pointer.entries()}
+        pointer = self.pointer_or_scan(model)  # (a lost pointer: the load reads the root by scanning)
+        entries = {e.commit for e in pointer.entries()} if pointer is not None else set()
         error: type[BaseException] | None = None
         if target is None:
             candidates = [c for c in model.lineage() if c.folder in entries]
@@ -535,6 +539,9 @@ class Run:
         if not readable:
             return  # falls back to the durable tier's answer (checked by check_latest)
         want = f"{model.url}/{readable[0].folder}"
+        found = model.commits.get(got[len(model.url) + 1:]) if got is not None else None
+        if got != want and found is not None and self.legacy_confused(model, pointer, found):
+            return  # KNOWN BUG (see legacy_confused)
         self.expect(got == want, f"tiered find_latest_checkpoint gave {got}, expected {want} of {candidates}", model)
 
     def check_paused(self, model: RootModel, job: Job) -> None:
@@ -613,7 +620,8 @@ class Run:
                 return None, False
         assert self.tier_io.last_load is not None
         commit = model.commits.get(self.tier_io.last_load.commit)
-        self.expect(commit is not None and model.in_lineage(commit),
+        self.expect(commit is not None and (model.in_lineage(commit) or self.legacy_confused(
+                    model, self.pointer_or_scan(model), commit)),
                     f"a tiered resume loaded {self.tier_io.last_load.commit}, outside the lineage", model)
         assert commit is not None
         self.check_bits(loaded, commit)
@@ -962,8 +970,9 @@ class Run:
                 return
         assert self.tier_io.last_load is not None
         commit = model.commits.get(self.tier_io.last_load.commit)
-        self.expect(commit is not None and model.in_lineage(commit),
-                    f"a tiered load of the root gave {self.tier_io.last_load.commit}, outside the lineage")
+        self.expect(commit is not None and (model.in_lineage(commit) or self.legacy_confused(
+                    model, self.pointer_or_scan(model), commit)),
+                    f"a tiered load of the root gave {self.tier_io.last_load.commit}, outside the lineage", model)
         assert commit is not None
         self.check_bits(loaded, commit)
 
