@@ -69,8 +69,8 @@ MUTATIONS = [
     Mutation("stored-check", "no stored-objects check before the manifest", "lightning_resilient/io/writer.py",
              "self._check_stored(manifest.objects, folder)", "pass"),
     Mutation("gc-abandoned", "plain gc dropping abandoned branches", "lightning_resilient/io/retention.py",
-             "if abandoned:\n            for entry in self.drop_abandoned(dry_run=dry_run):",
-             "if True:\n            for entry in self.drop_abandoned(dry_run=dry_run):"),
+             "if abandoned:\n            dropped = self.drop_abandoned(dry_run=dry_run)",
+             "if True:\n            dropped = self.drop_abandoned(dry_run=dry_run)"),
 ]
 
 
