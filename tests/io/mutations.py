@@ -3,6 +3,7 @@
 Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 
     python tests/io/mutations.py                       # every mutation, against tests/io/test_protocol_random.py
+    python tests/io/mutations.py --related             # ... and the test files of the rule each one breaks
     python tests/io/mutations.py --tests tests/io -x    # against the io suite, stopping at the first failure
     python tests/io/mutations.py --only commit-fallback gc-protections
 
@@ -35,42 +36,52 @@ class Mutation:
     path: str  # the module, relative to the repository root
     before: str  # the original line (stripped of its indentation), exactly once in the module
     after: str  # what replaces it (same indentation)
+    related: tuple[str, ...] = ()  # the test files of that rule's module (run with ``--related``)
 
 
 MUTATIONS = [
     Mutation("commit-fallback", "fallback of a commit URL ignoring lineage", "lightning_resilient/io/catalog.py",
              "return [e for e in Lineage.below(origins, entry).members(pointer.entries()) if e.commit != entry.commit]",
              "return [e for e in sorted(pointer.entries(), key=lambda e: e.order, reverse=True)"
-             " if e.commit != entry.commit]"),
+             " if e.commit != entry.commit]",
+             related=("tests/io/test_lineage.py",)),
     Mutation("root-fallback", "fallback of a root URL ignoring lineage", "lightning_resilient/io/catalog.py",
              "return Resolved(as_root, candidates[0], candidates[1:], pinned=False)\n"
              "\n    parent = root_for(_paths.dirname(url))",
              "return Resolved(as_root, candidates[0], [e for e in sorted(root_pointer.entries(), key=lambda e: e.order,"
              " reverse=True) if e.commit != candidates[0].commit], pinned=False)\n"
-             "\n    parent = root_for(_paths.dirname(url))"),
+             "\n    parent = root_for(_paths.dirname(url))",
+             related=("tests/io/test_lineage.py",)),
     Mutation("gc-protections", "GC's live set ignoring holds and protections",
              "lightning_resilient/io/retention.py",
              "head, live, due = pointer.writer_epoch, pointer.live_folders(), pointer.retired_due()",
              "head, live, due = pointer.writer_epoch, {f for e in pointer.entries() for f in e.folders},"
-             " pointer.retired_due()"),
+             " pointer.retired_due()",
+             related=("tests/io/test_gc.py",)),
     Mutation("gc-in-flight", "GC collecting the current writer's in-flight saves",
              "lightning_resilient/io/retention.py",
-             "if epoch >= head:", "if epoch > head:"),
+             "if epoch >= head:", "if epoch > head:",
+             related=("tests/io/test_gc.py",)),
     Mutation("gc-lineage", "GC deleting unreferenced commits inside the lineage",
              "lightning_resilient/io/retention.py",
-             "elif self._outside(lineage, folder):", "else:"),
+             "elif self._outside(lineage, folder):", "else:",
+             related=("tests/io/test_gc.py", "tests/io/test_lineage.py")),
     Mutation("pointer-rebuild", "a missing pointer not rebuilt before an update", "lightning_resilient/io/fencing.py",
-             "base = scan.pointer()", "base = Pointer()"),
+             "base = scan.pointer()", "base = Pointer()",
+             related=("tests/io/test_gc.py", "tests/io/test_protocol.py")),
     Mutation("keep-last-resumed", "keep_last dropping the resumed-from checkpoint",
              "lightning_resilient/io/retention.py",
              "return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit) and not"
              " is_resumed(p, e)]",
-             "return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit)]"),
+             "return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit)]",
+             related=("tests/io/test_protocol.py",)),
     Mutation("stored-check", "no stored-objects check before the manifest", "lightning_resilient/io/writer.py",
-             "self._check_stored(manifest.objects, folder)", "pass"),
+             "self._check_stored(manifest.objects, folder)", "pass",
+             related=("tests/io/test_gc.py",)),
     Mutation("gc-abandoned", "plain gc dropping abandoned branches", "lightning_resilient/io/retention.py",
              "if abandoned:\n            dropped = self.drop_abandoned(dry_run=dry_run)",
-             "if True:\n            dropped = self.drop_abandoned(dry_run=dry_run)"),
+             "if True:\n            dropped = self.drop_abandoned(dry_run=dry_run)",
+             related=("tests/io/test_gc.py", "tests/io/test_lineage.py")),
 ]
 
 
@@ -113,6 +124,8 @@ def main() -> int:
     parser.add_argument("--tests", nargs="+", default=["tests/io/test_protocol_random.py"],
                         help="what pytest runs against each mutation (default: the randomized protocol tests)")
     parser.add_argument("--only", nargs="+", choices=[m.name for m in MUTATIONS], help="run these mutations only")
+    parser.add_argument("--related", action="store_true",
+                        help="also run, per mutation, the test files of the rule it breaks (its 'related')")
     parser.add_argument("-x", action="store_true", help="stop each run at its first failure (faster, names one test)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per pytest run")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run of the unmutated tree")
@@ -137,7 +150,8 @@ def main() -> int:
         for mutation in chosen:
             tree = copy_tree(Path(scratch) / mutation.name, args.root)
             apply(mutation, tree)
-            status, failed, seconds = run(tree, args.tests, extra, args.timeout, args.verbose)
+            tests = args.tests + [t for t in mutation.related if args.related and t not in args.tests]
+            status, failed, seconds = run(tree, tests, extra, args.timeout, args.verbose)
             caught = bool(failed)
             rows.append((mutation, caught, failed, seconds))
             print(f"{mutation.name}: {'caught' if caught else 'SURVIVED'} ({seconds:.0f} s)"
