@@ -117,8 +117,6 @@ BUG_RECREATED_LOST_POINTER = ("issue 27 point 2's fence: after the pointer of a 
                               " deleted incarnation with a higher writer epoch commits into it and takes it over")
 BUG_RECREATED_TIER = ("issue 27 point 2's fence: a tier job of a deleted incarnation that had not saved yet adopts"
                       " the node's local tier with the new incarnation's identity and its old, higher epoch")
-BUG_S3_LOST_POINTER = ("S3Store.write_if raises FileNotFoundError for an If-Match write of a pointer deleted since it"
-                       " was read, instead of failing the condition")
 
 
 class Died(BaseException):
@@ -878,10 +876,7 @@ class Run:
         # KNOWN BUG (test_a_stale_writer_never_recreates_a_lost_pointer): a job paused before it creates a lost
         # pointer creates it even if a newer job claimed (recreating the pointer) meanwhile and the pointer was lost
         # again: that loss is not generated here.
-        # KNOWN BUG on S3 (test_a_pointer_lost_before_a_swap_is_rebuilt_on_s3): a conditional replace of a pointer
-        # lost since it was read raises FileNotFoundError instead of failing its condition: not generated there.
-        at_swap = self.handles[paused].gate.at == "pointer"
-        lose = 0 if self.handles[paused].creates or (at_swap and self.backend.kind == "s3") else 1
+        lose = 0 if self.handles[paused].creates else 1
         op = self.rng.choices([self.op_read, self.op_gc, self.op_new_job, self.op_delete_pointer, self.op_damage,
                                self.op_stale_save, self.op_fork], [5, 5, 3, lose, 2, 2, 1])[0]
         self.note(f"  while {paused} is paused: {op.__name__}")
@@ -1697,7 +1692,6 @@ def test_a_stale_writer_never_recreates_a_lost_pointer(local_backend):
     assert outcome and isinstance(outcome[0], CheckpointError), f"stale writer A committed {outcome}"
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=BUG_S3_LOST_POINTER)
 def test_a_pointer_lost_before_a_swap_is_rebuilt_on_s3(s3_backend):
     """The writer read the pointer and is about to replace it (If-Match its ETag) when the pointer is lost. The
     replace must fail its condition (moto answers 404 NoSuchKey), so the writer reads again, rebuilds the pointer

@@ -114,6 +114,12 @@ class S3Store(Store):
                 self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
             except FileExistsError:
                 return False
+            except FileNotFoundError:
+                if expected is None:
+                    raise  # a create answered 404: the bucket is gone
+                # S3 answers an If-Match write of a key deleted since it was read 404 NoSuchKey: the version it was
+                # to replace is gone, so the condition failed (the caller reads again and finds no object).
+                return False
             except OSError as exc:
                 if precondition_failed(exc):
                     return False
