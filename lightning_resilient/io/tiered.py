@@ -29,6 +29,7 @@ import os
 import re
 import threading
 import time
+import uuid
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -209,7 +210,9 @@ class TieredRoot:
             why = (f"it holds checkpoints of an earlier incarnation of {self.durable.url} (that root was deleted and"
                    " written again since)")
         path = self.local.store.path("").rstrip("/")
-        aside = f"{path}.set-aside-{int(time.time())}"
+        # The time says when; the random tail keeps two set-asides of one second apart (a rename onto an existing
+        # folder fails, or, onto an empty one, replaces it).
+        aside = f"{path}.set-aside-{int(time.time())}-{uuid.uuid4().hex[:8]}"
         os.rename(path, aside)
         self.local.fence.writer_epoch = self.local.fence.root_id = None  # set aside: the next save adopts again
         warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
