@@ -179,7 +179,12 @@ class TieredRoot:
             origin = self.durable.origin
             assert self.durable.writer_epoch is not None and origin is not None
             pointer, _ = self.durable.read_pointer()
-            root_id = pointer.root_id if pointer is not None else ""
+            if pointer is not None:
+                # A job fenced before its first save (a newer claim, or the root deleted and written again since
+                # its claim) never adopts the local tier: its epoch would take it over from the job writing now.
+                self.durable.fence.check_current(pointer)
+            # The incarnation this writer claimed (a pointer rebuilt since may carry none).
+            root_id = self.durable.fence.root_id or (pointer.root_id if pointer is not None else "")
             self._set_aside_if_foreign(root_id)
             # The record first: a local root holding commits always says which durable root it belongs to.
             _write_tier_record(self.local, self.durable.url, root_id)
