@@ -145,7 +145,7 @@ class WriterFence:
             for folder in [f for f in new.retired if f in live]:  # referenced again (a rebuilt catalog): keep it
                 del new.retired[folder]
             new.txn = uuid.uuid4().hex
-            # A pointer rebuilt from the manifests (lost, repaired) has none: this writer's own incarnation goes on.
+            # A pointer rebuilt from origin records that predate root_id has none: this writer's incarnation goes on.
             new.root_id = new.root_id or self.root_id or uuid.uuid4().hex
             if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
                 if legacy:
@@ -164,7 +164,8 @@ class WriterFence:
     def check_current(self, pointer: Pointer) -> None:
         """Raise ``StaleWriterError`` when ``pointer`` is no longer this writer's to change: a newer writer epoch
         claimed it, or it is another incarnation of the root (deleted and written again since this claim). A
-        pointer without a ``root_id`` (rebuilt from the manifests) is this root's, whoever rebuilt it."""
+        pointer rebuilt from the manifests keeps the incarnation its origin records name; one without a
+        ``root_id`` (rebuilt from records that predate it) is this root's, whoever rebuilt it."""
         if self.writer_epoch is None:
             return
         if self.root_id and pointer.root_id and pointer.root_id != self.root_id:
@@ -278,7 +279,7 @@ class WriterFence:
         """Store writer epoch ``epoch``'s origin beside the pointer, so that the lineage survives a lost pointer
         even for a job that dies before its first commit (best effort: the manifests carry it too)."""
         try:
-            self.store.write(origin_record_name(epoch), origin.record(epoch, self.writer))
+            self.store.write(origin_record_name(epoch), origin.record(epoch, self.writer, self.root_id or ""))
         except Exception as exc:
             log.warning("could not record the origin of writer epoch %d under %s: %s", epoch, self.url, exc)
 

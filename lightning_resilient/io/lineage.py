@@ -70,18 +70,20 @@ class Origin:
         return cls(commit=None if commit is None else str(commit), writer_epoch=int(raw["writer_epoch"]),
                    step=int(raw["step"]), root=None if root is None else str(root))
 
-    def record(self, writer_epoch: int, writer: str) -> bytes:
-        """The sealed record of writer epoch ``writer_epoch``'s origin (stored at :func:`origin_record_name`)."""
+    def record(self, writer_epoch: int, writer: str, root_id: str = "") -> bytes:
+        """The sealed record of writer epoch ``writer_epoch``'s origin (stored at :func:`origin_record_name`), with
+        the incarnation of the root it was claimed in (``root_id``), which a pointer rebuilt after a loss keeps."""
         return seal({"kind": _RECORD_KIND, "format": 1, "writer_epoch": writer_epoch, "writer": writer,
-                     "origin": self.to_json()})
+                     "origin": self.to_json(), "root_id": root_id})
 
     @classmethod
-    def from_record(cls, data: bytes, *, where: str) -> tuple[int, Origin]:
+    def from_record(cls, data: bytes, *, where: str) -> tuple[int, Origin, str]:
+        """Writer epoch, origin and root incarnation of a record (``""``: written before records carried it)."""
         raw = unseal(data, what="origin record", where=where)
         try:
             if raw["kind"] != _RECORD_KIND:
                 raise ValueError(f"kind {raw['kind']!r}")
-            return int(raw["writer_epoch"]), cls.from_json(raw["origin"])
+            return int(raw["writer_epoch"]), cls.from_json(raw["origin"]), str(raw.get("root_id", ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptedError(f"origin record {where} is malformed ({exc})", object=where) from exc
 

@@ -75,7 +75,8 @@ class Pointer:
     retired: dict[str, int] = field(default_factory=dict)
     # Random, set by the first write of a pointer to this root: which incarnation of the root this is. A root deleted
     # and written again under the same URL gets a new one, so a node-local tier of the old one is never taken for
-    # the new one's (io/tiered.py). A pointer rebuilt from the manifests gets a new one too.
+    # the new one's (io/tiered.py), and a job of the old one is fenced (io/fencing.py). Every origin record carries
+    # it, so a pointer rebuilt from the manifests keeps it (a root whose records predate it gets a new one).
     root_id: str = ""
 
     def entries(self) -> list[Entry]:
@@ -106,7 +107,8 @@ class Pointer:
         return {folder for folder, at in self.retired.items() if self.saves > at}
 
     @classmethod
-    def rebuilt(cls, manifests: list[Manifest], max_epoch: int, origins: dict[int, Origin] | None = None) -> Pointer:
+    def rebuilt(cls, manifests: list[Manifest], max_epoch: int, origins: dict[int, Origin] | None = None, *,
+                root_id: str = "") -> Pointer:
         """A pointer rebuilt from the committed manifests of a root whose pointer is missing or damaged.
 
         Lineage comes from the origin records of the writer epochs (``origins``) and from the manifests (each
@@ -114,9 +116,10 @@ class Pointer:
         commit of the current lineage (or, for a name only an abandoned branch used, that branch's newest), latest
         is the lineage's newest, and the writer epoch is ``max_epoch``, the highest any commit folder carries, so a
         job still writing with it continues and the next claim fences them all. Nothing is retired or protected:
-        a rebuild never makes anything deletable.
+        a rebuild never makes anything deletable. ``root_id`` is the incarnation the origin records name (a lost
+        pointer is no new incarnation: a job of a deleted one stays fenced, a local tier of this one stays valid).
         """
-        pointer = cls(writer="rebuilt from the manifests")
+        pointer = cls(writer="rebuilt from the manifests", root_id=root_id)
         pointer.origins = {**(origins or {}), **{m.writer_epoch: m.origin for m in manifests if m.origin is not None}}
         pointer.writer_epoch = max([max_epoch, *(m.writer_epoch for m in manifests)])
         if manifests:

@@ -67,9 +67,11 @@ class Scan:
     uncommitted: list[str] = field(default_factory=list)  # commit folders without a manifest
     max_epoch: int = 0  # the highest writer epoch any commit folder's name (or origin record) carries
     origins: dict[int, Origin] = field(default_factory=dict)  # from the origin records of the writer epochs
+    #: The root's incarnation as the newest origin record that carries one has it ("" if none does)
+    root_id: str = ""
 
     def pointer(self) -> Pointer:
-        return Pointer.rebuilt(self.manifests, self.max_epoch, self.origins)
+        return Pointer.rebuilt(self.manifests, self.max_epoch, self.origins, root_id=self.root_id)
 
 
 def _shifted(write: Callable[[int, memoryview], None], start: int, offset: int, piece: memoryview) -> None:
@@ -342,14 +344,17 @@ class RootReader:
     def scan(self) -> Scan:
         """List every commit folder and read every manifest (for a root whose pointer is missing or damaged)."""
         scan = Scan()
+        newest = 0  # the epoch of the record scan.root_id comes from
         for record in self.store.list_dir(ORIGINS_DIR):
             rel = f"{ORIGINS_DIR}/{record}"
             try:
-                epoch, origin = Origin.from_record(self.store.read(rel), where=self.store.url(rel))
+                epoch, origin, root_id = Origin.from_record(self.store.read(rel), where=self.store.url(rel))
             except (CheckpointCorruptedError, FileNotFoundError):
                 continue  # a damaged record only costs the lineage of one epoch: the manifests also carry it
             scan.origins[epoch] = origin
             scan.max_epoch = max(scan.max_epoch, epoch)
+            if root_id and epoch >= newest:
+                scan.root_id, newest = root_id, epoch
         for name in self.store.list_dir(""):
             if name in LEGACY_NAMES or name.startswith("."):
                 continue

@@ -316,8 +316,8 @@ class TieredRoot:
             try:
                 manifest = self._copy(manifest)
                 self.durable.publish(manifest)
-            except BaseException:
-                self.durable.writer.abandon(manifest.commit)
+            except BaseException as exc:
+                self.durable.writer.abandon(manifest.commit, exc)
                 self.durable.writer.put_back(manifest.name)
                 raise
             with self._lock:

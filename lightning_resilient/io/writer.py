@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_resilient.errors import CheckpointError
+from lightning_resilient.errors import CheckpointError, StaleWriterError
 from lightning_resilient.io import layout
 from lightning_resilient.io.fencing import WriterFence, is_resumed
 from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
@@ -176,10 +176,10 @@ class RootWriter:
         try:
             prepared.ready()
             return self._commit(prepared, folder, extra, sharded)
-        except BaseException:
+        except BaseException as exc:
             # Not committed, so nothing refers to it: delete it now (a crash instead leaves it to gc). If the
             # pointer may have moved to it after all (a lost response), it is left alone.
-            if not self._maybe_referenced(folder):
+            if self._unreferenced(folder, exc):
                 self.retention.discard(folder)
                 self._put_back(prepared.name)
             raise
@@ -258,11 +258,20 @@ class RootWriter:
             return True
         return False
 
-    def abandon(self, folder: str) -> None:
-        """Delete the folder of a commit that failed before its pointer move, unless the pointer may name it after
-        all (a lost response): what a failed save does, and a failed persist into this root."""
-        if not self._maybe_referenced(folder):
+    def abandon(self, folder: str, error: BaseException | None = None) -> None:
+        """Delete the folder of a commit that failed (with ``error``) before its pointer move, unless the pointer may
+        name it after all (a lost response): what a failed save does, and a failed persist into this root."""
+        if self._unreferenced(folder, error):
             self.retention.discard(folder)
+
+    def _unreferenced(self, folder: str, error: BaseException | None) -> bool:
+        """Whether nothing can reference ``folder``, whose commit failed with ``error``."""
+        if isinstance(error, StaleWriterError) and error.recreated:
+            # The root was deleted and written again since this writer claimed it: nothing of the new incarnation
+            # refers to this folder, even while its pointer is missing (which otherwise keeps it: a job may have
+            # resumed it), and a rebuild must not take its writer epoch for the new run's.
+            return True
+        return not self._maybe_referenced(folder)
 
     def _maybe_referenced(self, folder: str) -> bool:
         try:

@@ -110,8 +110,6 @@ GAP_CHECK_TO_MANIFEST = ("gc may delete a fenced writer's objects between its st
                          " write: the manifest then names objects that are gone")
 BUG_STALE_CREATE = ("a stale writer about to create a lost pointer creates it although a newer job claimed and the"
                     " pointer was lost again")
-BUG_RECREATED_LOST_POINTER = ("issue 27 point 2's fence: after the pointer of a recreated root is lost, a job of the"
-                              " deleted incarnation with a higher writer epoch commits into it and takes it over")
 
 
 class Died(BaseException):
@@ -1032,15 +1030,6 @@ class Run:
 
     def op_delete_pointer(self) -> None:
         model = self.main
-        # KNOWN BUG (test_a_recreated_root_refuses_the_old_job_after_its_pointer_is_lost): once the pointer of a
-        # recreated root is lost, a job of the deleted incarnation may commit into it. Such jobs are stopped first
-        # here (none may be stalled mid-save: then no loss).
-        old = [j for j in self.jobs if j.root is model and j.incarnation < model.incarnation and not j.dead
-               and not j.stopped]
-        if any(self.busy(j) for j in old):
-            return
-        for job in old:
-            self.stop(job, graceful=False)
         self.store(model).remove_object(POINTER_NAME)
         model.lost = True
         self.note("pointer deleted")
@@ -1540,11 +1529,10 @@ def test_a_recreated_root_refuses_the_old_job(local_backend):
     assert find_latest_checkpoint(url) == f"{url}/{mine.commit}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=BUG_RECREATED_LOST_POINTER)
 def test_a_recreated_root_refuses_the_old_job_after_its_pointer_is_lost(local_backend):
     """As above, but the recreated root's pointer is then lost: the old job A (writer epoch 2, of the deleted
-    incarnation) must still be refused. The rebuilt pointer carries no incarnation, so A's epoch, above C's, passes
-    the fence: A commits, writes its old incarnation into the pointer, and C is the one refused from then on."""
+    incarnation) must still be refused (the rebuilt pointer keeps the incarnation the origin records name), and its
+    refused save must leave nothing that a rebuild would take for the newest writer epoch: C goes on."""
     url = normalize(local_backend.root)
     first = _job(url)
     first.claim()

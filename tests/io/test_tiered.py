@@ -271,6 +271,32 @@ def test_a_durable_root_deleted_and_written_again_never_resumes_the_old_local_ti
     assert plugin(nvme, local_backend, claim_on_load=False).load_checkpoint(url)["global_step"] == 1
 
 
+def test_a_durable_pointer_lost_and_rebuilt_keeps_the_local_tier(local_backend, tmp_path, plugin, plugins):
+    """Only the durable pointer is lost (not the root): its rebuild keeps the root's incarnation, which the origin
+    records carry, so the node's local tier still belongs to it: the next job on the node resumes the local-only
+    newest step and writes on, nothing set aside."""
+    from lightning_resilient import repair_pointer
+    from lightning_resilient.io.pointer import POINTER_NAME
+
+    nvme = tmp_path / "nvme"
+    io = plugin(nvme, local_backend, persist_every=4)
+    plugins.abandoned(io)  # it dies: its local-only steps 5 and 6 are never persisted
+    save_steps(io, local_backend, range(1, 7))  # durable: 4; local: 5, 6
+    root_id = reader(local_backend.root).read_pointer()[0].root_id
+    os.remove(os.path.join(local_backend.root, POINTER_NAME))
+    repair_pointer(local_backend.root)
+    assert reader(local_backend.root).read_pointer()[0].root_id == root_id
+    url = find_latest_checkpoint(local_backend.root, local_tier=str(nvme))
+    again = plugin(nvme, local_backend, persist_every=4, claim_on_load=True)
+    assert again.load_checkpoint(url)["global_step"] == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing set aside
+        save_steps(again, local_backend, range(7, 8))
+    assert not list(nvme.glob("*.set-aside-*"))
+    url = find_latest_checkpoint(local_backend.root, local_tier=str(nvme))
+    assert plugin(nvme, local_backend, claim_on_load=False).load_checkpoint(url)["global_step"] == 7
+
+
 def test_a_fresh_fit_with_a_reused_plugin_is_a_new_job(tmp_path, plugins):
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
