@@ -148,6 +148,8 @@ class WriterFence:
             # A pointer rebuilt from origin records that predate root_id has none: this writer's incarnation goes on.
             new.root_id = new.root_id or self.root_id or uuid.uuid4().hex
             if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
+                if current is None and not legacy and self._overtook_a_claim(new):
+                    continue  # read again: a fenced writer is refused now, a claim claims above the newer one
                 if legacy:
                     self._drop_legacy_pointer()
                 self._deleted -= set(base.retired) - set(new.retired)
@@ -160,6 +162,25 @@ class WriterFence:
             time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
         raise TimeoutError(f"could not update {self.store.url(POINTER_NAME)}: {_CAS_ATTEMPTS} conditional writes"
                            " in a row lost to other writers")
+
+    def _overtook_a_claim(self, new: Pointer) -> bool:
+        """After this process created the pointer that was missing: whether a newer claim was lost by it. The create
+        is conditional (only if there is none), but between this process's scan and its create a newer job may have
+        claimed (creating the pointer) and the pointer been lost again: the create then succeeds and turns the root
+        back to this writer epoch. Every claim records its epoch beside the pointer; one newer than ``new``'s means
+        that happened. The pointer is then rebuilt again (if it is still the one created here), so that the newer
+        claim holds again, and the caller's update reads it anew."""
+        if self._newest_recorded_epoch() <= new.writer_epoch:
+            return False
+        got = self.store.read_versioned(POINTER_NAME)
+        if got is not None and Pointer.from_bytes(got[0], where=self.store.url(POINTER_NAME)).txn == new.txn:
+            restored = self.reader.scan().pointer()
+            restored.root_id = restored.root_id or new.root_id
+            restored.txn = uuid.uuid4().hex
+            self.store.write_if(POINTER_NAME, restored.to_bytes(), got[1])
+        log.warning("%s was lost twice while this writer (epoch %d) rebuilt it: a newer writer epoch claimed the root"
+                    " meanwhile, so it was rebuilt again", self.store.url(POINTER_NAME), new.writer_epoch)
+        return True
 
     def check_current(self, pointer: Pointer) -> None:
         """Raise ``StaleWriterError`` when ``pointer`` is no longer this writer's to change: a newer writer epoch

@@ -108,8 +108,6 @@ BUG_PRUNED_ORIGINS = ("origins pruned before a rebuild let an abandoned branch's
                       " roots from before lineage was recorded)")
 GAP_CHECK_TO_MANIFEST = ("gc may delete a fenced writer's objects between its stored-objects check and its manifest"
                          " write: the manifest then names objects that are gone")
-BUG_STALE_CREATE = ("a stale writer about to create a lost pointer creates it although a newer job claimed and the"
-                    " pointer was lost again")
 
 
 class Died(BaseException):
@@ -214,7 +212,6 @@ class Handle:
     tiers: TieredRoot | None = None
     saving: Saving | None = None
     worker: Worker | None = None  # a subprocess job (kind "proc")
-    creates: bool = False  # paused before a pointer write that creates the pointer (there was none)
 
 
 class RunFailed(AssertionError):
@@ -732,7 +729,6 @@ class Run:
         handle.saving = None
         folders = list(handle.gate.folders)
         handle.gate.arm([])
-        handle.creates = False
         model = job.root
         if handle.saver is not None and saving.error is None:
             handle.saver.wait()
@@ -838,9 +834,6 @@ class Run:
             gate = self.handles[job].gate
             if gate.at is None:
                 break  # it ended before that instant (refused: another job claimed meanwhile)
-            if point == "pointer":
-                # It read the pointer just before: if there was none, its write creates one (if there still is none).
-                self.handles[job].creates = self.raw_pointer(self.main) is None
             if point in ("written", "pointer"):
                 self.check_paused(self.main, job)
                 if gate.folders and self.has_manifest(self.main, gate.folders[-1]):
@@ -860,12 +853,8 @@ class Run:
         self.end_save(job, before)
 
     def interleave(self, paused: Job) -> None:
-        # KNOWN BUG (test_a_stale_writer_never_recreates_a_lost_pointer): a job paused before it creates a lost
-        # pointer creates it even if a newer job claimed (recreating the pointer) meanwhile and the pointer was lost
-        # again: that loss is not generated here.
-        lose = 0 if self.handles[paused].creates else 1
         op = self.rng.choices([self.op_read, self.op_gc, self.op_new_job, self.op_delete_pointer, self.op_damage,
-                               self.op_stale_save, self.op_fork], [5, 5, 3, lose, 2, 2, 1])[0]
+                               self.op_stale_save, self.op_fork], [5, 5, 3, 1, 2, 2, 1])[0]
         self.note(f"  while {paused} is paused: {op.__name__}")
         op()
 
@@ -1633,11 +1622,11 @@ def test_a_local_only_origin_outside_every_catalog_survives_the_local_tiers_gc(l
         thread.join(WAIT)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=BUG_STALE_CREATE)
 def test_a_stale_writer_never_recreates_a_lost_pointer(local_backend):
     """The pointer is lost; writer A rebuilds it from the manifests and is about to create it (a conditional create:
     only if there is none). Job B claims the root meanwhile (creating the pointer), and the pointer is lost again.
-    A's create then succeeds: the pointer is back at A's writer epoch, naming A's checkpoint, B's claim gone."""
+    A's create then succeeds, but A must see that it overtook B's claim: the pointer goes back to B's writer epoch,
+    A's save is refused, and B goes on."""
     url = normalize(local_backend.root)
     a = _job(url)
     a.claim()
@@ -1652,7 +1641,9 @@ def test_a_stale_writer_never_recreates_a_lost_pointer(local_backend):
     thread.join(WAIT)
     after, _ = b.read_pointer()
     assert after is None or after.writer_epoch == b.writer_epoch, f"stale writer A recreated the pointer: {after}"
-    assert outcome and isinstance(outcome[0], CheckpointError), f"stale writer A committed {outcome}"
+    assert outcome and isinstance(outcome[0], StaleWriterError), f"stale writer A committed {outcome}"
+    mine = b.save(content("b", 3), "step=3.ckpt")
+    assert find_latest_checkpoint(url) == f"{url}/{mine.commit}"
 
 
 def test_a_pointer_lost_before_a_swap_is_rebuilt_on_s3(s3_backend):
