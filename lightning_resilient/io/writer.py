@@ -10,6 +10,7 @@ top-k save) references them instead of uploading them again: the writer remember
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -333,7 +334,11 @@ class RootWriter:
             self.retention.apply_keep_last(p)
             return p
 
-        new, _ = self.fence.update(add, fenced=True)
+        try:
+            new, _ = self.fence.update(add, fenced=True)
+        except BaseException:
+            self._unwrite_if_incomplete(manifest)
+            raise
         self._remember(manifest, new)
         log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(folder), entry.step,
                  len(manifest.objects), entry.size)
@@ -354,6 +359,18 @@ class RootWriter:
             what = "is missing" if size is None else f"has {size} bytes, not {obj.size}"
             raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(folder)} was to be"
                                   " committed (something deleted or replaced it): the save was not committed")
+
+    def _unwrite_if_incomplete(self, manifest: Manifest) -> None:
+        """After a failed pointer move: delete ``manifest`` again if an object it names is gone. A newer job's ``gc``
+        may delete a fenced writer's objects between its stored-objects check and its manifest write (the folder had
+        no manifest then); the folder may be kept (while the pointer is missing), but never as a checkpoint that
+        names what is gone. Such a manifest was never loadable, so nothing is lost."""
+        with contextlib.suppress(Exception):  # best effort: a manifest naming what is gone never verifies anyway
+            found = self.reader.stored_sizes({o.path for o in manifest.objects})
+            if any(o.path not in found or found[o.path] not in (o.size, None) for o in manifest.objects):
+                self.store.remove(f"{manifest.commit}/{MANIFEST_NAME}")
+                log.warning("%s names objects that were deleted while this fenced writer committed it: its manifest"
+                            " was deleted again", self.store.url(manifest.commit))
 
     def _remember(self, manifest: Manifest, pointer: Pointer | None = None) -> None:
         if manifest.step != self._known_step:
