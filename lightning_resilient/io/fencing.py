@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 _CAS_ATTEMPTS = 50
 # The protection reason of the checkpoint a job resumed from starts with this (retention never drops it).
 RESUMED = "resumed from"
+# That of a checkpoint an earlier job resumed that the catalog does not name, kept while the lineage holds it.
+_IN_LINEAGE = "a checkpoint of the lineage the catalog does not name"
 _warned_fencing: set[str] = set()
 # What a probe of each store client found (None: conditional writes enforced), so it runs once per client.
 _probed: weakref.WeakKeyDictionary[Store, str | None] = weakref.WeakKeyDictionary()
@@ -243,13 +245,15 @@ class WriterFence:
             p.writer_epoch += 1
             p.writer = self.writer
             p.origins[p.writer_epoch] = origin
-            # Protections belong to the job that set them; this job protects what it resumed from.
-            p.protected = {}
-            if resumed_from is not None and not elsewhere:
-                protect(p, resumed_from, self.writer)
             # The newest checkpoint of the new lineage: what a restart of this job resumes until it saves (with an
             # origin held elsewhere, this root's newest checkpoint of the lineage it continues).
             p.latest = resumed_from if not elsewhere else next(iter(p.lineage().members(p.entries())), None)
+            # Protections belong to the job that set them; this job protects what it resumed from. Only a checkpoint
+            # an earlier job resumed that the pointer does not name (a stray), and that this job's lineage continues,
+            # stays kept: nothing else keeps it, and a lineage never loses a checkpoint to a claim.
+            p.protected = _strays_of_the_lineage(p)
+            if resumed_from is not None and not elsewhere:
+                protect(p, resumed_from, self.writer)
             _prune_origins(p)
             return p
 
@@ -399,15 +403,60 @@ class WriterFence:
 
 
 def _prune_origins(p: Pointer) -> None:
-    """Forget the origins of epochs older than every checkpoint the pointer still names: no lineage reaches them."""
+    """Forget the origins of epochs older than every checkpoint the pointer still names: no lineage reaches them.
+    Those of the current lineage's chain down to the epoch that resumed a protected checkpoint stay: they tell that
+    the checkpoint is in the lineage (see ``_strays_of_the_lineage``)."""
     epochs = [e.writer_epoch for e in p.entries()] + [p.writer_epoch]
     oldest = min(epochs)
-    p.origins = {k: v for k, v in p.origins.items() if k >= oldest}
+    keep = {k for k in p.origins if k >= oldest}
+    chain: list[int] = []
+    epoch = p.writer_epoch
+    while epoch in p.origins and epoch not in chain:
+        chain.append(epoch)
+        origin = p.origins[epoch]
+        if not origin.here or origin.writer_epoch >= epoch:
+            break
+        epoch = origin.writer_epoch
+    needed = [i for i, e in enumerate(chain) if p.origins[e].commit in p.protected]
+    if needed:
+        keep.update(chain[:needed[-1] + 1])
+    p.origins = {k: v for k, v in p.origins.items() if k in keep}
+
+
+def _resumer(why: str) -> str | None:
+    """The writer a protection reason says resumed the checkpoint (None: not such a reason)."""
+    if why.startswith(f"{RESUMED} by "):
+        return why[len(f"{RESUMED} by "):]
+    if why.startswith(f"{_IN_LINEAGE} (resumed by ") and why.endswith(")"):
+        return why[len(f"{_IN_LINEAGE} (resumed by "):-1]
+    return None
+
+
+def _data_reason(writer: str) -> str:
+    return f"data of the checkpoint {writer} resumed from"
+
+
+def _strays_of_the_lineage(p: Pointer) -> dict[str, str]:
+    """Of ``p``'s protections (the job before the claim updating ``p``, and those it kept), what stays protected:
+    each checkpoint a job resumed that the catalog does not name (a stray: its writer stopped between its manifest
+    and its pointer move) and that ``p``'s lineage holds, with the folders its data lies in. The catalog keeps
+    every other checkpoint a later job may need; this one only its protection does."""
+    cataloged = {e.commit for e in p.entries()}
+    where = {o.commit: (o.writer_epoch, o.step) for o in p.origins.values() if o.here}
+    lineage = p.lineage()
+    kept: dict[str, str] = {}
+    for commit, why in p.protected.items():
+        writer = _resumer(why)
+        if writer is None or commit in cataloged or commit not in where or not lineage.holds(*where[commit]):
+            continue
+        kept[commit] = f"{_IN_LINEAGE} (resumed by {writer})"
+        kept.update((f, other) for f, other in p.protected.items() if other == _data_reason(writer) and f not in kept)
+    return kept
 
 
 def protect(p: Pointer, resumed: Entry, writer: str) -> None:
     """Keep what ``writer`` resumed from (and the folders its data lies in) from retention, in ``p``."""
-    p.protected.update(dict.fromkeys(resumed.folders, f"data of the checkpoint {writer} resumed from"))
+    p.protected.update(dict.fromkeys(resumed.folders, _data_reason(writer)))
     p.protected[resumed.commit] = f"{RESUMED} by {writer}"
 
 

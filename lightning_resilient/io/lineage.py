@@ -136,10 +136,14 @@ class Lineage:
         return cls(origins, record.writer_epoch, record.step)
 
     def contains(self, record: Ordered) -> bool:
-        bound = self.bounds.get(record.writer_epoch)
-        if bound is None and self.legacy_below is not None and record.writer_epoch < self.legacy_below:
+        return self.holds(record.writer_epoch, record.step)
+
+    def holds(self, writer_epoch: int, step: int) -> bool:
+        """Whether the checkpoint of ``writer_epoch`` at ``step`` belongs to this lineage."""
+        bound = self.bounds.get(writer_epoch)
+        if bound is None and self.legacy_below is not None and writer_epoch < self.legacy_below:
             bound = self.legacy_bound
-        return bound is not None and record.step <= bound
+        return bound is not None and step <= bound
 
     def members(self, records: Iterable[Any]) -> list[Any]:
         """The records of this lineage, newest first."""

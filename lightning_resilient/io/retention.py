@@ -290,11 +290,12 @@ class Retention:
         return doomed
 
     def _prune_origin_records(self, pointer: Pointer) -> None:
-        """Delete origin records of epochs older than every checkpoint the pointer names: no lineage reaches them."""
+        """Delete origin records of epochs older than every checkpoint the pointer names: no lineage reaches them
+        (but those whose origins the pointer keeps: see ``fencing._prune_origins``)."""
         oldest = min([e.writer_epoch for e in pointer.entries()] + [pointer.writer_epoch])
         for record in self.store.list_dir(ORIGINS_DIR):
             match = re.fullmatch(r"e(\d+)\.json", record)
-            if match and int(match.group(1)) < oldest:
+            if match and int(match.group(1)) < oldest and int(match.group(1)) not in pointer.origins:
                 self.discard(f"{ORIGINS_DIR}/{record}")
 
     def _outside(self, lineage: Lineage, folder: str) -> bool:

@@ -15,7 +15,6 @@ commit (which job wrote it, at which step, under which name), and derives from t
 The model never asks the package what the lineage is or what retention dropped: a package bug that changes either
 is a difference between the two, which the test reports. Where the protocol's promise is weaker than "kept" (after
 a pointer was lost, a name shared with another branch may be re-cataloged), the model says "may go", never "kept".
-One rule follows a known protocol bug instead of the promise (``claimed_by``, marked KNOWN PROTOCOL BUG).
 """
 
 from __future__ import annotations
@@ -201,11 +200,12 @@ class RootModel:
                     c.may_go = True
 
     def claimed_by(self, job: Job, previous: Job | None, catalog: set[str] | None) -> None:
-        """``job`` claimed the root after ``previous``. What ``previous`` resumed from is no longer protected: if
-        the catalog does not name it (a stray it resumed), the claim retires it. KNOWN PROTOCOL BUG: the protocol
-        promises to keep an unreferenced commit of the lineage; see ``test_a_resumed_stray_is_kept_in_the_lineage``."""
+        """``job`` claimed the root after ``previous``. What ``previous`` resumed from is no longer protected as
+        such: if the catalog does not name it (a stray it resumed) and ``job``'s lineage does not hold it (a
+        rollback below it, a fresh start), the claim retires it."""
         origin = previous.origin if previous is not None else None
-        if origin is not None and origin.job.root is self and (catalog is None or origin.folder not in catalog):
+        if origin is not None and origin.job.root is self and (catalog is None or origin.folder not in catalog) \
+                and not self.in_lineage(origin):
             origin.may_go = True
 
     def settle(self, catalog: set[str] | None) -> None:

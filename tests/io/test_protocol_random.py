@@ -102,8 +102,6 @@ WAIT = 60.0  # seconds a paused or saving job may take to reach its next instant
 # Protocol gaps the model found, each reproduced on its own by a strict xfail test at the end of this module (and
 # tolerated, or not generated, by the randomized run where marked KNOWN): once one is fixed, its test fails: remove
 # the mark, and the tolerance.
-BUG_RESUMED_STRAY = ("a claim retires the resumed-from checkpoint of the job before it when the catalog does not name"
-                     " it (a stray), although it is in the new lineage")
 BUG_PRUNED_ORIGINS = ("origins pruned before a rebuild let an abandoned branch's stray into the lineage (the rule for"
                       " roots from before lineage was recorded)")
 
@@ -1375,12 +1373,14 @@ def _paused_save(job: CheckpointRoot, step: int, name: str, at: str) -> tuple[Ga
     return gate, thread, outcome
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=BUG_RESUMED_STRAY)
 def test_a_resumed_stray_is_kept_in_the_lineage(local_backend):
-    """Job A's save stops between its manifest and its pointer move (a stray: committed, never cataloged). Job B
-    resumes exactly that commit and saves; job C resumes B. The stray is in C's lineage (C <- B <- stray), and
-    retention never dropped it (keep_last is None): it must be kept. The claim of C retires it instead: it was live
-    only as B's protection, and C's claim drops B's protections."""
+    """Job A's save stops between its manifest and its pointer move (a stray S: committed, never cataloged). Job B
+    resumes exactly that commit, and its own first save stops there too (a stray S2). C resumes S2 and saves; D
+    resumes C and saves on (its keep_last drops C's checkpoint); E resumes D, F resumes E. S and S2 are in F's lineage
+    (F <- E <- D <- C <- S2 <- S), and retention never dropped them (no catalog named them): they must be kept,
+    though each was live only as the protection of the job that resumed it, each claim drops the protections of the
+    job before it (at C's claim, the pointer's latest is still S), and the origins of epochs older than the catalog
+    are pruned."""
     url = normalize(local_backend.root)
     a = _job(url)
     a.claim()
@@ -1392,18 +1392,36 @@ def test_a_resumed_stray_is_kept_in_the_lineage(local_backend):
     b.claim(resumed_from=Entry.from_manifest(b.read_manifest(stray)))
     gate.release()
     thread.join(WAIT)
-    entry = b.save(content("b", 4), "step=4.ckpt")
-    c = _job(url)
-    c.claim(resumed_from=entry)
-    assert c.store.exists(f"{stray}/{MANIFEST_NAME}"), "the resumed stray, in the lineage, was retired by C's claim"
+    gate, thread, _ = _paused_save(b, 4, "last.ckpt", "pointer")  # B dies there
+    try:
+        second = gate.folders[-1]
+        c = _job(url)
+        c.claim(resumed_from=Entry.from_manifest(c.read_manifest(second)))
+        assert c.store.exists(f"{stray}/{MANIFEST_NAME}"), "the stray B resumed, in C's lineage, was retired"
+        entry = c.save(content("c", 5), "step=5.ckpt")
+        d = _job(url, keep=1)
+        d.claim(resumed_from=entry)
+        for step in (6, 7):  # keep_last drops C's checkpoint: the origins of the epochs before D's go
+            d.save(content("d", step), f"step={step}.ckpt")
+        for tag, step in (("e", 8), ("f", 9)):
+            job = _job(url)
+            job.claim(resumed_from=job.read_pointer()[0].latest)
+            job.save(content(tag, step), f"step={step}.ckpt")
+        reader(url).collect_garbage()
+        for folder in (stray, second):
+            reader(url).reader.verify(folder)
+    finally:
+        gate.kill()
+        thread.join(WAIT)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=BUG_PRUNED_ORIGINS)
 def test_a_rebuilt_pointer_never_takes_an_abandoned_branch_for_the_lineage(local_backend):
-    """A started fresh is abandoned by B; C resumes B, D resumes C: B's checkpoints are retired and the origins of
-    epochs before C's are pruned. Then the pointer is lost while A (stale, still running) saves: refused, its manifest
-    stays. The rebuilt pointer knows no origin for B's epoch, so it takes every older epoch (A's) for the lineage:
-    with the lineage's checkpoints damaged, a load of the root loads A's abandoned branch instead of failing."""
+    """A started fresh is abandoned by B; C resumes B, D resumes C, E resumes D: B's checkpoints are retired and the
+    origins of epochs before C's are pruned (in the pointer by E's claim, their records by gc). Then the pointer is
+    lost while A (stale, still running) saves: refused, its manifest stays. The rebuilt pointer knows no origin for
+    B's epoch, so it takes every older epoch (A's) for the lineage: with the lineage's checkpoints damaged, a load of
+    the root loads A's abandoned branch instead of failing."""
     from lightning_resilient import repair_pointer
 
     url = normalize(local_backend.root)
@@ -1427,7 +1445,12 @@ def test_a_rebuilt_pointer_never_takes_an_abandoned_branch_for_the_lineage(local
     d.claim(resumed_from=pointer.latest)
     for step in (6, 7):
         d.save(content("d", step), f"step={step}.ckpt")
-    reader(url).collect_garbage(abandoned=True)
+    e = _job(url, keep=2)
+    pointer, _ = e.read_pointer()
+    assert pointer is not None and pointer.latest is not None
+    e.claim(resumed_from=pointer.latest)  # prunes the origins of the epochs before C's (B's among them)
+    e.save(content("e", 8), "step=8.ckpt")
+    reader(url).collect_garbage(abandoned=True)  # and their records
     d.store.remove_object(POINTER_NAME)
     with pytest.raises(StaleWriterError):
         a.save(content("a", 2), "a-step=2.ckpt")
