@@ -90,10 +90,10 @@ KEEP_LAST = 3  # the main root's keep_last (the fork root keeps everything)
 LOCAL_KEEP = 2
 # Seeds the suite runs, per store, each its own test item (a few seconds on local disk, more on moto S3), and those
 # of the variant with SIGKILLed writer processes (slow).
-SEEDS = {"local": [20261203, 7, 1234567], "s3": [20261203]}
-OPERATIONS = {"local": 100, "s3": 40}
+SEEDS = {"local": [20261203, 7, 1234567, 22, 33], "s3": [20261203]}
+OPERATIONS = {"local": 150, "s3": 60}
 KILL_SEEDS = {"local": [20261203], "s3": [20261203]}
-KILL_OPERATIONS = {"local": 40, "s3": 30}
+KILL_OPERATIONS = {"local": 60, "s3": 40}
 SOAK_OPERATIONS = {"local": 3000, "s3": 1200}
 SETTINGS: dict[str, Any] = {"shard_size": 4096, "chunk_size": 2048, "orphan_grace_seconds": 0.0,
                             "fallback_on_corruption": True}
