@@ -737,12 +737,15 @@ class Run:
                 pointer = self.pointer(model)
                 assert pointer is not None
                 saving.entries = [pointer.checkpoints[name] for name in saving.names]
-        if handle.tiers is not None and saving.error is None:
+        if handle.tiers is not None:
+            # (Also after a save that raised: it may have raised an earlier persist's error after committing locally
+            # and queuing its own persist, which must not run on beside the operations and checks that follow.)
             handle.tiers.wait()
-            try:
-                handle.tiers.raise_error()
-            except BaseException as exc:
-                saving.error = exc
+            if saving.error is None:
+                try:
+                    handle.tiers.raise_error()
+                except BaseException as exc:
+                    saving.error = exc
         writes = not model.fenced(job) and job.incarnation == model.incarnation
         if saving.error is not None:
             # A fenced writer learns it from the pointer: StaleWriterError. Only with no pointer to read (it was lost)
@@ -757,8 +760,10 @@ class Run:
                 if self.has_manifest(model, folder, cache):
                     # Refused after its manifest: a stray, kept while the pointer may name it (it is missing, or a
                     # job resumed it), else discarded by its writer; never naming an object that is gone (5).
-                    missing = [p for p, size in self.objects_of(model, folder).items()
-                               if self.stored(model, p, cache) != size]
+                    known = model.commits.get(folder)
+                    damaged = known is not None and known.manifest_damaged  # (then no load reads it, nor may we)
+                    missing = [] if damaged else [p for p, size in self.objects_of(model, folder).items()
+                                                  if self.stored(model, p, cache) != size]
                     self.expect(not missing, f"{job}, refused, left the manifest of {folder}, which names {missing}"
                                              " (gone)", model)
                     self.register_stray(model, job, folder)
