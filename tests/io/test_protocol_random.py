@@ -598,7 +598,9 @@ class Run:
         self.jobs.append(job)
         handle = self.open_job(model, job)
         if origin is not None:
-            holder = self.observer[model.label] if not elsewhere else reader(local_tier_url(self.node, model.url))
+            # (What the load read: the local tier's copy, for a tier job, when the durable manifest is damaged.)
+            local = elsewhere or (kind == "tier" and target == "latest" and origin.manifest_damaged)
+            holder = self.observer[model.label] if not local else reader(local_tier_url(self.node, model.url))
             handle.root.resumed(Entry.from_manifest(holder.read_manifest(origin.folder)), elsewhere=elsewhere)
         catalog = self.catalog(model)
         if model.lost:  # the claim rebuilds the pointer first, along the lineage before it
