@@ -10,7 +10,8 @@ Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 For each mutation it copies the working tree (without ``.git``) into a temporary folder, applies the one edit there
 (the original line must occur exactly once, so a mutation never silently applies to nothing), runs pytest in the
 copy with ``PYTHONPATH`` pointing at it (subprocesses the tests start load the mutated package too), and reports
-which tests failed: a mutation no test catches *survived*. The real tree is never touched.
+which tests failed: a mutation no test catches *survived*. The real tree is never touched. The table of the last run
+is in ``docs/development.md``.
 """
 
 from __future__ import annotations

@@ -28,10 +28,12 @@ the store that
 (3) no load returns another lineage: ``find_latest_checkpoint`` and a load of the root URL give the newest intact
     checkpoint of the current lineage, a load of a commit URL falls back only along the lineage below that commit;
 (4) loads are bit-exact: what loads equals, tensor for tensor, what that job saved at that step;
-(5) a manifest never names an object that is gone (checked at every pause of a save after its manifest).
+(5) a manifest never names an object that is gone (checked at every pause of a save after its manifest, and when a
+    refused save ends; a fenced writer's manifest may do so for a moment, until it learns it is fenced).
 
 The directed tests at the end each reproduce one rule the random run reaches only rarely (or one protocol gap it
-found, as a strict xfail). ``tests/io/mutations.py`` shows which of these tests catch nine one-line breakages.
+found: a fixed one as a plain test, the one left as a strict xfail). ``tests/io/mutations.py`` shows which of these
+tests catch nine one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
 
 Seeds in the suite: ``SEEDS`` per store (and ``KILL_SEEDS`` for the variant with SIGKILLs), each its own test item,
 sized so that the randomized items together cost about a minute of one core. ``pytest --soak`` runs
