@@ -377,7 +377,7 @@ def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry
             where = "local only, being persisted"
         else:
             where = "local only"
-        status = _check(local, e, args.quick)
+        status = _check_local(local, e, args.quick)
         if status.startswith("NO"):
             bad.append(e)
         print(f"| {e.name} | {e.step} | {e.writer_epoch} | {_size(e.size)} | {_age(e.created)} | {where} | {status} |")
@@ -385,8 +385,59 @@ def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry
     if newest:
         tier = "the local tier" if newest[0].commit not in durable else "the local tier, else the durable tier"
         print(f"\na resume on this node tries {newest[0].name} (step {newest[0].step}) first, from {tier} (a copy that"
-              " fails verification is skipped); on another node, the durable root's newest")
+              " fails verification is skipped); on another node, the durable root's newest (or, in a job on several"
+              " nodes, the newest any node holds: each node's local tier holds its copy, or its part and replicas)")
+    _print_persist_status(local)
     return bad
+
+
+def _check_local(local: CheckpointRoot, entry: Entry, quick: bool) -> str:
+    """:func:`_check` of a local tier's commit: of a sharded commit written across nodes, the parts this node holds
+    (the others are on other nodes)."""
+    from lightning_resilient.io import parts
+
+    try:
+        manifest = local.read_manifest(entry.commit)
+    except CheckpointCorruptedError as exc:
+        return f"NO: {exc}"
+    if not parts.spans_nodes(manifest):
+        return _check(local, entry, quick)
+    held = parts.held(local, manifest)
+    if not held:
+        return "NO: holds none of its parts"
+    paths = {o.path for o in parts.held_objects(manifest, held)}
+    only = [i for i, o in enumerate(manifest.objects) if o.path in paths]
+    try:
+        if quick:
+            local.reader.check_sizes(entry.commit, manifest, only=only)
+        else:
+            local.reader.verify(entry.commit, only=only)
+    except CheckpointCorruptedError as exc:
+        return f"NO: {exc}"
+    which = ", ".join(str(p) for p in sorted(held))
+    return f"{'sizes ok' if quick else 'yes'} (part(s) {which} of {parts.part_count(manifest)})"
+
+
+def _print_persist_status(local: CheckpointRoot) -> None:
+    """The last persist of the job writing this local tier: done, pending, or failing (since when, and why)."""
+    from lightning_resilient.io.tiered import read_status
+
+    status = read_status(local)
+    if status is None:
+        return
+    state, step = status.get("state"), status.get("step")
+    when = _age(float(status.get("at") or 0.0))
+    if status.get("failures"):
+        since = status.get("failing_since")
+        now = (f"step {step} being retried ({when} ago)" if state == "pending"
+               else f"the last, of step {step}, {when} ago")
+        print(f"\npersist: FAILING ({status.get('failures')} failed in a row"
+              + (f", since {_age(float(since))} ago" if since else "") + f"); {now}: {status.get('error')}. Training"
+              " goes on from the local tier; later saves retry with backoff")
+    elif state == "pending":
+        print(f"\npersist: step {step} queued or in progress ({when} ago)")
+    else:
+        print(f"\npersist: ok, step {step} durable ({when} ago)")
 
 
 def _print_attempts(root: CheckpointRoot) -> None:

@@ -56,6 +56,9 @@ class _Check:
         # own client: without credentials in the environment that fails with botocore's bare NoCredentialsError.
         self._held = []
         plugin = _plugin(trainer)
+        if plugin is not None:
+            # Every rank, at one point, before any load: with a local tier on several processes, the job's nodes.
+            plugin.join_nodes(trainer)
         if stage != "fit" or plugin is None:
             return
         self._load_before = plugin.last_load

@@ -174,15 +174,28 @@ class RootWriter:
         """
         folder = folder or self.new_commit_folder(prepared.name, prepared.created)
         try:
-            prepared.ready()
-            return self._commit(prepared, folder, extra, sharded)
+            return self.publish(self._stage(prepared, folder, extra, sharded))
         except BaseException:
-            # Not committed, so nothing refers to it: delete it now (a crash instead leaves it to gc). If the
-            # pointer may have moved to it after all (a lost response), it is left alone.
-            if not self._maybe_referenced(folder):
-                self.retention.discard(folder)
-                self._put_back(prepared.name)
+            self._failed(prepared.name, folder)
             raise
+
+    def stage(self, prepared: Prepared, *, folder: str, extra: list[ObjectEntry] | None = None,
+              sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Manifest:
+        """Upload a prepared checkpoint into ``folder`` and return its manifest, unpublished: what :meth:`commit`
+        does before :meth:`publish`. A sharded save with a local tier on several nodes stages on the coordinator's
+        node, and every node then publishes the manifest with the part it holds (``tiered.commit_node_part``)."""
+        try:
+            return self._stage(prepared, folder, extra, sharded)
+        except BaseException:
+            self._failed(prepared.name, folder)
+            raise
+
+    def _failed(self, name: str, folder: str) -> None:
+        # Not committed, so nothing refers to it: delete it now (a crash instead leaves it to gc). If the
+        # pointer may have moved to it after all (a lost response), it is left alone.
+        if not self._maybe_referenced(folder):
+            self.retention.discard(folder)
+            self._put_back(name)
 
     def make_room(self, name: str) -> None:
         """Before a commit of ``name`` that did not come through :meth:`new_commit_folder` (a persist from a local
@@ -271,8 +284,9 @@ class RootWriter:
             return True
         return pointer is None or folder in pointer.live_folders()
 
-    def _commit(self, prepared: Prepared, folder: str, extra: list[ObjectEntry] | None,
-                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None) -> Entry:
+    def _stage(self, prepared: Prepared, folder: str, extra: list[ObjectEntry] | None,
+               sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None) -> Manifest:
+        prepared.ready()
         assert self.fence.writer_epoch is not None and self.fence.origin is not None
         epoch, origin, name, step = self.fence.writer_epoch, self.fence.origin, prepared.name, prepared.step
         objects = self.upload_stream(f"{folder}/", prepared.total, prepared.pieces, step)
@@ -281,23 +295,24 @@ class RootWriter:
                                  self._known if step == self._known_step else {}))
         skeleton = len(objects) - 1
         objects += extra or []
-        manifest = Manifest(name=name, commit=folder, step=step, epoch=prepared.epoch, created=prepared.created,
-                            writer_epoch=epoch, chunk_size=self.chunk_size, skeleton=skeleton,
-                            stream=stream, objects=objects, tensors=prepared.tensors,
-                            sharded=sharded(objects) if sharded is not None else None, origin=origin)
-        return self.publish(manifest)
+        return Manifest(name=name, commit=folder, step=step, epoch=prepared.epoch, created=prepared.created,
+                        writer_epoch=epoch, chunk_size=self.chunk_size, skeleton=skeleton,
+                        stream=stream, objects=objects, tensors=prepared.tensors,
+                        sharded=sharded(objects) if sharded is not None else None, origin=origin)
 
-    def publish(self, manifest: Manifest) -> Entry:
+    def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None) -> Entry:
         """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer.
 
         A save's last step, and the whole of persisting a node-local checkpoint to its durable tier (the objects
         copied there first, the manifest the one the local tier committed: same commit, writer epoch and origin).
+        ``held``: the objects this root holds of a sharded checkpoint written across nodes (one node's part of a
+        local tier, see ``io/parts.py``): only they are checked; the manifest still names every object.
         """
         assert self.fence.writer_epoch is not None and manifest.writer_epoch == self.fence.writer_epoch
         folder, name, step, origin = manifest.commit, manifest.name, manifest.step, manifest.origin
         epoch = self.fence.writer_epoch
         self.store.sync_folder(folder)  # the data is durable before the manifest names it
-        self._check_stored(manifest.objects, folder)
+        self._check_stored(manifest.objects if held is None else held, folder)
         # The manifest goes last: until it exists, this folder is not a checkpoint.
         self.store.write(f"{folder}/{MANIFEST_NAME}", manifest.to_bytes())
         for path in (folder, name, ""):  # and it, and the folders holding it, before the pointer names it
@@ -325,7 +340,7 @@ class RootWriter:
             return p
 
         new, _ = self.fence.update(add, fenced=True)
-        self._remember(manifest, new)
+        self._remember(manifest, new, held)
         log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(folder), entry.step,
                  len(manifest.objects), entry.size)
         self.retention.delete_retired(new)
@@ -346,13 +361,14 @@ class RootWriter:
             raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(folder)} was to be"
                                   " committed (something deleted or replaced it): the save was not committed")
 
-    def _remember(self, manifest: Manifest, pointer: Pointer | None = None) -> None:
+    def _remember(self, manifest: Manifest, pointer: Pointer | None = None,
+                  held: list[ObjectEntry] | None = None) -> None:
         if manifest.step != self._known_step:
             self._known = {}
         self._known_step = manifest.step
         live = pointer.live_folders() if pointer is not None else None
         self._known = {k: v for k, v in self._known.items() if live is None or v.rsplit("/", 1)[0] in live}
-        for obj in manifest.objects:
+        for obj in manifest.objects if held is None else held:  # only what this root stores may be referenced
             self._known[(obj.digest, obj.size)] = obj.path
 
     # -- remove ------------------------------------------------------------------------------------------------

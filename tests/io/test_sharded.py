@@ -70,13 +70,14 @@ def test_sharded_roundtrip_consolidation_and_corruption(backend, make_io):
     with pytest.raises(ShardedCheckpointError, match="AtomicModelParallelStrategy"):
         make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
     # Every chunk a load reads is verified.
-    shard = next(p for p in backend.fs().find(backend.path(entry.commit)) if "/r00000-shard-" in p)
+    # One process holds every tensor whole: its stream is all whole items (r<rank>-whole-..., see io/sharded.py).
+    shard = next(p for p in backend.fs().find(backend.path(entry.commit)) if "/r00000-whole-shard-" in p)
     data = bytearray(backend.fs().cat_file(shard))
     data[100] ^= 1
     backend.fs().pipe_file(shard, bytes(data))
     with pytest.raises(CheckpointCorruptedError, match="blake3 checksum") as info:
         load_sharded(zeros_like(state), root, entry.commit, no_dist=True)
-    assert info.value.object == backend.url(f"{entry.commit}/r00000-shard-00000.bin")
+    assert info.value.object == backend.url(f"{entry.commit}/r00000-whole-shard-00000.bin")
 
 
 def test_a_partial_load_reads_only_the_chunks_it_needs(local_backend, make_io):
