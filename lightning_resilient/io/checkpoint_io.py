@@ -692,12 +692,15 @@ class AtomicCheckpointIO(CheckpointIO):
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) has committed and, with ``local_tier``, the persists
-        queued so far are done; raise their error."""
+        queued so far are done (and, on global rank 0 of a job on several nodes, the copies of local commits to the
+        other nodes); raise their error."""
         def tier_wait(tier: TieredRoot) -> None:
             tier.wait()
-            tier.raise_error()
+            tier.raise_failure()
 
         self._each_tier(tier_wait, first=self._wait_async)
+        if self._replicator is not None:
+            self._replicator.flush()
 
     def persist_latest(self) -> None:
         """With ``local_tier``: wait for the save in flight, then persist the newest local checkpoint of every root

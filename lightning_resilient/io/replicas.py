@@ -313,6 +313,15 @@ class Replicator:
             raise CheckpointError(f"persisting {manifest.commit} failed on {len(problems)} node(s): {problems[0]}")
         return retarget(manifest, targets)
 
+    def flush(self) -> None:
+        """Rank 0: block until every round queued so far has ended on every node (a round that ends nothing:
+        rounds run in order on every leader). Elsewhere: nothing."""
+        if self.nodes.rank != 0 or self._thread is None or self.broken is not None:
+            return
+        round_ = _Round({"kind": "flush"})
+        self._submit(round_)
+        round_.future.exception()
+
     def _submit(self, round_: _Round) -> None:
         dropped: list[_Round] = []
         with self._lock:
@@ -415,6 +424,8 @@ class Replicator:
         """This leader's share of one round; what it returns is gathered on rank 0 (None: nothing went wrong).
         Whatever fails here is reported, never raised: the messages of the round go on (only a broken group, a
         peer gone, raises)."""
+        if header["kind"] == "flush":
+            return None
         manifest: Manifest | None = header.get("manifest")
         try:
             tiers: TieredRoot | None = self.access.tiers(header["durable"])
@@ -488,10 +499,18 @@ class Replicator:
         indices = parts.part_objects(manifest, node) if node < parts.part_count(manifest) else []
         if self.nodes.rank == 0:
             indices = sorted({*indices, *parts.common_objects(manifest)})
+        entry = Entry.from_manifest(manifest)
+        held = False
         try:
+            if self.nodes.rank != 0:  # (rank 0 holds it from when the persist was queued)
+                tiers.hold(entry, "being persisted to the durable tier")
+                held = True
             tiers.copy_objects(manifest, indices, targets)
         except Exception as exc:
             return f"node {node}: {exc}"
+        finally:
+            if held:
+                tiers.release(entry)
         return None
 
 

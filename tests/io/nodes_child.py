@@ -4,14 +4,15 @@
 Run it once per node with ``NODE_RANK``, the same ``MASTER_ADDR``/``MASTER_PORT`` and this node's own ``LOCAL_TIER``
 folder; with ``devices`` > 1 Lightning starts the node's other processes itself. OPTIONS (JSON): ``strategy``
 ("ddp", "model_parallel" for FSDP2, "fsdp" for FSDP1), ``nodes``, ``devices``, ``max_steps``, ``every`` (save
-interval), ``persist_every``, ``replicas``, ``hold`` (``"receive"``: a node receiving a replica stops, printing
-``RECEIVING <step>``, after writing its first object; ``"persist"``: global rank 0 stops between a persist's copy and
-its manifest, printing ``COPIED <step>``: windows for the parent's SIGKILL).
+interval), ``persist_every``, ``replicas``, ``hold`` (``"receive:<step>"``: a node receiving that step's commit from
+another stops after writing its first object, printing ``RECEIVING <step>``; ``"persist:<step>"``: global rank 0
+stops between that step's persist's copy and its manifest, printing ``COPIED <step>``; comma-separated: windows for
+the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run).
 
 The job resumes from the root whenever any tier of any node may hold a checkpoint (``ckpt_path=ROOT``: the job's
 newest, one decision for every node), else starts fresh. It prints ``START rank=<r> step=<s> commit=<c> tier=<t>``,
-``SAVED <step>`` after each save (global rank 0) and ``DONE`` at the end; global rank 0 writes the final full weights
-to ``OUT``.
+``SAVED <step>`` after each save and ``PERSISTED <step>`` once one is durable (global rank 0), and ``DONE`` at the
+end; global rank 0 writes the final full weights to ``OUT``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -108,26 +110,50 @@ def _announce_sharded(cls: type) -> type:
 
 
 def hold(where: str) -> None:
-    """Stop at the instant a test kills the job in (see the module docstring)."""
-    if where == "receive":
-        write = replicas._write
+    """Stop at the instants a test kills the job in (see the module docstring): ``receive:<step>``,
+    ``persist:<step>``, comma-separated."""
+    for what in where.split(","):
+        kind, step = what.split(":")
+        held: list[int] = []  # each window once (a copy writes several objects)
+        if kind == "receive":
+            write = replicas._write
 
-        def write_then_hold(local: Any, manifest: Any, index: int, data: Any) -> None:
-            write(local, manifest, index, data)
-            say(f"RECEIVING {manifest.step}")
-            time.sleep(60)
+            def write_then_hold(local: Any, manifest: Any, index: int, data: Any, step: int = int(step),
+                                write: Any = write, held: list[int] = held) -> None:
+                write(local, manifest, index, data)
+                # (a replica arrives in the background thread; the training thread writes the common objects of a
+                # sharded save the same way)
+                background = threading.current_thread().name == "lightning_resilient-replicas"
+                if manifest.step == step and background and not held:
+                    held.append(step)
+                    say(f"RECEIVING {manifest.step}")
+                    time.sleep(60)
 
-        replicas._write = write_then_hold
-    elif where == "persist":
-        copy = tiered.TieredRoot._copy
+            replicas._write = write_then_hold
+        elif kind == "persist":
+            copy = tiered.TieredRoot._copy
 
-        def copy_then_hold(self: Any, manifest: Any) -> Any:
-            out = copy(self, manifest)
-            say(f"COPIED {manifest.step}")
-            time.sleep(60)
-            return out
+            def copy_then_hold(self: Any, manifest: Any, step: int = int(step), copy: Any = copy,
+                               held: list[int] = held) -> Any:
+                out = copy(self, manifest)
+                if manifest.step == step and not held:
+                    held.append(step)
+                    say(f"COPIED {manifest.step}")
+                    time.sleep(60)
+                return out
 
-        tiered.TieredRoot._copy = copy_then_hold  # type: ignore[method-assign]
+            tiered.TieredRoot._copy = copy_then_hold  # type: ignore[method-assign]
+
+
+def announce_persists() -> None:
+    persist = tiered.TieredRoot._persist
+
+    def announced(self: Any, entry: Any) -> None:
+        persist(self, entry)
+        if entry.commit in self._persisted:
+            say(f"PERSISTED {entry.step}")
+
+    tiered.TieredRoot._persist = announced  # type: ignore[method-assign]
 
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -149,6 +175,7 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     torch.manual_seed(7)
     x = torch.randn(64, 8)
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    announce_persists()
     if options.get("hold"):
         hold(options["hold"])
     nodes, devices = options["nodes"], options["devices"]
@@ -161,7 +188,7 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     else:
         # find_unused_parameters=True keeps DDP's buckets as built: bit-exact resumes (see docs/multi-node.md).
         strategy = DDPStrategy(find_unused_parameters=True)
-    local_tier = os.environ.get("LOCAL_TIER")
+    local_tier = os.environ.get("LOCAL_TIER") if options.get("tier", True) else None
     io_class = Announcing if kind == "ddp" else AtomicCheckpointIO
     io = io_class(local_tier=local_tier, persist_every=options.get("persist_every", 1),
                   replicas=options.get("replicas"), local_keep=2) if local_tier else io_class()
