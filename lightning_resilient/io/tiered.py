@@ -45,6 +45,7 @@ from lightning_resilient.errors import (
     StaleWriterError,
 )
 from lightning_resilient.io import _paths, layout
+from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.async_save import raise_from_background
 from lightning_resilient.io.catalog import NOT_FOUND, Together
 from lightning_resilient.io.folders import writer_epoch_of
@@ -495,8 +496,8 @@ class TieredRoot:
             self.durable.store.write_pieces(target, [data])
             return len(data)
 
-        with self._executor() as pool:
-            list(pool.map(copy, indices))
+        with self._executor() as pool:  # behind training: as many writers as the durable store gains from
+            map_in_lanes(pool, copy, indices, self.durable.store.write_threads(self.durable.writer.max_concurrency))
 
     def _copy(self, manifest: Manifest) -> Manifest:
         """Copy ``manifest``'s objects from the local tier into the durable one, verifying each; returns the

@@ -21,6 +21,7 @@ import torch
 
 from lightning_resilient.errors import CheckpointError
 from lightning_resilient.io import layout
+from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.fencing import WriterFence, is_resumed
 from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
 from lightning_resilient.io.manifest import (
@@ -161,9 +162,12 @@ class RootWriter:
         """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel."""
         known = self._known if step is not None and step == self._known_step else {}
         spans = layout.windows(total, layout.object_size(total, self.shard_size, self.max_concurrency))
+        # The objects (their size: from max_concurrency alone, the same layout on every machine), written by as
+        # many threads at once as the store gains from (a local disk: fewer, see Store.write_threads).
+        lanes = self.store.write_threads(self.max_concurrency)
         with self._executor() as pool:
-            return list(pool.map(lambda i: self.put(f"{prefix}shard-{i:05d}.bin", pieces(*spans[i]), known),
-                                 range(len(spans))))
+            return map_in_lanes(pool, lambda i: self.put(f"{prefix}shard-{i:05d}.bin", pieces(*spans[i]), known),
+                                range(len(spans)), lanes)
 
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Entry:

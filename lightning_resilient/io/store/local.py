@@ -40,6 +40,12 @@ class LocalStore(Store):
     def check_fencing(self) -> str | None:
         return None  # the swap is this package's own flock + os.replace
 
+    def write_threads(self, wanted: int) -> int:
+        """A local disk takes a save's bytes at the speed of a core or two (the page-cache copy, the checksums): more
+        writers than half this process's cores only take cores from the training loop a background save runs
+        behind (measured: ``benchmarks/step_time.py``)."""
+        return max(1, min(wanted, _usable_cores() // 2))
+
     def is_link(self, rel: str) -> bool:
         return os.path.islink(self.path(rel))
 
@@ -141,6 +147,12 @@ class LocalStore(Store):
                 return True
 
         return self._call("conditional write", rel, swap)
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform says), else the machine's."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _atomic_local_write(path: str, pieces: Pieces) -> None:
