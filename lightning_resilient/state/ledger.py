@@ -41,7 +41,7 @@ from typing import Any
 
 from lightning_resilient.state.attempts import AttemptLog, Progress, StragglerReport, Timings
 
-__all__ = ["WINDOW", "AttemptTimer", "end_of", "find_stragglers"]
+__all__ = ["AttemptTimer", "WINDOW", "end_of", "find_stragglers"]
 
 log = logging.getLogger(__name__)
 
