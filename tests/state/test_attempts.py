@@ -219,7 +219,8 @@ def test_a_later_versions_ledger_fields_are_kept_and_a_damaged_one_refuses_the_r
     header = {**ledger_record().header(), "timings": {**ledger_record().timings.to_json(), "gpu_seconds": 3.0},
               "end": "migrated", "network": {"bytes": 1}}
     back = parse_record((json.dumps(header) + "\n").encode(), "here")
-    assert back.timings == ledger_record().timings and back.end == "migrated" and back.extra == {"network": {"bytes": 1}}
+    assert back.timings == ledger_record().timings and back.end == "migrated"
+    assert back.extra == {"network": {"bytes": 1}}
     for field_name, bad in [("timings", {"steps": "many"}), ("progress", [1]), ("stragglers", [[1, 2]]),
                             ("end", 3)]:
         damaged = {**ledger_record().header(), field_name: bad}
