@@ -325,7 +325,12 @@ class ResumeStateCallback(Callback):
         self._wrap(fit_loop.epoch_loop, "reset", self._reset_epoch_loop)
         self._wrap(fit_loop.epoch_loop.val_loop, "increment_progress_to_evaluation_end", self._skip_validation)
         self._wrap(trainer, "_teardown", self._teardown_then_release)
-        self._wrap(trainer, "save_checkpoint", self._timed_save)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After every callback's setup: a wrapper another callback put on save_checkpoint in its setup
+        # (CheckpointCadence) is inside ours, so ours, removed first (in _teardown), leaves theirs as they left it.
+        if self._timer is not None:
+            self._wrap(trainer, "save_checkpoint", self._timed_save)
 
     def _wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         """Replace ``owner.name`` by ``wrapper(original, ...)``, once (a second fit reuses the loops)."""

@@ -117,7 +117,7 @@ def test_the_straggler_check_gathers_every_rank_and_rank_0_logs_and_records_it(t
 
 
 def test_another_rank_finds_the_same_straggler_but_neither_logs_nor_records_it(tmp_path, caplog):
-    timer, log, clock = timer_with_log(tmp_path, rank=1)
+    timer, log, _ = timer_with_log(tmp_path, rank=1)
     timer.attach(log)
     with caplog.at_level(logging.DEBUG, logger="lightning_resilient.state.ledger"):
         reports = timer.check_stragglers(lambda mine: [(0.030, 9), mine, (0.001, 9)], step=3, factor=1.5)
@@ -134,3 +134,27 @@ def test_how_an_exception_ends_an_attempt():
     assert end_of(None) == "finished"
     assert end_of(PreemptedExit(143)) == "preempted" and end_of(SIGTERMException()) == "preempted"
     assert end_of(KeyboardInterrupt()) == "interrupted" and end_of(RuntimeError("gloo")) == "error"
+
+
+@pytest.mark.parametrize("cadence_first", [True, False], ids=["cadence first", "resume state first"])
+def test_the_ledger_and_checkpoint_cadence_time_the_same_saves_and_leave_no_wrapper(tmp_path, cadence_first):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_resilient import AtomicCheckpointIO, CheckpointCadence, ResumeStateCallback
+    from lightning_resilient.state.attempts import list_attempts
+
+    from ..models import TinyModel, tiny_loader
+
+    cadence, state = CheckpointCadence(mtbf_hours=1), ResumeStateCallback()
+    callbacks = [cadence, state] if cadence_first else [state, cadence]
+    trainer = Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+                      callbacks=[*callbacks, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)])
+    trainer.fit(TinyModel(), tiny_loader())
+    assert "save_checkpoint" not in vars(trainer)  # both wrappers gone, in either order: the Trainer pickles
+    store = open_store(str(tmp_path), {}, RetryPolicy())
+    (attempt,) = list_attempts(store)
+    timings = read_record(store, attempt, 0).timings
+    assert timings is not None and timings.saves == len(cadence.measurements) == 3
+    assert [c[0] for c in timings.checkpoints] == [m.global_step for m in cadence.measurements]
