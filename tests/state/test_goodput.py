@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from typing import Any
 
 import pytest
 
@@ -44,22 +45,27 @@ def attempt(n: int, *, resumed: int | None, started: float, restore: float, firs
 
 # Killed at step 250 (its last save: step 200, which the next attempt resumes), then preempted right after an
 # emergency save at step 400, then finished.
-KILLED = dict(resumed=None, started=0.0, restore=10.0, first=0, progress=(250, 240.0),
-              checkpoints=((100, 110.0, 2.0), (200, 212.0, 2.0)), end=None)
-PREEMPTED = dict(resumed=200, started=300.0, restore=20.0, first=200, progress=(400, 350.0),
-                 checkpoints=((400, 352.0, 2.0),), end="preempted")
-FINISHED = dict(resumed=400, started=360.0, restore=5.0, first=400, progress=(500, 400.0),
-                checkpoints=((500, 402.0, 2.0),), end="finished",
-                stragglers=[StragglerReport(450, 1, 0.05, 0.01, 40), StragglerReport(500, 1, 0.06, 0.01, 64)])
+KILLED: dict[str, Any] = {"resumed": None, "started": 0.0, "restore": 10.0, "first": 0, "progress": (250, 240.0),
+                          "checkpoints": ((100, 110.0, 2.0), (200, 212.0, 2.0)), "end": None}
+PREEMPTED: dict[str, Any] = {"resumed": 200, "started": 300.0, "restore": 20.0, "first": 200,
+                             "progress": (400, 350.0), "checkpoints": ((400, 352.0, 2.0),), "end": "preempted"}
+FINISHED: dict[str, Any] = {"resumed": 400, "started": 360.0, "restore": 5.0, "first": 400, "progress": (500, 400.0),
+                            "checkpoints": ((500, 402.0, 2.0),), "end": "finished",
+                            "stragglers": [StragglerReport(450, 1, 0.05, 0.01, 40),
+                                           StragglerReport(500, 1, 0.06, 0.01, 64)]}
 
 
 def write(store, record: AttemptRecord) -> None:
     store.write(record_name(record.attempt, record.rank), record.to_bytes())
 
 
+def store_of(path):
+    return open_store(str(path), {}, RetryPolicy())
+
+
 @pytest.fixture
 def store(tmp_path):
-    return open_store(str(tmp_path), {}, RetryPolicy())
+    return store_of(tmp_path)
 
 
 def test_each_attempt_splits_into_restore_stalls_lost_work_and_productive_time(store):
