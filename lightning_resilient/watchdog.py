@@ -252,12 +252,13 @@ class HangWatchdog(Callback):
             self._fire(idle, timeout, step, why)
 
     def _fire(self, idle: float, timeout: float, step: int, why: str) -> None:
-        self.hangs.append((step, idle, timeout))
+        stacks = _stacks()  # first: where every thread is stuck now
         action = (f"exiting with status {self.exit_code}" if self.exit_code is not None else
                   "not exiting (exit_code=None)")
         log.error("HangWatchdog: no training progress for %.1f s on rank %d (pid %d) at global step %d: a hang"
                   " (timeout %.1f s, from %s); %s. The stack of every thread of this process follows:\n%s",
-                  idle, self._rank, os.getpid(), step, timeout, why, action, _stacks())
+                  idle, self._rank, os.getpid(), step, timeout, why, action, stacks)
+        self.hangs.append((step, idle, timeout))
         if self.exit_code is None:
             return
         _record_hang(f"hang: no training progress for {idle:.0f} s at global step {step} (HangWatchdog, timeout"

@@ -51,15 +51,19 @@ class Stalling(TinyModel):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         time.sleep(self.slow_validation)
+        self.slow_validation = 0.0  # the first one only
 
 
 class SlowSaveIO(AtomicCheckpointIO):
+    """Its first save is slow."""
+
     def __init__(self, seconds: float) -> None:
         super().__init__()
         self.seconds = seconds
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         time.sleep(self.seconds)  # a slow upload: the plugin's business, never a hang
+        self.seconds = 0.0
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
@@ -72,14 +76,14 @@ def fit(tmp_path: Path, model: Stalling, watchdog: HangWatchdog, *, io: AtomicCh
 
 
 def test_a_hung_step_is_reported_with_every_threads_stack(tmp_path, caplog):
-    watchdog = HangWatchdog(timeout_seconds=0.3, warmup_steps=1, exit_code=None)
+    watchdog = HangWatchdog(timeout_seconds=1.0, warmup_steps=1, exit_code=None)
     with caplog.at_level(logging.ERROR, logger="lightning_resilient.watchdog"):
         fit(tmp_path, Stalling(watchdog, hang_at=6), watchdog)
-    assert [(step, timeout) for step, _, timeout in watchdog.hangs] == [(6, 0.3)]
+    assert [(step, timeout) for step, _, timeout in watchdog.hangs] == [(6, 1.0)]
     (record,) = [r for r in caplog.records if r.name == "lightning_resilient.watchdog"]
     message = record.getMessage()
     assert message.startswith("HangWatchdog: no training progress for ") and "on rank 0" in message
-    assert "at global step 6: a hang (timeout 0.3 s, from timeout_seconds); not exiting (exit_code=None)" in message
+    assert "at global step 6: a hang (timeout 1.0 s, from timeout_seconds); not exiting (exit_code=None)" in message
     # The stuck thread's stack, innermost last: the training step, waiting.
     main_thread = message.split("--- thread MainThread")[1].split("--- thread")[0]
     assert "in training_step" in main_thread and "time.sleep(0.01)" in main_thread.splitlines()[-1]
@@ -87,23 +91,24 @@ def test_a_hung_step_is_reported_with_every_threads_stack(tmp_path, caplog):
 
 
 def test_warm_up_steps_saves_and_validation_never_look_like_a_hang(tmp_path, caplog):
-    # Each takes three timeouts; then a real hang, which must still be caught (the watchdog was on all along).
-    watchdog = HangWatchdog(timeout_seconds=0.2, warmup_steps=2, exit_code=None)
-    model = Stalling(watchdog, hang_at=8, slow_at=(0, 1), slow=0.6, slow_validation=0.6)
-    fit(tmp_path, model, watchdog, io=SlowSaveIO(0.6), val=tiny_loader(n=8), val_check_interval=4,
+    # A warm-up step, a save and a validation each take three timeouts; then a real hang, which must still be caught
+    # (the watchdog was on all along).
+    watchdog = HangWatchdog(timeout_seconds=0.4, warmup_steps=1, exit_code=None)
+    model = Stalling(watchdog, hang_at=8, slow_at=(0,), slow=1.2, slow_validation=1.2)
+    fit(tmp_path, model, watchdog, io=SlowSaveIO(1.2), val=tiny_loader(n=8), val_check_interval=4,
         limit_val_batches=1)
     assert [step for step, _, _ in watchdog.hangs] == [8]
 
 
 def test_the_timeout_follows_the_step_times(tmp_path, caplog):
-    # Steps of at least 20 ms: 20 of them are at least 0.4 s, above the 0.1 s floor.
-    watchdog = HangWatchdog(factor=20, min_timeout_seconds=0.1, warmup_steps=2, exit_code=None)
+    # Steps of at least 20 ms: 50 of them are at least 1 s, above the 0.1 s floor.
+    watchdog = HangWatchdog(factor=50, min_timeout_seconds=0.1, warmup_steps=2, exit_code=None)
     with caplog.at_level(logging.ERROR, logger="lightning_resilient.watchdog"):
         fit(tmp_path, Stalling(watchdog, hang_at=7, slow_at=tuple(range(7)), slow=0.02), watchdog)
     ((step, idle, timeout),) = watchdog.hangs
-    assert step == 7 and timeout >= 20 * 0.02 and idle > timeout
+    assert step == 7 and timeout >= 50 * 0.02 and idle > timeout
     (record,) = [r for r in caplog.records if r.name == "lightning_resilient.watchdog"]
-    assert f"(timeout {timeout:.1f} s, from max(20 x median step " in record.getMessage()
+    assert f"(timeout {timeout:.1f} s, from max(50 x median step " in record.getMessage()
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
