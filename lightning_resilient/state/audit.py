@@ -262,8 +262,9 @@ class ResumeAudit:
     """
 
     def __init__(self, *, rank: int, world: int, gather: Callable[[Any], list[Any]], flush_seconds: float,
-                 flush_steps: int | None) -> None:
+                 flush_steps: int | None, compare: bool = True) -> None:
         self.rank, self.world, self.gather = rank, world, gather
+        self.compare = compare  # False: only keep the record (for the goodput ledger), no step digests, no audit
         self.flush_seconds, self.flush_steps = flush_seconds, flush_steps
         self.log: AttemptLog | None = None
         self.replay: Replay | None = None
@@ -280,7 +281,7 @@ class ResumeAudit:
               resumed_from: str | None) -> AuditResult | None:
         """Open this attempt's record; on a resume, find the interrupted attempt's record and read this rank's part.
         Returns, on rank 0, the line to log when there is nothing to compare (None otherwise, or elsewhere)."""
-        decided = self._decide(store, resumed_step) if self.rank == 0 else None
+        decided = self._decide(store, resumed_step if self.compare else None) if self.rank == 0 else None
         decided = self.gather(decided)[0]
         if not isinstance(decided, _Decided):  # no rank 0 among the ranks gathered: nothing is known
             decided = _Decided(None, None, "rank 0 of this run decided nothing", None, {})
@@ -290,8 +291,8 @@ class ResumeAudit:
                                    resumed_from, facts)
             self.log = AttemptLog(store, record, flush_seconds=self.flush_seconds, flush_steps=self.flush_steps)
             self.log.start()
-        if resumed_step is None:
-            self.reported = True  # a fresh start: nothing to audit
+        if resumed_step is None or not self.compare:
+            self.reported = True  # a fresh start (or no audit): nothing to compare
             return None
         self.resumed_step = resumed_step
         previous = self._read_previous(store, decided) if decided.interrupted is not None else None
@@ -413,10 +414,11 @@ class ResumeAudit:
         if self.log is not None and len(self._saves) >= 2 and self._saves[-2] is not None:
             self.log.prune(self._saves[-2])
 
-    def close(self, ended: str) -> None:
+    def close(self, ended: str, **fields: Any) -> None:
+        """Record how the attempt ended (and ``fields``: the ledger's last figures) and close the record."""
         self._settle(0)
         if self.log is not None:
-            self.log.update(ended=ended)
+            self.log.update(ended=ended, **fields)
             self.log.close()
             self.log = None
 

@@ -55,6 +55,7 @@ from lightning_resilient.state._loader import (
 from lightning_resilient.state._record import FORMAT, OrderReplay, RankRecord, ResumePlan, check_format
 from lightning_resilient.state.attempts import StepDigest
 from lightning_resilient.state.audit import ResumeAudit, digest_batch, digest_indices
+from lightning_resilient.state.ledger import AttemptTimer, end_of
 from lightning_resilient.state.rng import RngState, capture_rng, restore_rng
 from lightning_resilient.state.seeding import SampleSeeding
 
@@ -155,6 +156,16 @@ class ResumeStateCallback(Callback):
     The log line that replaces Lightning's "not resumable" warning claims an exact continuation only when every
     condition for it holds; otherwise it says what was restored and what was not.
 
+    Goodput ledger (``ledger=True``, the default, with or without the audit): the same record also keeps where the
+    attempt's time went: when the fit started, the time to its first training step (the restore, when it resumed) and
+    the commit it loaded, the global step reached (every optimizer step, written as the record is), the median step
+    time, the time saves blocked the loop, and how the attempt ended (finished, preempted, error, hang) where it
+    could tell. At each save every rank's median time of its batches' own work (fetch and forward) is compared, and
+    a rank ``straggler_factor`` times slower than the others is reported in the log and the record.
+    ``lightning-resilient goodput ROOT`` adds the attempts up: productive time, steps recomputed after each restart,
+    restore time, save stalls, goodput, and the Young/Daly interval from the measured save cost and time between
+    failures (see docs/goodput.md).
+
     It runs first among the callbacks (it moves itself there), so a saver's ``on_train_batch_end`` (a user's
     ``trainer.save_checkpoint``, ``OnExceptionCheckpoint``) sees the batch counted; the RNG draws Lightning's restart
     makes when it skips the validation that followed a save are replayed from the save's RNG; a resume from an
@@ -183,16 +194,25 @@ class ResumeStateCallback(Callback):
             Local disk appends every step whatever this says.
         audit_flush_steps: on an object store, also rewrite the record once this many steps are unwritten (one
             request each time: 1 is one request per step); None: by time only.
+        ledger: keep the goodput ledger's figures in the attempt record (also with ``audit=False``; the record is
+            written on the same schedule, ``audit_flush_seconds``/``audit_flush_steps``).
+        straggler_factor: report a rank whose median own time per batch exceeds this many times the other ranks'
+            (checked at each save, under DDP and the like); None: never.
     """
 
     def __init__(self, *, per_sample_seeding: bool = True, audit: bool = True, audit_flush_seconds: float = 30.0,
-                 audit_flush_steps: int | None = None) -> None:
+                 audit_flush_steps: int | None = None, ledger: bool = True,
+                 straggler_factor: float | None = 1.5) -> None:
         super().__init__()
         self.per_sample_seeding = check_bool("per_sample_seeding", per_sample_seeding)
         self.audit = check_bool("audit", audit)
         self.audit_flush_seconds = check_number("audit_flush_seconds", audit_flush_seconds, above=0, finite=False)
         self.audit_flush_steps = check_optional_int("audit_flush_steps", audit_flush_steps, minimum=1,
                                                     none_means="by time only")
+        self.ledger = check_bool("ledger", ledger)
+        self.straggler_factor = (None if straggler_factor is None else
+                                 check_number("straggler_factor", straggler_factor, above=1,
+                                              hint="how many times slower than the others; None: never"))
         self._trainer: Trainer | None = None
         self._loader: Any = None  # the training loader being tracked
         self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (owner, name, what it replaced, the wrap)
@@ -246,6 +266,10 @@ class ResumeStateCallback(Callback):
         self._digests = False  # the audit will run (there is a root to record in): digest each fetched batch
         self._step_at_start = 0
         self._failure: str | None = None
+        # The goodput ledger: this rank's timings of the attempt, how the fit ended, and the plugin's load before it.
+        self._timer: AttemptTimer | None = None
+        self._end = "finished"
+        self._load_before: Any = None
 
     @property
     def state_key(self) -> str:
@@ -269,7 +293,12 @@ class ResumeStateCallback(Callback):
         self._custom = []
         self._warned_data = False
         self._failure = None
+        self._end = "finished"
         self._digests = False
+        self._timer = AttemptTimer(rank=trainer.global_rank) if self.ledger else None
+        if self._timer is not None:
+            self._timer.fit_started()  # before Lightning loads the checkpoint: a restore is timed from here
+            self._load_before = _last_load(trainer)
         if self.per_sample_seeding:
             self._seed, self._explicit_seed = _run_seed()
         add_fit_start_check(trainer)  # the folders are checked in on_fit_start, once ModelCheckpoint resolved them
@@ -297,6 +326,12 @@ class ResumeStateCallback(Callback):
         self._wrap(fit_loop.epoch_loop.val_loop, "increment_progress_to_evaluation_end", self._skip_validation)
         self._wrap(trainer, "_teardown", self._teardown_then_release)
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After every callback's setup: a wrapper another callback put on save_checkpoint in its setup
+        # (CheckpointCadence) is inside ours, so ours, removed first (in _teardown), leaves theirs as they left it.
+        if self._timer is not None:
+            self._wrap(trainer, "save_checkpoint", self._timed_save)
+
     def _wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         """Replace ``owner.name`` by ``wrapper(original, ...)``, once (a second fit reuses the loops)."""
         original = getattr(owner, name)
@@ -317,6 +352,22 @@ class ResumeStateCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._failure = f"{type(exception).__name__}: {exception}"[:300]
+        self._end = end_of(exception)
+
+    def _timed_save(self, save: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``trainer.save_checkpoint``, timed for the ledger (how long it blocks the loop), then the straggler check
+        (every rank saves together, so every rank reaches its collective)."""
+        timer, trainer = self._timer, self._trainer
+        if timer is None or trainer is None:
+            return save(*args, **kwargs)
+        started = timer.save_started()
+        try:
+            result = save(*args, **kwargs)
+        finally:
+            timer.save_ended(trainer.global_step, started)
+        if self.straggler_factor is not None and trainer.world_size > 1:
+            timer.check_stragglers(_gather, step=trainer.global_step, factor=self.straggler_factor)
+        return result
 
     def _teardown_then_release(self, teardown: Callable[[], Any]) -> Any:
         # Lightning calls the callbacks' teardown hooks only when the fit succeeded; its own _teardown runs after a
@@ -331,9 +382,11 @@ class ResumeStateCallback(Callback):
 
         Both stay picklable (``torch.save(trainer)``, ``deepcopy``, a loader reused by another Trainer), and nothing
         of this fit's tracking runs behind a later ``validate`` or a fit without this callback."""
+        timer, self._timer = self._timer, None
         if self._audit is not None:
             audit, self._audit = self._audit, None
-            audit.close("finished" if self._failure is None else f"stopped by {self._failure}")
+            ledger = {"end": self._end, "timings": timer.timings()} if timer is not None else {}
+            audit.close("finished" if self._failure is None else f"stopped by {self._failure}", **ledger)
         for loader in self._tracked:
             untrack(loader)
         self._tracked = []
@@ -352,7 +405,7 @@ class ResumeStateCallback(Callback):
         # the objects of a fit in progress: the Trainer, its loader, the live iterator, the loop wraps.
         state = self.__dict__.copy()
         state.update(_trainer=None, _loader=None, _live_iterator=None, _wrapped=[], _audit=None, _seeding=None,
-                     _tracked=[])
+                     _tracked=[], _timer=None, _load_before=None)
         return state
 
     def _reset_epoch_loop(self, reset: Callable[[], None]) -> None:
@@ -440,7 +493,7 @@ class ResumeStateCallback(Callback):
         if self._pending is not None:  # no training loader was built (e.g. limit_train_batches=0)
             restore_rng(self._pending.now_rng)
             self._pending = None
-        if self.audit:
+        if self.audit or self.ledger:
             self._start_audit(trainer)
 
     def _start_audit(self, trainer: Trainer) -> None:
@@ -452,12 +505,16 @@ class ResumeStateCallback(Callback):
         rank, world = _rank_and_world()
         store = _open_store(trainer, url)
         audit = ResumeAudit(rank=rank, world=world, gather=_gather, flush_seconds=self.audit_flush_seconds,
-                            flush_steps=self.audit_flush_steps)
+                            flush_steps=self.audit_flush_steps, compare=self.audit)
         resumed = trainer.ckpt_path is not None
         result = audit.start(store, facts=self._facts(trainer, world),
                              resumed_step=trainer.global_step if resumed else None,
                              resumed_from=str(trainer.ckpt_path) if resumed else None)
         self._audit = audit
+        if self._timer is not None:
+            last = _last_load(trainer)
+            loaded = last is not None and last is not self._load_before and resumed
+            self._timer.attach(audit.log, loaded=(last.commit, last.tier or None, last.seconds) if loaded else None)
         if result is not None:
             rank_zero_info(result.line)
 
@@ -799,12 +856,20 @@ class ResumeStateCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._order_replay = None  # training has started: the epoch's order is the one drawn
         self._step_at_start = trainer.global_step
+        if self._timer is not None:
+            self._timer.batch_started(trainer.global_step)
         if self._now_rng is not None:
             restore_rng(self._now_rng)
             self._now_rng = None
 
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._timer is not None:
+            self._timer.before_backward()
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._timer is not None:
+            self._timer.batch_ended(trainer.global_step)
         self._consumed += 1
         indices = self._handed.popleft() if self._kind == LoaderKind.MAP and self._handed else None
         self._samples += len(indices) if indices is not None else batch_len(batch)
@@ -813,7 +878,7 @@ class ResumeStateCallback(Callback):
             del self._snapshots[k]
         data = self._fetched_digests.popleft() if self._fetched_digests else None
         audit = self._audit
-        if audit is None:
+        if audit is None or not self.audit:
             return
         step = StepDigest(trainer.current_epoch, batch_idx, self._step_at_start,
                           None if indices is None else digest_indices(indices),
@@ -926,10 +991,14 @@ class ResumeStateCallback(Callback):
         return (0, count) if loader.generator is not None else (count, 0)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._timer is not None:
+            self._timer.paused()  # a validation's time is neither a training step's nor a fetch's
         if self._watch_validation is not None:
             self._val_rng = capture_rng()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._timer is not None:
+            self._timer.resumed()
         step, self._watch_validation = self._watch_validation, None
         before, self._val_rng = self._val_rng, None
         if step is None or before is None or self._warned_validation:
@@ -1019,6 +1088,14 @@ def _open_store(trainer: Trainer, url: str) -> Store | None:
     except Exception as exc:  # the audit never stops training
         log.warning("the resume audit cannot open %s (%s); this attempt is not recorded", url, exc)
         return None
+
+
+def _last_load(trainer: Trainer) -> Any:
+    """What ``AtomicCheckpointIO`` (the Trainer's, under any wrapper) last loaded (``LoadStats``), or None."""
+    plugin = trainer.strategy.checkpoint_io
+    while not hasattr(plugin, "last_load") and hasattr(plugin, "checkpoint_io"):  # AsyncCheckpointIO
+        plugin = plugin.checkpoint_io
+    return getattr(plugin, "last_load", None)
 
 
 def _describe(kind: LoaderKind | str | None) -> str:

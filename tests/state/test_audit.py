@@ -208,9 +208,20 @@ def test_an_iterable_without_state_warns_at_fit_start_and_nothing_claims_exactne
 
 
 def test_audit_off_records_nothing_and_says_nothing(tmp_path):
-    cfg = Config("off", callback={"audit": False})
+    cfg = Config("off", callback={"audit": False, "ledger": False})
     resumed = resume_with(tmp_path, cfg, cfg)
     assert resumed.audit() == [] and not (tmp_path / "part" / ATTEMPTS_DIR).exists()
+
+
+def test_audit_off_keeps_the_ledger_without_step_digests(tmp_path):
+    cfg = Config("ledger only", callback={"audit": False})
+    resumed = resume_with(tmp_path, cfg, cfg)
+    assert resumed.audit() == []  # no comparison, no line
+    store = open_store(str(tmp_path / "part"), {}, RetryPolicy())
+    first, second = (read_record(store, a, 0) for a in list_attempts(store))
+    assert first.steps == [] and second.steps == [] and second.audit is None  # nothing digested
+    assert first.progress is not None and first.progress.step == 7 and second.resumed_step == 5
+    assert second.end == "finished" and second.timings is not None and second.timings.saves >= 1
 
 
 def test_ls_shows_each_attempt_and_its_audit(tmp_path, capsys):
