@@ -174,16 +174,28 @@ class ResumeStateCallback(Callback):
     epoch-end save with ``max_steps`` starts the next epoch, as without ``max_steps``; and an epoch's order is drawn
     from the epoch's RNG however many iterators are created before it (``persistent_workers``).
 
+    Elastic resume (``state/elastic.py``): a checkpoint written by another number of processes continues its epoch
+    so that every sample of it is trained once: each save records the epoch's global order (the
+    ``DistributedSampler`` permutation, or one process's sampler order and the generator state it was drawn from)
+    and every rank's samples up to its last optimizer step; the resume splits the rest among this run's ranks in
+    equal numbers of batches (a map-style loader skips to them at the index level, a ``StatefulDataLoader`` reads
+    them for that epoch), moves Lightning's batch count to where the rest starts, and says in one line what was and
+    was not restored (ranks both jobs have continue their RNG streams, new ranks start streams seeded from (seed,
+    step, rank)). ``keep_global_batch=True`` also keeps processes x ``accumulate_grad_batches`` x batch size: the
+    optimizer steps then read the same samples as the checkpoint's job would have. What has no global order (an
+    ``IterableDataset``, a custom sampler or batch sampler) is named in a warning at resume, and the epoch's data
+    restarts.
+
     Not covered; a warning at resume says what was resumed instead (the RNG states and the loop's epoch and
     step) and that the epoch's data starts from its beginning: an ``IterableDataset`` without state, or with state
     read by ``num_workers > 0`` in a plain ``DataLoader`` (use ``StatefulDataLoader``); several training loaders;
-    a changed world size, batch size, number of batches, loader kind, sampler seed, number of sampler
-    generators, or (``StatefulDataLoader``) number of workers. Training data that is not a ``DataLoader`` gets RNG
-    states only (Lightning restores its ``state_dict()`` if it has one). Also not covered: random numbers drawn
-    by a validation right after a save (a resume skips it; a warning names the step when it happens),
-    ``training_step(dataloader_iter)``, a
-    ``StatefulDataLoader`` with ``in_order=False``, ``reload_dataloaders_every_n_epochs`` mid-epoch positions,
-    and samplers whose randomness lives outside ``torch.Generator`` objects and the global RNGs.
+    a changed batch size, number of batches, loader kind, sampler seed, number of sampler generators, or
+    (``StatefulDataLoader``) number of workers (at the same number of processes). Training data that is not a
+    ``DataLoader`` gets RNG states only (Lightning restores its ``state_dict()`` if it has one). Also not covered:
+    random numbers drawn by a validation right after a save (a resume skips it; a warning names the step when it
+    happens), ``training_step(dataloader_iter)``, a ``StatefulDataLoader`` with ``in_order=False``,
+    ``reload_dataloaders_every_n_epochs`` mid-epoch positions, and samplers whose randomness lives outside
+    ``torch.Generator`` objects and the global RNGs.
 
     Args:
         per_sample_seeding: seed each sample of a map-style training dataset from (seed, epoch, index), so that
@@ -196,6 +208,11 @@ class ResumeStateCallback(Callback):
             Local disk appends every step whatever this says.
         audit_flush_steps: on an object store, also rewrite the record once this many steps are unwritten (one
             request each time: 1 is one request per step); None: by time only.
+        keep_global_batch: on a resume, set ``trainer.accumulate_grad_batches`` so that processes x accumulation x
+            batch size is the checkpoint's (a ValueError naming the sizes when no whole accumulation does), and in
+            one process read each epoch in ``DistributedSampler``'s order (as under DDP), so the training is the
+            same at any number of processes up to float reduction order. False: the global batch follows the
+            number of processes.
     """
 
     def __init__(self, *, per_sample_seeding: bool = True, audit: bool = True, audit_flush_seconds: float = 30.0,

@@ -16,8 +16,15 @@ import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
-from torch.utils.data import WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    WeightedRandomSampler,
+)
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
@@ -134,7 +141,7 @@ def test_what_has_no_global_order_is_named():
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 4])
 def test_the_rest_is_split_once_in_the_same_number_of_non_empty_batches_on_every_rank(world, batch_size):
     order = torch.randperm(50, generator=torch.Generator().manual_seed(world * 10 + batch_size))
-    for start in range(0, 51):
+    for start in range(51):
         for drop_last in (False, True):
             splits = [split_rest(order, start, world=world, rank=r, batch_size=batch_size, drop_last=drop_last)
                       for r in range(world)]
@@ -196,10 +203,10 @@ def test_keep_global_batch_computes_the_accumulation_or_names_the_sizes():
     assert kept_accumulation(world_then=4, accumulate_then=1, batch_then=8, world=2, batch=8) == 2
     assert kept_accumulation(world_then=2, accumulate_then=3, batch_then=4, world=6, batch=4) == 1
     assert kept_accumulation(world_then=2, accumulate_then=1, batch_then=8, world=1, batch=4) == 4
-    with pytest.raises(ValueError, match=r"the checkpoint's job trained 8 samples per optimizer step \(2 process\(es\)"
-                                         r" x accumulate_grad_batches 1 x batch_size 4\), and this run's 3 process\(es\)"
-                                         r" x batch_size 4 read 12 per micro-batch, which does not divide 8\. Fix:"
-                                         r" resume on a number of processes that divides it with batch_size 4 \(1, 2\)"):
+    with pytest.raises(ValueError, match=(
+            r"the checkpoint's job trained 8 samples per optimizer step \(2 process\(es\) x accumulate_grad_batches 1"
+            r" x batch_size 4\), and this run's 3 process\(es\) x batch_size 4 read 12 per micro-batch, which does"
+            r" not divide 8\. Fix: resume on a number of processes that divides it with batch_size 4 \(1, 2\)")):
         kept_accumulation(world_then=2, accumulate_then=1, batch_then=4, world=3, batch=4)
     with pytest.raises(SettingTypeError, match="keep_global_batch must be True or False"):
         ResumeStateCallback(keep_global_batch="yes")  # type: ignore[arg-type]
@@ -230,7 +237,7 @@ def fit(root: Path, loader: Any, *, steps: int, accumulate: int = 1, callbacks: 
         **callback_args: Any) -> Seen:
     seen = Seen()
     Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-            accumulate_grad_batches=accumulate,
+            accumulate_grad_batches=accumulate, default_root_dir=root,
             callbacks=[ResumeStateCallback(**callback_args), seen, *(callbacks or []),
                        ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)]).fit(Net(), loader)
     return seen
@@ -302,18 +309,104 @@ def test_keep_global_batch_sets_accumulate_grad_batches_when_the_checkpoint_is_l
     fit(tmp_path, DataLoader(Indexed(), batch_size=4, shuffle=True), steps=3)
     state, (record,) = saved_records(tmp_path, 3)
     two = {**state, "world_size": 2, "ranks": [record.to_dict(), record.to_dict()]}
-    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
     callback = ResumeStateCallback(keep_global_batch=True)
     callback._trainer = trainer
     callback.load_state_dict(two)
     assert trainer.accumulate_grad_batches == 2 and callback._elastic is not None
-    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
                       callbacks=[GradientAccumulationScheduler({0: 1})])
     callback = ResumeStateCallback(keep_global_batch=True)
     callback._trainer = trainer
     with pytest.raises(ValueError, match="has a GradientAccumulationScheduler that sets it too"):
         callback.load_state_dict(two)
     callback = ResumeStateCallback()  # without the option: left as it is
-    callback._trainer = trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    callback._trainer = trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                                          default_root_dir=tmp_path)
     callback.load_state_dict(two)
     assert trainer.accumulate_grad_batches == 1
+
+
+# -- a resume on another number of processes, in-process ---------------------------------------------------------
+def two_ranks_checkpoint(tmp_path: Path, make_loader: Any) -> tuple[Path, list[int]]:
+    """The checkpoint a 2-process job writes at step 3, made in this process: each "rank" trains its share of a
+    DistributedSampler(num_replicas=2) alone, and their callback records are put together as rank 0 gathers them.
+    Returns it and the samples both trained before it."""
+    states, trained = [], []
+    for rank in range(2):
+        torch.manual_seed(0)
+        sampler = DistributedSampler(Indexed(), num_replicas=2, rank=rank, seed=3)
+        seen = fit(tmp_path / f"rank{rank}", make_loader(sampler), steps=3)
+        trained += [i for _, ids in seen.ids[:3] for i in ids]
+        (path,) = glob.glob(str(tmp_path / f"rank{rank}" / "*step=3.ckpt"))
+        states.append(torch.load(path, weights_only=True))
+    joined = states[0]
+    mine = joined["callbacks"]["ResumeStateCallback"]
+    mine["ranks"] = [s["callbacks"]["ResumeStateCallback"]["ranks"][0] for s in states]
+    mine["world_size"] = 2
+    torch.save(joined, tmp_path / "two.ckpt")
+    return tmp_path / "two.ckpt", trained
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["plain", "stateful"])
+def test_a_two_process_checkpoint_resumed_by_one_trains_each_sample_of_the_epoch_once(tmp_path, kind, workers, caplog):
+    """2 -> 1 with keep_global_batch (accumulate_grad_batches 1 -> 2), the resumed loader a shuffling DataLoader or
+    StatefulDataLoader with 0 or 2 workers: the rest of the saved DistributedSampler order, each sample once, and
+    the line that says so. (With real processes: test_elastic_resume.py.)"""
+    cls: Any = StatefulDataLoader if kind == "stateful" else DataLoader
+
+    def make_loader(sampler: Any = None) -> Any:
+        return cls(Indexed(), batch_size=4, sampler=sampler, shuffle=None if sampler is not None else True,
+                   num_workers=workers)
+
+    checkpoint, trained = two_ranks_checkpoint(tmp_path, make_loader)
+    seen = Seen()
+    caplog.set_level("INFO")
+    trainer = Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                      callbacks=[ResumeStateCallback(keep_global_batch=True), seen])
+    trainer.fit(Net(), make_loader(), ckpt_path=checkpoint)
+    assert trainer.accumulate_grad_batches == 2
+    epoch0 = [i for _, ids in seen.ids[:4] for i in ids]  # 40 samples: 24 trained, 16 left: 4 batches
+    assert Counter(trained + epoch0) == Counter(range(40))
+    assert [step for step, _ in seen.ids[:4]] == [3, 4, 4, 5]  # steps of 2 micro-batches, as 2 processes took 1
+    assert sorted(i for _, ids in seen.ids[4:] for i in ids) == list(range(40))  # epoch 1: its own order, once
+    assert trainer.global_step == 3 + 2 + 5  # 8 samples per step in both epochs
+    line = next(r.getMessage() for r in caplog.records if "ResumeStateCallback: resumed" in r.getMessage())
+    assert ("resumed on 1 process(es) a checkpoint written by 2 in epoch 0: 24 of its 40 samples were trained before"
+            " the checkpoint (the epoch's global order: DistributedSampler's permutation, seed 3), and the other 16"
+            " are split among this run's 1 process(es), 4 batch(es) each, so every sample of the epoch is trained"
+            " once") in line
+    assert "(keep_global_batch: accumulate_grad_batches 1 -> 2)" in line and "those of its rank 1 end" in line
+
+
+class MySampler(RandomSampler):
+    """A sampler of one's own: its order cannot be drawn again elsewhere."""
+
+
+@pytest.mark.parametrize("case", ["custom sampler", "two whole orders"])
+def test_what_cannot_be_split_is_named_at_resume_and_training_goes_on(tmp_path, case):
+    torch.manual_seed(0)
+    if case == "custom sampler":
+        loader = DataLoader(Indexed(), batch_size=4, sampler=MySampler(Indexed()))
+        says = "the sampler MySampler is not one whose order can be drawn again"
+    else:
+        loader = DataLoader(Indexed(), batch_size=4, shuffle=True)
+        says = "each of the checkpoint's 2 processes read a random order of its own"
+    fit(tmp_path, loader, steps=3)
+    (path,) = glob.glob(str(tmp_path / "*step=3.ckpt"))
+    state = torch.load(path, weights_only=True)
+    mine = state["callbacks"]["ResumeStateCallback"]
+    mine["ranks"], mine["world_size"] = mine["ranks"] * 2, 2  # as if 2 processes had each read such a loader
+    torch.save(state, tmp_path / "two.ckpt")
+    seen = Seen()
+    with pytest.warns(RuntimeWarning, match=(
+            r"resumed on 1 process\(es\) a checkpoint written by 2, and the rest of epoch 0 cannot be split among"
+            rf" this run's processes: {says}.*Not resumed: the data, which restarts from the beginning of the"
+            r" epoch's order at this number of processes, so in this epoch some samples are trained twice and some"
+            r" not at all")):
+        Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                enable_checkpointing=False, default_root_dir=tmp_path,
+                callbacks=[ResumeStateCallback(), seen]).fit(Net(), loader, ckpt_path=tmp_path / "two.ckpt")
+    assert len(seen.ids) == 10 - 3  # the loop's count went on; the data restarted (as stock Lightning does)
