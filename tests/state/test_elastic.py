@@ -234,12 +234,12 @@ class Seen(Callback):
 
 
 def fit(root: Path, loader: Any, *, steps: int, accumulate: int = 1, callbacks: list[Callback] | None = None,
-        **callback_args: Any) -> Seen:
+        every: int = 3, **callback_args: Any) -> Seen:
     seen = Seen()
     Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
             accumulate_grad_batches=accumulate, default_root_dir=root,
             callbacks=[ResumeStateCallback(**callback_args), seen, *(callbacks or []),
-                       ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)]).fit(Net(), loader)
+                       ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1)]).fit(Net(), loader)
     return seen
 
 
@@ -328,17 +328,17 @@ def test_keep_global_batch_sets_accumulate_grad_batches_when_the_checkpoint_is_l
 
 
 # -- a resume on another number of processes, in-process ---------------------------------------------------------
-def two_ranks_checkpoint(tmp_path: Path, make_loader: Any) -> tuple[Path, list[int]]:
-    """The checkpoint a 2-process job writes at step 3, made in this process: each "rank" trains its share of a
+def two_ranks_checkpoint(tmp_path: Path, make_loader: Any, step: int = 3) -> tuple[Path, list[int]]:
+    """The checkpoint a 2-process job writes at ``step``, made in this process: each "rank" trains its share of a
     DistributedSampler(num_replicas=2) alone, and their callback records are put together as rank 0 gathers them.
     Returns it and the samples both trained before it."""
     states, trained = [], []
     for rank in range(2):
         torch.manual_seed(0)
         sampler = DistributedSampler(Indexed(), num_replicas=2, rank=rank, seed=3)
-        seen = fit(tmp_path / f"rank{rank}", make_loader(sampler), steps=3)
-        trained += [i for _, ids in seen.ids[:3] for i in ids]
-        (path,) = glob.glob(str(tmp_path / f"rank{rank}" / "*step=3.ckpt"))
+        seen = fit(tmp_path / f"rank{rank}", make_loader(sampler), steps=step, every=step)
+        trained += [i for _, ids in seen.ids[:step] for i in ids]
+        (path,) = glob.glob(str(tmp_path / f"rank{rank}" / f"*step={step}.ckpt"))
         states.append(torch.load(path, weights_only=True))
     joined = states[0]
     mine = joined["callbacks"]["ResumeStateCallback"]
@@ -410,3 +410,21 @@ def test_what_cannot_be_split_is_named_at_resume_and_training_goes_on(tmp_path, 
                 enable_checkpointing=False, default_root_dir=tmp_path,
                 callbacks=[ResumeStateCallback(), seen]).fit(Net(), loader, ckpt_path=tmp_path / "two.ckpt")
     assert len(seen.ids) == 10 - 3  # the loop's count went on; the data restarted (as stock Lightning does)
+
+
+def test_a_two_process_checkpoint_of_an_epoch_s_end_resumed_by_one_starts_the_next_epoch(tmp_path, caplog):
+    """Saved on the last batch of epoch 0 (5 batches per rank): the one process counts that epoch finished although
+    its own epoch is 10 batches long, and reads epoch 1 whole, once."""
+    checkpoint, trained = two_ranks_checkpoint(tmp_path, lambda sampler: DataLoader(Indexed(), batch_size=4,
+                                                                                     sampler=sampler), step=5)
+    assert sorted(trained) == list(range(40))
+    seen = Seen()
+    caplog.set_level("INFO")
+    trainer = Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                      callbacks=[ResumeStateCallback(), seen])
+    trainer.fit(Net(), DataLoader(Indexed(), batch_size=4, shuffle=True), ckpt_path=checkpoint)
+    assert sorted(i for _, ids in seen.ids for i in ids) == list(range(40)) and len(seen.ids) == 10
+    assert trainer.current_epoch == 2 and trainer.global_step == 5 + 10
+    assert any("resumed on 1 process(es) a checkpoint written by 2 at the end of epoch 0: epoch 1 starts from its"
+               " beginning" in r.getMessage() for r in caplog.records)
