@@ -58,9 +58,6 @@ __all__ = ["OrderSpec", "Rest", "RestSplit", "consumed_positions", "describe_ord
 # ranks read a rest split by split_rest) and "start" (positions consumed before that stream).
 OrderSpec = dict[str, Any]
 
-_TORCH_BATCH_SAMPLERS = (BatchSampler,)  # torchdata's BatchSampler subclasses torch's and batches alike
-
-
 def describe_order(loader: Any, *, rng: RngState | None, states: Sequence[torch.Tensor] | None,
                    iterator: Any = None) -> OrderSpec | str:
     """What the loader's epoch order is, so :func:`global_order` can draw it again elsewhere; or, where it cannot
@@ -80,7 +77,8 @@ def describe_order(loader: Any, *, rng: RngState | None, states: Sequence[torch.
     batch_sampler = own_batch_sampler(loader)
     if batch_sampler is None:
         return "the training DataLoader has batch_size=None (no batches to split)"
-    if not isinstance(batch_sampler, _TORCH_BATCH_SAMPLERS) or type(batch_sampler).__module__.split(".")[0] not in (
+    # (torchdata's BatchSampler subclasses torch's and batches alike)
+    if not isinstance(batch_sampler, BatchSampler) or type(batch_sampler).__module__.split(".")[0] not in (
             "torch", "torchdata"):
         return f"the batch sampler {type(batch_sampler).__name__} is not torch's BatchSampler (its batches are its own)"
     found = _sampler_spec(batch_sampler.sampler, generators(loader), rng, states, iterator)
