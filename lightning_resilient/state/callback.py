@@ -813,14 +813,17 @@ class ResumeStateCallback(Callback):
             rest = plan_rest(records, dataset_size=len(loader.dataset), world=world, rank=rank,
                              batch_size=int(own.batch_size), drop_last=bool(own.drop_last))
         if isinstance(rest, str) or length is None:
+            # (a stream without state restarts at any number of processes: resuming on the same one is no fix)
+            restarts = kind == LoaderKind.ITERABLE or (kind == LoaderKind.OTHER and not has_state(loader))
+            same = "" if restarts else f"resume on {world_then} process(es), or "
             rank_zero_warn(
                 f"ResumeStateCallback: resumed {sizes}, and the rest of epoch {first.epoch} cannot be split among"
                 f" this run's processes: {rest}. Resumed: the model, the optimizer and the loop's epoch and step"
                 f" (epoch {first.epoch}, after {first.consumed} batch(es) per process of the checkpoint's job), and"
                 f" {self._rng_phrase(world_then, world)}. Not resumed: the data, which restarts from the beginning of"
                 " the epoch's order at this number of processes, so in this epoch some samples are trained twice and"
-                f" some not at all. To continue the epoch exactly, resume on {world_then} process(es), or read the"
-                " data with a map-style DataLoader whose sampler is torch's, Lightning's or torchdata's.",
+                f" some not at all. To continue the epoch exactly, {same}read the data with a map-style DataLoader"
+                " whose sampler is torch's, Lightning's or torchdata's.",
                 category=RuntimeWarning)
             return plan
         split = rest.split

@@ -58,6 +58,7 @@ __all__ = ["OrderSpec", "Rest", "RestSplit", "consumed_positions", "describe_ord
 # ranks read a rest split by split_rest) and "start" (positions consumed before that stream).
 OrderSpec = dict[str, Any]
 
+
 def describe_order(loader: Any, *, rng: RngState | None, states: Sequence[torch.Tensor] | None,
                    iterator: Any = None) -> OrderSpec | str:
     """What the loader's epoch order is, so :func:`global_order` can draw it again elsewhere; or, where it cannot

@@ -123,6 +123,31 @@ class Stream(IterableDataset):
         yield from range(8)
 
 
+class IndexedStream(IterableDataset):
+    """Indexed's samples as a stream: it has no global order to split."""
+
+    def __iter__(self) -> Any:
+        yield from (Indexed()[i] for i in range(40))
+
+
+class StatefulStream(IndexedStream):
+    """A stream with a position of its own (state_dict/load_state_dict): still no global order to split."""
+
+    def __init__(self) -> None:
+        self.at = 0
+
+    def __iter__(self) -> Any:
+        while self.at < 40:
+            self.at += 1
+            yield Indexed()[self.at - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]
+
+
 class Buckets(BatchSampler):
     """A custom batch sampler (its batches are its own)."""
 
@@ -385,16 +410,30 @@ class MySampler(RandomSampler):
     """A sampler of one's own: its order cannot be drawn again elsewhere."""
 
 
-@pytest.mark.parametrize("case", ["custom sampler", "two whole orders"])
+@pytest.mark.parametrize("case", ["custom sampler", "two whole orders", "iterable dataset", "stateful stream",
+                                  "stateful loader over a stream"])
 def test_what_cannot_be_split_is_named_at_resume_and_training_goes_on(tmp_path, case):
-    torch.manual_seed(0)
+    """A checkpoint of 2 processes whose data has no global order, resumed on 1: a warning names what cannot be split
+    and says the epoch's data restarts (some samples twice, some never), and training goes on."""
+    make: Any
     if case == "custom sampler":
-        loader = DataLoader(Indexed(), batch_size=4, sampler=MySampler(Indexed()))
+        make = lambda: DataLoader(Indexed(), batch_size=4, sampler=MySampler(Indexed()))  # noqa: E731
         says = "the sampler MySampler is not one whose order can be drawn again"
-    else:
-        loader = DataLoader(Indexed(), batch_size=4, shuffle=True)
+    elif case == "two whole orders":
+        make = lambda: DataLoader(Indexed(), batch_size=4, shuffle=True)  # noqa: E731
         says = "each of the checkpoint's 2 processes read a random order of its own"
-    fit(tmp_path, loader, steps=3)
+    elif case == "iterable dataset":
+        make = lambda: DataLoader(IndexedStream(), batch_size=4)  # noqa: E731
+        says = ("the training data is a DataLoader over an IterableDataset without a usable state, which has no global"
+                " order of samples")
+    elif case == "stateful stream":
+        make = lambda: DataLoader(StatefulStream(), batch_size=4)  # noqa: E731
+        says = "the training data is a .*, which has no global order of samples"
+    else:
+        make = lambda: StatefulDataLoader(IndexedStream(), batch_size=4)  # noqa: E731
+        says = r"the training dataset IndexedStream has no length \(an IterableDataset has no global order\)"
+    torch.manual_seed(0)
+    fit(tmp_path, make(), steps=3)
     (path,) = glob.glob(str(tmp_path / "*step=3.ckpt"))
     state = torch.load(path, weights_only=True)
     mine = state["callbacks"]["ResumeStateCallback"]
@@ -405,11 +444,15 @@ def test_what_cannot_be_split_is_named_at_resume_and_training_goes_on(tmp_path, 
             r"resumed on 1 process\(es\) a checkpoint written by 2, and the rest of epoch 0 cannot be split among"
             rf" this run's processes: {says}.*Not resumed: the data, which restarts from the beginning of the"
             r" epoch's order at this number of processes, so in this epoch some samples are trained twice and some"
-            r" not at all")):
+            r" not at all. To continue the epoch exactly, "
+            + ("read" if case == "iterable dataset" else r"resume on 2 process\(es\), or read"))):
         Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
                 enable_checkpointing=False, default_root_dir=tmp_path,
-                callbacks=[ResumeStateCallback(), seen]).fit(Net(), loader, ckpt_path=tmp_path / "two.ckpt")
-    assert len(seen.ids) == 10 - 3  # the loop's count went on; the data restarted (as stock Lightning does)
+                callbacks=[ResumeStateCallback(), seen]).fit(Net(), make(), ckpt_path=tmp_path / "two.ckpt")
+    if case in ("custom sampler", "two whole orders"):
+        assert len(seen.ids) == 10 - 3  # the loop's count of the epoch went on; the data restarted
+    else:  # a stream has no count to end at: it is read again from its beginning, as the warning says
+        assert [i for _, ids in seen.ids for i in ids] == list(range(40))
 
 
 def test_a_two_process_checkpoint_of_an_epoch_s_end_resumed_by_one_starts_the_next_epoch(tmp_path, caplog):
