@@ -8,7 +8,8 @@ random part keeps two jobs started at once apart). Rank ``r``'s record is ``<att
 - a header object first: ``format``, ``attempt``, ``rank``, ``world_size``, ``started`` (this host's clock, for
   display), ``resumed_step`` and ``resumed_from`` (None for a fresh start), ``facts`` (batch size, dataset, seed, ...);
 - one list per training step (:class:`StepDigest`): ``[epoch, batch_idx, global_step, sample indices digest, input
-  digest, loss]``;
+  digest, loss]``, and, where the sampler says the indices, a seventh item ``[samples, sample set digest]`` (added to
+  format 1 later; a reader of the first version reads the first six);
 - later objects update header fields (the resume audit's ``audit`` result, how the attempt ``ended``, the goodput
   ledger's ``progress`` and ``timings``).
 
@@ -127,6 +128,9 @@ class StepDigest:
     indices: str | None  # digest of the batch's sample indices; None where the sampler does not say
     data: str | None  # digest of the batch's inputs (a strided slice of each tensor's bytes, shapes, dtypes)
     loss: float | None  # the loss training_step returned; None when it returned none
+    # (samples in the batch, an order-free digest of their indices that adds up over batches: audit.py's
+    # digest_sample_set); None where the sampler does not say the indices. Compared across a change of world size.
+    samples: tuple[int, str] | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -134,7 +138,10 @@ class StepDigest:
         return self.epoch, self.batch
 
     def to_json(self) -> list[Any]:
-        return [self.epoch, self.batch, self.step, self.indices, self.data, self.loss]
+        out: list[Any] = [self.epoch, self.batch, self.step, self.indices, self.data, self.loss]
+        if self.samples is not None:
+            out.append([self.samples[0], self.samples[1]])
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> StepDigest:
@@ -147,7 +154,12 @@ class StepDigest:
             raise ValueError(f"a step's digests are strings or null, got {raw!r:.80}")
         if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
             raise ValueError(f"a step's loss is a number or null, got {raw!r:.80}")
-        return cls(epoch, batch, step, indices, data, None if loss is None else float(loss))
+        samples = raw[6] if len(raw) > 6 else None
+        if samples is not None and not (isinstance(samples, list) and len(samples) == 2 and isinstance(samples[0], int)
+                                        and not isinstance(samples[0], bool) and isinstance(samples[1], str)):
+            raise ValueError(f"a step's samples are [count, digest], got {raw!r:.80}")
+        return cls(epoch, batch, step, indices, data, None if loss is None else float(loss),
+                   None if samples is None else (samples[0], samples[1]))
 
 
 @dataclass(frozen=True)

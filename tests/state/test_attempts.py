@@ -51,9 +51,11 @@ def record(attempt: str = "a000001-abcdef", **kwargs) -> AttemptRecord:
 def test_a_record_round_trips_with_every_field_and_exact_floats():
     original = record(resumed_step=5, resumed_from="s3://b/root/last.ckpt", facts={"batch_size": 4},
                       audit=AuditResult("identical", "resume audit: ...", 3), ended="finished",
-                      steps=[step(1, 0.1 + 0.2), step(2, math.inf), StepDigest(0, 3, 3, None, "ab", None)])
+                      steps=[step(1, 0.1 + 0.2), step(2, math.inf), StepDigest(0, 3, 3, None, "ab", None),
+                             StepDigest(0, 4, 4, "cd", "ef", 0.25, (4, "00ff00ff00ff00ff"))])
     back = parse_record(original.to_bytes(), "here")
     assert back == original
+    assert len(step(1).to_json()) == 6  # a step without samples is stored as before (first versions read 6 items)
     assert back.steps[0].loss == 0.1 + 0.2  # bit for bit: the audit compares losses exactly
     assert math.isnan(parse_record(record(steps=[step(1, math.nan)]).to_bytes(), "here").steps[0].loss)
 
