@@ -23,6 +23,7 @@ _WHERE = {
     "CheckpointCadence": "lightning_resilient.planning",
     "CheckpointCorruptedError": "lightning_resilient.errors",
     "CheckpointError": "lightning_resilient.errors",
+    "HangWatchdog": "lightning_resilient.watchdog",
     "PerSampleSeeded": "lightning_resilient.state",
     "PersistFailedError": "lightning_resilient.errors",
     "PreemptionCheckpoint": "lightning_resilient.preemption",
@@ -57,6 +58,7 @@ __all__ = [
     "CheckpointCadence",
     "CheckpointCorruptedError",
     "CheckpointError",
+    "HangWatchdog",
     "PerSampleSeeded",
     "PersistFailedError",
     "PreemptionCheckpoint",
@@ -109,6 +111,7 @@ if TYPE_CHECKING:
     from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
     from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
     from lightning_resilient.strategies import AtomicFSDPStrategy, AtomicModelParallelStrategy
+    from lightning_resilient.watchdog import HangWatchdog
 
 
 __getattr__, __dir__ = lazy_exports('lightning_resilient', _WHERE, globals())

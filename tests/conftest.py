@@ -197,6 +197,26 @@ def _no_stray_training_processes() -> Iterator[None]:
     psutil.wait_procs([p for p, _ in strays], timeout=30)
 
 
+# The loggers Lightning's rank_zero_info writes through (lightning_utilities' module logger is set to the one of the
+# rank_zero module imported last: pytorch_lightning's once any test imports it).
+LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
+
+
+@pytest.fixture(autouse=True)
+def _lightning_logs_reach_caplog() -> Iterator[None]:
+    """Lightning's packages stop propagating their records to the root logger when that has no handler at their
+    import, which depends on what imported them first (a test, a plugin, an xdist worker's start). Then ``caplog``
+    sees no line of ours logged through ``rank_zero_info`` in whichever test runs after that import. Propagate, for
+    every test alike; their own handlers, if any, still print (captured by pytest)."""
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    before = [lg.propagate for lg in loggers]
+    for lg in loggers:
+        lg.propagate = True
+    yield
+    for lg, value in zip(loggers, before, strict=True):
+        lg.propagate = value
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_threads() -> Iterator[None]:
     """Fail a test that leaves one of our I/O threads running (teardown must stop them)."""

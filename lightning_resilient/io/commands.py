@@ -1,4 +1,5 @@
-"""``lightning-resilient ls | verify | gc | export``: look at, check and clean a checkpoint root without writing Python.
+"""``lightning-resilient ls | verify | gc | export | goodput``: look at, check and clean a checkpoint root, and add up
+what its training run's attempts cost, without writing Python.
 
 Exit status: 0 when all is well, 1 when a checkpoint fails verification (or the pointer is damaged), 2 for bad
 input (a URL no filesystem knows, a missing bucket, missing credentials, a checkpoint that does not exist, a file
@@ -37,7 +38,7 @@ PREEMPTION_PREFIX = "preemption"
 
 
 def add_commands(subparsers: Any) -> None:
-    """Register ``ls``, ``verify``, ``gc`` and ``export`` on the ``lightning-resilient`` parser."""
+    """Register ``ls``, ``verify``, ``gc``, ``export`` and ``goodput`` on the ``lightning-resilient`` parser."""
     ls = subparsers.add_parser("ls", help="the pointer and every committed checkpoint of a root",
                                description="Show the pointer (latest, writer epoch) and each committed checkpoint"
                                            " with its step, size, age and whether it verifies, then each attempt of"
@@ -91,6 +92,19 @@ def add_commands(subparsers: Any) -> None:
     export.add_argument("out", help="the .ckpt file to write (a path or an fsspec URL)")
     _storage_option(export)
     export.set_defaults(func=_guarded(_export))
+
+    goodput = subparsers.add_parser(
+        "goodput", help="what each attempt of the training run cost: productive time, lost steps, goodput",
+        description="Add up the goodput ledger that ResumeStateCallback keeps beside the checkpoints: per attempt"
+                    " (each run of the training command) when it started, what it resumed, the steps it reached, how"
+                    " it ended, its restore time, save stalls, the steps the next attempt recomputed and its"
+                    " productive time; then the totals, goodput as a fraction of the wall time, the measured MTBF"
+                    " and checkpoint cost, and the Young/Daly interval they give. Read-only.")
+    goodput.add_argument("root", help="the checkpoint root (ModelCheckpoint dirpath): s3://..., gs://..., a path")
+    goodput.add_argument("--json", action="store_true",
+                         help='print JSON instead: {"attempts": [...], "lost_steps": int, "goodput": float, ...}')
+    _storage_option(goodput)
+    goodput.set_defaults(func=_guarded(_goodput))
 
 
 def _local_tier_option(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +199,22 @@ def _export(args: argparse.Namespace) -> int:
 
     written = export_checkpoint(args.checkpoint, args.out, storage_options=_options(args))
     print(f"wrote {written} ({_size(os.path.getsize(written)) if os.path.exists(written) else 'remote'})")
+    return 0
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    # The ledger is exact resume's records (state/goodput.py), which import neither torch nor Lightning.
+    from lightning_resilient.state.goodput import measure
+
+    root = _open_root_only(args)
+    ledger = measure(root.store)
+    if args.json:
+        print(json.dumps(ledger.to_json(), indent=1))
+    elif not ledger.attempts and not ledger.skipped:
+        print(f"no attempts recorded under {root.url}: ResumeStateCallback (ledger=True, the default) keeps the"
+              " ledger of a training run in the ModelCheckpoint dirpath")
+    else:
+        print(ledger.table())
     return 0
 
 
@@ -443,7 +473,8 @@ def _print_persist_status(local: CheckpointRoot) -> None:
 def _print_attempts(root: CheckpointRoot) -> None:
     """Each attempt of the training run (a run of the training command) recorded under the root, with its resume
     audit, oldest first. A record that cannot be read is named and skipped."""
-    # The attempt records are exact resume's (state/attempts.py), which imports neither torch nor Lightning.
+    # The attempt records are exact resume's (state/attempts.py), which imports neither torch nor Lightning; the
+    # goodput command reads them the same way (state/goodput.py).
     from lightning_resilient.state.attempts import read_attempts
 
     try:
