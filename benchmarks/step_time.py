@@ -374,6 +374,7 @@ def measure(spec: dict[str, Any], timeout: float = 1800) -> list[dict[str, Any]]
 
 
 def summarize(case: str, loop: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    case = case.replace(" (baseline)", "")
     def med(key: str) -> float:
         return _median([r[key] for r in rows if key in r and r[key] == r[key]])
 
@@ -412,6 +413,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--bandwidth", type=float, default=40e6, help="s3-latency: bytes/s per connection")
     parser.add_argument("--package", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         help="the checkout whose lightning_resilient is measured (default: this one)")
+    parser.add_argument("--baseline", help="another checkout (e.g. the release before a change): async-save and"
+                        " persist are measured with it too, in alternating processes, as rows 'CASE (baseline)'")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --baseline: alternate baseline and this checkout this many times, --runs each")
     parser.add_argument("--note", default="", help="a line about the machine's state, written into the results")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "step_time_cpu"))
@@ -427,11 +432,16 @@ def main(argv: list[str] | None = None) -> str:
     try:
         for case in args.cases:
             for loop in args.loops if case != "restore" else ["gpu"]:
-                with tempfile.TemporaryDirectory(prefix="step-time-") as tmp:
-                    rows = measure({**base, "case": case, "loop": loop, "tmp": tmp})
-                raw[f"{case}/{loop}"] = rows
-                summary[f"{case}/{loop}"] = summarize(case, loop, rows)
-                print(case, loop, summary[f"{case}/{loop}"], flush=True)
+                packages = [("", base["package"])]
+                if args.baseline and case in ("async-save", "persist"):
+                    packages = [(" (baseline)", os.path.abspath(args.baseline)), *packages] * args.rounds
+                for suffix, package in packages:
+                    with tempfile.TemporaryDirectory(prefix="step-time-") as tmp:
+                        rows = measure({**base, "package": package, "case": case, "loop": loop, "tmp": tmp})
+                    key = f"{case}{suffix}/{loop}"
+                    raw[key] = raw.get(key, []) + rows
+                    summary[key] = summarize(case, loop, raw[key])
+                    print(key, summary[key], flush=True)
             if case == "restore":
                 procs, endpoint = _servers(args.latency, args.bandwidth)
                 rows = measure({**base, "case": "store-restore", "loop": "gpu", "endpoint": endpoint,
@@ -457,20 +467,26 @@ def main(argv: list[str] | None = None) -> str:
 
 
 def report(summary: dict[str, Any], args: argparse.Namespace) -> str:
-    lines = [f"# Step time while a checkpoint moves ({args.size_mb} MiB), medians of {args.runs} runs", "",
+    runs = f"{args.runs * args.rounds} runs" if args.baseline else f"{args.runs} runs"
+    lines = [f"# Step time while a checkpoint moves ({args.size_mb} MiB), medians of {runs}", "",
              f"Machine: {machine_description()}. {args.note}".rstrip(), "",
              "| case | loop | idle ms | during ms | during / idle | background s | notes |",
              "|---|---|---:|---:|---:|---:|---|"]
     for key, s in summary.items():
-        case, _, loop = key.partition("/")
+        name, _, loop = key.partition("/")
+        case = name.replace(" (baseline)", "")
         if "ratio" not in s:
             continue
-        notes = f"save blocked the loop {s['blocked_s']:.3f} s" if case == "async-save" else ""
+        notes = f"the save blocked the loop {s['blocked_s']:.2f} s" if case == "async-save" else ""
+        before = summary.get(f"{case} (baseline)/{loop}")
+        if before is not None and name == case:
+            notes += (f"{'; ' if notes else ''}background work {s['background_s'] / before['background_s']:.2f}x"
+                      " the baseline's time")
         if case == "replicate":
             notes = (f"receiver: {s['idle1_ms']:.1f} -> {s['during1_ms']:.1f} ms ({s['ratio1']:.2f}x); peak memory"
                      f" above start: sender {s['peak0_mb']:.0f} MB, receiver {s['peak1_mb']:.0f} MB; receiver's tier"
                      f" {s['tier1_mb']:.0f} MB")
-        lines.append(f"| {case} | {loop} | {s['idle_ms']:.1f} | {s['during_ms']:.1f} | {s['ratio']:.2f}x |"
+        lines.append(f"| {name} | {loop} | {s['idle_ms']:.1f} | {s['during_ms']:.1f} | {s['ratio']:.2f}x |"
                      f" {s['background_s']:.2f} | {notes} |")
     if "restore/gpu" in summary and "store-restore" in summary:
         peer, store = summary["restore/gpu"]["restore_s"], summary["store-restore"]["restore_s"]
