@@ -70,13 +70,14 @@ class Loop:
         self.x = torch.zeros(1024)
         self.a = torch.randn(384, 384)
         self.reps = 1
-        if kind == "cpu":  # as many products as take ~50 ms here, idle (after a warm-up)
-            times = []
-            for _ in range(30):
-                t0 = time.perf_counter()
+        if kind == "cpu":  # as many products as take ~50 ms here, idle: counted over 1 s, after a warm-up
+            for _ in range(10):
                 self.a @ self.a
-                times.append(time.perf_counter() - t0)
-            self.reps = max(1, round(0.05 / statistics.median(times[10:])))
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 1.0:
+                self.a @ self.a
+                n += 1
+            self.reps = max(1, round(0.05 * n / (time.perf_counter() - t0)))
 
     def step(self) -> None:
         if self.kind == "gpu":

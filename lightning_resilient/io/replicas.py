@@ -229,6 +229,7 @@ def receive_objects(local: CheckpointRoot | None, manifest: Manifest, indices: l
     and drop (this node cannot use them)."""
     problem: str | None = None if local is not None else "no local tier to write to"
     for index in indices:
+        data = None  # (the previous object's buffer is freed before the next one arrives)
         data = _recv(src, group)
         if problem is None:
             problem = _verified(manifest, index, data)
@@ -456,6 +457,7 @@ class Replicator:
                         _write(local, manifest, index, data)
                     except OSError as exc:
                         problem = f"{manifest.objects[index].path}: {exc}"
+            data = None  # freed before the next object is read: one object's memory at a time, not two
         if self.nodes.rank == 0 or problem is not None:
             return problem
         assert local is not None
