@@ -65,19 +65,49 @@ def test_the_first_error_is_raised_once_every_lane_ended():
     assert sorted(ended) == [0, 2, 3, 5]  # lane 1 (1, 4) stopped at its error; the others ran to their end
 
 
-def test_a_save_and_a_persist_write_a_local_disk_with_half_the_cores(tmp_path, local_backend, memory_backend):
+def _slots() -> int:
+    """Half the cores this process may use (at least one): the page-cache copies a local disk takes at once."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+def test_a_save_and_a_persist_write_a_local_disk_with_twice_as_many_threads_as_copy_slots(tmp_path, local_backend,
+                                                                                       memory_backend):
     io = AtomicCheckpointIO(max_concurrency=8, shard_size=2**20, local_tier=str(tmp_path / "nvme"))
     checkpoint = {**make_checkpoint(1), "big": torch.randn(2**20)}  # 4 MiB: 4+ objects of 1 MiB
     durable = io.tiers(local_backend.root)
-    assert durable.local.store.write_threads(8) == durable.durable.store.write_threads(8) == max(1, min(8, cores // 2))
+    assert durable.local.store.write_threads(8) == durable.durable.store.write_threads(8) == min(8, 2 * _slots())
     writes = Overlap()
     for store in (durable.local.store, durable.durable.store):
         store._write = writes.wrap(store._write)  # type: ignore[method-assign]
     io.save_checkpoint(checkpoint, local_backend.url("step=1.ckpt"))  # the local commit, then its persist
     io.wait()
     assert durable.local.read_pointer()[0].latest.step == durable.durable.read_pointer()[0].latest.step == 1
-    assert writes.most <= max(1, min(8, cores // 2)), writes.most
+    assert writes.most <= min(8, 2 * _slots()), writes.most
     # An object store's requests wait on the network: every upload thread is used.
     memory = AtomicCheckpointIO(max_concurrency=8).root(memory_backend.root).store
     assert memory.write_threads(8) == 8
+
+
+def test_copies_into_the_page_cache_take_at_most_half_the_cores_and_an_fsync_takes_none(tmp_path, monkeypatch):
+    """Writers past the copy slots wait for one; a writer in its fsync (the disk's time) holds none."""
+    from lightning_resilient.io.store import local
+
+    store = AtomicCheckpointIO().root(str(tmp_path / "root")).store
+    copies = Overlap()
+    during_copy: list[bool] = []
+    real_fsync = os.fsync  # (local.os is the os module: patched for the whole process during this test)
+
+    def fsync(fd: int) -> None:
+        time.sleep(0.01)
+        during_copy.append(copies.now > 0)  # another writer copies while this one waits on the disk
+        real_fsync(fd)
+
+    monkeypatch.setattr(local.os, "write", copies.wrap(os.write))
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    data = memoryview(bytes(2**16))
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: store.write_pieces(f"c/{i}.bin", [data]), range(12)))
+    assert all(store.read(f"c/{i}.bin") == bytes(data) for i in range(12))
+    assert copies.most <= _slots(), copies.most
+    assert any(during_copy)
