@@ -37,7 +37,7 @@ import sys
 import warnings
 from typing import Any
 
-from lightning_resilient.elastic import scope_process_group
+from lightning_resilient.torchrun import scope_process_group
 
 __all__ = ["add_fit_start_check", "lightning_pytorch_callbacks", "pytorch_lightning_callbacks"]
 

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 
 from lightning_resilient import AtomicCheckpointIO
-from lightning_resilient.elastic import attempt_prefix
+from lightning_resilient.torchrun import attempt_prefix
 
-CHILD = Path(__file__).parent / "elastic_child.py"
+CHILD = Path(__file__).parent / "torchrun_child.py"
 ONE_AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "2"}
 
 

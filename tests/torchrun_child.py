@@ -1,4 +1,4 @@
-"""One rank of a 2-process gloo group created as a torchrun attempt creates it: ``python elastic_child.py RANK ROLE``
+"""One rank of a 2-process gloo group created as a torchrun attempt creates it: ``python torchrun_child.py RANK ROLE``
 (ROLE ``early`` or ``late``), with torchrun's variables set by the test and ``MASTER_ADDR``/``MASTER_PORT`` naming a
 TCPStore the test holds for the agent's (it outlives every attempt, as torchrun's does).
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from lightning_resilient.elastic import attempt_prefix, attempt_scoped_init
+from lightning_resilient.torchrun import attempt_prefix, attempt_scoped_init
 
 
 def main(rank: int, role: str) -> None:
