@@ -140,13 +140,6 @@ def test_a_job_killed_mid_epoch_and_on_an_epochs_last_batch_resumes_bit_exact_an
 
 
 @pytest.mark.slow
-def test_without_the_callback_the_resumed_run_differs(tmp_path):
-    w_full, w_part, full, resumed = scenario(tmp_path, opts(callback=False), kills=[3])
-    assert not all(torch.equal(w_full[k], w_part[k]) for k in w_full)
-    assert full[-len(resumed):] != resumed
-
-
-@pytest.mark.slow
 def test_ddp_worker_augmentation_resumes_bit_exact_audited_on_every_rank_and_on_one_process_elastically(tmp_path):
     """2 processes, each reading with 2 workers that draw augmentation from the global RNGs, no wrapper: killed two
     steps after the save at step 2 (5 batches per rank per epoch) and resumed, bit for bit, the audit identical on
@@ -209,17 +202,6 @@ def test_stateful_dataloader_resume_is_bit_exact(tmp_path):
     # generator not advanced would change the data and so the weights. (0 workers: the in-process matrix.)
     options = {**STATEFUL, "workers": 2, "schedule": True}
     assert_identical(*scenario(tmp_path, options, kills=[10, 15]))
-
-
-@pytest.mark.slow
-def test_stateful_dataloader_without_the_callback_differs(tmp_path):
-    """Stock Lightning restores a StatefulDataLoader's position itself, but not here: configure_optimizers reads
-    estimated_stepping_batches, which builds the loader before the loops' state is loaded, so the saved position
-    is dropped (Lightning #20550) and the resumed epoch starts over; and no RNG is restored (dropout differs)."""
-    options = {**STATEFUL, "schedule": True, "callback": False}
-    w_full, w_part, full, resumed = scenario(tmp_path, options, kills=[15])
-    assert not all(torch.equal(w_full[k], w_part[k]) for k in w_full)
-    assert full[-len(resumed):] != resumed
 
 
 @pytest.mark.slow
