@@ -149,3 +149,16 @@ def test_resume_audit_benchmark_smoke(tmp_path):
     assert doc["trainer"]["hooks_on_s"] > 0 and doc["trainer"]["hooks_off_s"] > 0
     assert "| audit=True (default) |" in text and "## Target" in text
     assert (tmp_path / "a.md").read_text().startswith("# Resume audit")
+
+
+@pytest.mark.slow
+def test_step_time_benchmark_smoke(tmp_path):
+    """An async save (this checkout against itself as the baseline) and a replication between 2 gloo processes."""
+    text = load("step_time").main(["--size-mb", "4", "--runs", "1", "--idle-steps", "2", "--ops", "10", "--loops",
+                                   "gpu", "--cases", "async-save", "replicate", "--baseline", str(BENCH.parent),
+                                   "--out", str(tmp_path / "s")])
+    assert "| async-save (baseline) | gpu |" in text and "| async-save | gpu |" in text
+    assert "| replicate | gpu |" in text and "receiver's tier" in text
+    summary = json.loads((tmp_path / "s.json").read_text())["summary"]
+    assert summary["async-save/gpu"]["background_s"] > 0
+    assert summary["replicate/gpu"]["tier1_mb"] >= 4  # the whole commit on the receiving node
