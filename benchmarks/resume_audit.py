@@ -30,13 +30,16 @@ Target: the audit's cost per step in the Trainer under 1% of a 50 ms step (500 u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 STEP_SECONDS = 0.05
@@ -204,10 +207,26 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "resume_audit_cpu"),
                         help="output prefix: OUT.md and OUT.json")
     args = parser.parse_args(argv)
-    import logging
+    with _lightning_quiet():
+        return _measure(args)
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+
+@contextlib.contextmanager
+def _lightning_quiet() -> Iterator[None]:
+    """Lightning's per-fit INFO lines off while measuring, and back as they were after: a test runs ``main`` in its
+    own process, and the next test there expects Lightning's INFO lines (ours go through its loggers)."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _measure(args: argparse.Namespace) -> str:
     machine = _sibling("first_hour").machine_description()
     work: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="resume-audit-") as folder:

@@ -23,7 +23,9 @@ _WHERE = {
     "CheckpointCadence": "lightning_resilient.planning",
     "CheckpointCorruptedError": "lightning_resilient.errors",
     "CheckpointError": "lightning_resilient.errors",
+    "HangWatchdog": "lightning_resilient.watchdog",
     "PerSampleSeeded": "lightning_resilient.state",
+    "PersistFailedError": "lightning_resilient.errors",
     "PreemptionCheckpoint": "lightning_resilient.preemption",
     "ResumeStateCallback": "lightning_resilient.state",
     "RunExistsError": "lightning_resilient.errors",
@@ -56,7 +58,9 @@ __all__ = [
     "CheckpointCadence",
     "CheckpointCorruptedError",
     "CheckpointError",
+    "HangWatchdog",
     "PerSampleSeeded",
+    "PersistFailedError",
     "PreemptionCheckpoint",
     "ResumeStateCallback",
     "RunExistsError",
@@ -85,6 +89,7 @@ if TYPE_CHECKING:
         BucketNotFoundError,
         CheckpointCorruptedError,
         CheckpointError,
+        PersistFailedError,
         RunExistsError,
         SettingTypeError,
         ShardedCheckpointError,
@@ -106,6 +111,7 @@ if TYPE_CHECKING:
     from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule
     from lightning_resilient.state import PerSampleSeeded, ResumeStateCallback
     from lightning_resilient.strategies import AtomicFSDPStrategy, AtomicModelParallelStrategy
+    from lightning_resilient.watchdog import HangWatchdog
 
 
 __getattr__, __dir__ = lazy_exports('lightning_resilient', _WHERE, globals())

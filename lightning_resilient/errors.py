@@ -8,10 +8,13 @@ from the built-in a caller would expect (``FileNotFoundError``, ``PermissionErro
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BucketNotFoundError",
     "CheckpointCorruptedError",
     "CheckpointError",
+    "PersistFailedError",
     "RunExistsError",
     "SettingTypeError",
     "ShardedCheckpointError",
@@ -62,6 +65,11 @@ class StaleWriterError(CheckpointError):
                        " stale and its save was not committed. Stop this job; the newer one continues the run.")
         super().__init__(message)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (its fields and notes), as DCP and the ranks of a job pass errors to one another.
+        return (_stale_writer, (self.root, self.own_epoch, self.current_epoch, self.current_writer, self.recreated),
+                self.__dict__)
+
 
 class CheckpointCorruptedError(CheckpointError):
     """A stored object failed verification (missing, wrong size, wrong checksum or unparsable).
@@ -72,6 +80,20 @@ class CheckpointCorruptedError(CheckpointError):
     def __init__(self, message: str, *, object: str | None = None) -> None:  # shadows the builtin: the natural name
         self.object = object
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), tuple(self.args), self.__dict__)
+
+
+def _stale_writer(root: str, own_epoch: int, current_epoch: int, current_writer: str,
+                  recreated: bool) -> StaleWriterError:
+    return StaleWriterError(root, own_epoch, current_epoch, current_writer, recreated=recreated)
+
+
+class PersistFailedError(CheckpointError):
+    """With a local tier: persists to the durable tier kept failing past the bound the plugin sets
+    (``max_persist_failures`` in a row, or ``max_seconds_without_durable``). Raised by the save after the bound
+    was passed (that save is committed to the local tier first); the last failure is its ``__cause__``."""
 
 
 class UnsupportedFormatError(CheckpointError):

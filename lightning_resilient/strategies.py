@@ -52,12 +52,13 @@ class _AtomicSharded:
         if io is not None and not isinstance(io, AtomicCheckpointIO):
             raise TypeError(f"{type(self).__name__} writes through lightning_resilient.AtomicCheckpointIO, got"
                             f" {type(io).__name__}: pass AtomicCheckpointIO(...) in Trainer(plugins=[...]) or none")
-        if io is not None and io.local_tier is not None:
-            # Every rank writes its own shards into one commit: a node-local copy of it would hold one node's shards.
-            raise ValueError(f"{type(self).__name__} does not support AtomicCheckpointIO(local_tier=...) yet: each"
-                             " rank writes its shards straight to the durable root. Drop local_tier (and"
-                             " persist_every) for sharded training.")
         self._checkpoint_io = io
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]  # a mixin: the strategy's
+        # Lightning's FSDPStrategy and ModelParallelStrategy end without the CheckpointIO's teardown, which waits for
+        # the last save's persist (a local tier) and ends the copies between nodes.
+        self.checkpoint_io.teardown()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -68,9 +69,13 @@ class _AtomicSharded:
         state = {self._weights_key: checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         path = self.broadcast(str(filepath))  # type: ignore[attr-defined]
-        root, name = root_and_name(self.checkpoint_io, path)
         # Every rank uploads its shards; the coordinator (rank 0) commits once all have finished.
         rest = checkpoint if self.global_rank == 0 else None  # type: ignore[attr-defined]
+        if self.checkpoint_io.local_tier is not None:
+            # Each rank's shards into its node's local tier; every node commits its part (io/replicas.py).
+            self.checkpoint_io.save_sharded_tiered(state, path, rest, self)
+            return
+        root, name = root_and_name(self.checkpoint_io, path)
         save_sharded(state, root, name, rest=rest)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -100,6 +105,18 @@ class _AtomicSharded:
         # In a fit, ckpt_path="last" (<dirpath>/last.ckpt) means the newest committed checkpoint of that root's run.
         module = self.lightning_module  # type: ignore[attr-defined]
         url = io.resolve_last(normalize(str(checkpoint_path)), module.trainer if module is not None else None)
+        if io.local_tier is not None:
+            def load_shards(reader: AtomicStorageReader) -> None:
+                if reader.manifest is not None and reader.manifest.sharded is None:
+                    raise ShardedCheckpointError(f"{reader.root.store.url(reader.commit)} is a full (not sharded)"
+                                                 f" checkpoint: {type(self).__name__} resumes sharded checkpoints only")
+                self._check_layout(reader)
+                self._load_shards(reader)
+
+            tiered = io.load_sharded_tiered(url, self, load_shards, shown=str(checkpoint_path),
+                                            weights_only=weights_only)
+            if tiered is not None:
+                return tiered
         done = load_resolved(url, io.root, fallback=io.settings.fallback_on_corruption, load_for=load_for,
                              together=together, shown=str(checkpoint_path))
         if done is None:  # a stock Lightning checkpoint: the Lightning strategy loads it

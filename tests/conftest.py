@@ -9,6 +9,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,11 +41,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--protocol-seed", type=int, default=None, help="replay the randomized protocol test's seed")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's load scheduling first hands each worker a block of consecutive tests (an eighth of the suite each on two
+    # workers): the first block held every slow test, so one worker ran them all in a row (22 minutes) while the other
+    # ran the rest and sat idle. One test at a time (each worker keeps two queued) deals them out as workers free up.
+    if getattr(config.option, "dist", "no") == "load" and getattr(config.option, "maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that start processes (``slow``, tens of seconds each) run first, in their order; the rest after them.
 
-    xdist's load scheduling deals tests out in this order as workers free up, so the long ones are spread over the
-    workers from the start and the run ends on short tests, instead of one worker finishing a 60 s test alone.
+    xdist deals tests out in this order, one at a time as workers free up (see ``pytest_configure``), so the long ones
+    are spread over the workers from the start and the run ends on short tests, instead of one worker finishing a 60 s
+    test alone.
 
     ``--soak`` runs the randomized protocol test for thousands of operations: longer than the per-test timeout."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
@@ -217,11 +227,20 @@ def _lightning_logs_reach_caplog() -> Iterator[None]:
     every test alike; their own handlers, if any, still print (captured by pytest)."""
     loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
     before = [lg.propagate for lg in loggers]
+    # (a package imported during the test sets its logger's level then: only those imported before are compared)
+    levels = [lg.level if lg.name in sys.modules else None for lg in loggers]
     for lg in loggers:
         lg.propagate = True
     yield
-    for lg, value in zip(loggers, before, strict=True):
+    changed = [f"{lg.name} (level {logging.getLevelName(level)} -> {logging.getLevelName(lg.level)})"
+               for lg, level in zip(loggers, levels, strict=True) if level is not None and lg.level != level]
+    for lg, value, level in zip(loggers, before, levels, strict=True):
         lg.propagate = value
+        if level is not None:
+            lg.setLevel(level)
+    # A level left changed silences our rank_zero_info lines in every later test of this worker (a benchmark's main
+    # run in-process once did): fail where it happens, not in whichever test looks for such a line next.
+    assert not changed, f"the test left Lightning's log levels changed: {', '.join(changed)}"
 
 
 @pytest.fixture(autouse=True)

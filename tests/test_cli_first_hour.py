@@ -24,7 +24,7 @@ from lightning_resilient.cli import main
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 SCRIPT = shutil.which("lightning-resilient", path=os.path.dirname(sys.executable))
-COMMANDS = ["ls", "verify", "gc", "export", "cadence", "cost", "demo", "train"]
+COMMANDS = ["ls", "verify", "gc", "export", "goodput", "cadence", "cost", "demo", "train"]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_resilient._checks import check_bool, check_optional_bool
 from lightning_resilient._namespaces import register_checkpoint_io, trainer_on_stack
-from lightning_resilient.errors import RunExistsError, SettingTypeError
+from lightning_resilient.errors import CheckpointCorruptedError, RunExistsError, SettingTypeError
 from lightning_resilient.io import _paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.catalog import (
@@ -35,11 +35,21 @@ from lightning_resilient.io.catalog import (
 )
 from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.latest import find_latest_checkpoint
-from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
 from lightning_resilient.io.node_cache import NodeCache
+from lightning_resilient.io.parts import spans_nodes
 from lightning_resilient.io.pointer import Entry
+from lightning_resilient.io.replicas import (
+    Access,
+    Nodes,
+    Replicator,
+    Sources,
+    load_across_nodes,
+    save_sharded_tiered,
+)
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, open_root
+from lightning_resilient.io.sharded import AtomicStorageReader, root_and_name
 from lightning_resilient.io.store import LocalStore, MemoryStore, probe_write
 from lightning_resilient.io.tiered import (
     TieredResolved,
@@ -49,6 +59,7 @@ from lightning_resilient.io.tiered import (
     load_tiered,
     local_tier_url,
     resolve_tiered,
+    save_key,
 )
 from lightning_resilient.io.writer import step_of
 
@@ -142,6 +153,18 @@ class AtomicCheckpointIO(CheckpointIO):
         persist_every: with ``local_tier``: persist every N-th saved step to the durable root (1: every save).
         local_keep: with ``local_tier``: how many checkpoints the local tier keeps (the newest; a checkpoint being
             persisted is kept until it is durable).
+        replicas: with ``local_tier`` on several nodes: how many nodes hold each local commit of a sharded
+            strategy (``AtomicModelParallelStrategy``, ``AtomicFSDPStrategy``): a node's part (its ranks' shards)
+            is also held by the next ``replicas - 1`` nodes, copied over ``torch.distributed`` in the background, so
+            a node that is replaced (its local tier empty) restores its part from a peer instead of the durable
+            root. None: 2 on several nodes. Under DDP every node holds every local commit (rank 0 sends it to the
+            others), whatever this says. See docs/tiered.md.
+        max_persist_failures: with ``local_tier``: a persist that fails (the store is down) is reported (a warning,
+            ``lightning-resilient ls --local-tier``) and retried with backoff while training goes on from the local
+            tier; after this many failed persists in a row the next save raises
+            :class:`~lightning_resilient.PersistFailedError` (after committing locally). None: never for that.
+        max_seconds_without_durable: with ``local_tier``: the same, once persists fail and no checkpoint was made
+            durable for this many seconds (since this job's last durable commit, or its first save). None: no limit.
         retry_attempts: tries per storage request for transient errors (5xx, throttling, dropped connections).
         retry_base_delay: first backoff in seconds (doubles per retry, full jitter).
         retry_max_delay: longest single backoff in seconds.
@@ -167,6 +190,9 @@ class AtomicCheckpointIO(CheckpointIO):
         local_tier: str | os.PathLike[str] | None = None,
         persist_every: int = 1,
         local_keep: int = 2,
+        replicas: int | None = None,
+        max_persist_failures: int | None = 5,
+        max_seconds_without_durable: float | None = None,
         retry_attempts: int = 6,
         retry_base_delay: float = 0.2,
         retry_max_delay: float = 10.0,
@@ -187,8 +213,13 @@ class AtomicCheckpointIO(CheckpointIO):
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs a CUDA device, and this process sees none: use pin_memory=None"
                              " to pin only where CUDA is available")
-        tier = TierSettings.given(local_tier, persist_every, local_keep)
+        tier = TierSettings.given(local_tier, persist_every, local_keep, replicas, max_persist_failures,
+                                  max_seconds_without_durable)
+        self.tier_settings = tier
         self.local_tier, self.persist_every, self.local_keep = tier.local_tier, tier.persist_every, tier.local_keep
+        self.replicas = tier.replicas
+        self.max_persist_failures, self.max_seconds_without_durable = (tier.max_persist_failures,
+                                                                        tier.max_seconds_without_durable)
         # float() as before: a delay given as a string ("0.5", from a config file) is still read as seconds.
         self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
         self.max_concurrency = self.settings.max_concurrency  # checked (a plain int)
@@ -207,6 +238,9 @@ class AtomicCheckpointIO(CheckpointIO):
         self.last_load: LoadStats | None = None
         self._roots: dict[tuple[str, str], CheckpointRoot] = {}
         self._tiers: dict[str, TieredRoot] = {}  # durable root URL -> its two tiers, for saves
+        # With a local tier on several processes: the job's nodes, and the copies between them (io/replicas.py).
+        self._nodes: Nodes | None = None
+        self._replicator: Replicator | None = None
         self._lock = threading.Lock()
         self._last_fit: _FitEnd | None = None  # where the last fit ended (a next fit may continue it)
         self._continuing = False  # the current fit continues the previous one from its state in memory
@@ -218,7 +252,7 @@ class AtomicCheckpointIO(CheckpointIO):
         # objects that hold the Trainer copy them: a copy keeps the settings and starts with no open roots, no
         # claimed writer epoch and no save in flight (those belong to the original; a copy that saves claims anew).
         state = self.__dict__.copy()
-        for runtime in ("_roots", "_tiers", "_lock", "_async", "_last_fit"):
+        for runtime in ("_roots", "_tiers", "_lock", "_async", "_last_fit", "_nodes", "_replicator"):
             state.pop(runtime, None)
         return state
 
@@ -226,6 +260,8 @@ class AtomicCheckpointIO(CheckpointIO):
         self.__dict__.update(state)
         self._roots = {}
         self._tiers = {}
+        self._nodes = None
+        self._replicator = None
         self._lock = threading.Lock()
         self._last_fit = None
         self._async = AsyncSaver(pin_memory=self.pin_memory) if self.async_save else None
@@ -271,10 +307,62 @@ class AtomicCheckpointIO(CheckpointIO):
             tiers = self._tiers.get(durable.url)
         if tiers is None or tiers.durable is not durable:  # first save, or a new fit reopened the root
             local = self.root(local_tier_url(self.local_tier, durable.url))
-            tiers = TieredRoot(durable, local, persist_every=self.persist_every, executor=self._executor)
+            tiers = TieredRoot(durable, local, persist_every=self.persist_every, executor=self._executor,
+                               max_persist_failures=self.max_persist_failures,
+                               max_seconds_without_durable=self.max_seconds_without_durable,
+                               retry_delay=self.retry.max_delay)
             with self._lock:
                 self._tiers[durable.url] = tiers
+        self._wire(tiers)
         return tiers
+
+    # -- the nodes of a job (a local tier on several processes: io/replicas.py) -------------------------------------
+    def join_nodes(self, trainer: Any) -> None:
+        """A fit of ``trainer`` starts (the fit-start check's ``setup``, on every rank): with a local tier and
+        several processes, learn which node each process is on, make the groups the job's local tiers use, and
+        start the copies of local commits between nodes. Every rank of the job calls it at the same point."""
+        self.nodes_for(getattr(trainer, "strategy", None), fresh=True)
+
+    def nodes_for(self, strategy: Any, *, fresh: bool = False, sharded: bool = False) -> Nodes | None:
+        """The job's nodes (joined now if not yet: a collective of every rank); None without a local tier, or for a
+        single process that is not ``sharded``. ``fresh``: join anew (a new fit)."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.local_tier is None or not (sharded or (distributed and torch.distributed.get_world_size() > 1)):
+            return None
+        if self._nodes is not None and not fresh:
+            return self._nodes
+        self._stop_replicator()
+        if not distributed:
+            self._nodes = Nodes.solo()
+            return self._nodes
+        nodes = Nodes.join(int(getattr(strategy, "node_rank", 0)), int(getattr(strategy, "local_rank", 0)))
+        replicas = self.tier_settings.resolved_replicas(nodes.count)
+        if self.replicas is not None and self.replicas > nodes.count and nodes.rank == 0:
+            log.warning("replicas=%d but the job runs on %d node(s): each local commit is held by all of them",
+                        self.replicas, nodes.count)
+        self._nodes = nodes
+        self._replicator = Replicator(nodes, Access(self.tiers), replicas)
+        self._replicator.start()
+        with self._lock:
+            tiers = list(self._tiers.values())
+        for tier in tiers:
+            self._wire(tier)
+        return nodes
+
+    def _wire(self, tiers: TieredRoot) -> None:
+        """Hand ``tiers``'s local commits to the copies between nodes (global rank 0 starts each), and persist a
+        sharded commit written across nodes with every node's part."""
+        replicator = self._replicator
+        if replicator is None or replicator.nodes.background is None or replicator.nodes.rank != 0:
+            tiers.on_commit = tiers.copier = None
+            return
+        tiers.on_commit = lambda entry: replicator.replicate(tiers, entry, save_key(entry))
+        tiers.copier = lambda manifest: replicator.persist_parts(tiers, manifest) if spans_nodes(manifest) else None
+
+    def _stop_replicator(self) -> None:
+        replicator, self._replicator = self._replicator, None
+        if replicator is not None:
+            replicator.stop()
 
     # -- Lightning's CheckpointIO API --------------------------------------------------------------------------
     @override
@@ -435,6 +523,8 @@ class AtomicCheckpointIO(CheckpointIO):
         """Load across the local and the durable tier (see ``io/tiered.py``); None when neither tier knows ``url``
         (a plain file, a stock checkpoint: the single-tier path handles it)."""
         assert self.local_tier is not None
+        if together is not None and self._nodes is not None:
+            return self._load_across_nodes(url, trainer, kwargs, shown=shown)
         found: TieredResolved | None = None
         if together is None or together.rank == 0:
             try:
@@ -465,6 +555,99 @@ class AtomicCheckpointIO(CheckpointIO):
             mark_resumed_step_saved(trainer, loaded.checkpoint)
         return loaded.checkpoint
 
+    def _load_across_nodes(self, url: str, trainer: Any, kwargs: dict[str, Any], *,
+                           shown: str) -> dict[str, Any] | None:
+        """Under DDP with the job's nodes known: one decision across every node's local tier, restoring a node's
+        copy from a peer where it lacks it (``io/replicas.py``)."""
+        assert self.local_tier is not None and self._nodes is not None
+
+        def load(entry: Entry, manifest: Manifest, sources: Sources, failed: set[CheckpointRoot]) -> Loaded:
+            root = sources.local if sources.local is not None else sources.durable
+            assert root is not None
+            try:
+                if root is sources.local:
+                    return root.load(entry.commit, manifest=manifest, **kwargs)
+                return self._loader(root)(entry.commit, **kwargs)
+            except CheckpointCorruptedError:
+                failed.add(root)
+                raise
+
+        done = load_across_nodes(url, shown=shown, nodes=self._nodes, local_tier=self.local_tier,
+                                 root_for=self.root, replicas=self.tier_settings.resolved_replicas(self._nodes.count),
+                                 fallback=self.settings.fallback_on_corruption, load=load)
+        if done is None:
+            return None
+        loaded, durable = done.loaded, done.durable
+        self.last_load = replace(loaded.stats, tier="local" if done.sources.local is not None else "durable") \
+            if loaded.stats is not None else None
+        self._continue_from(durable, done.entry, trainer,
+                            elsewhere=not durable.store.exists(f"{done.entry.commit}/{MANIFEST_NAME}"))
+        if done.sources.local is not None:
+            done.sources.local.remember_loaded(loaded)
+        if trainer is not None and _fn(trainer) == "fit":
+            mark_resumed_step_saved(trainer, loaded.checkpoint)
+        return loaded.checkpoint
+
+    def load_sharded_tiered(self, url: str, strategy: Any, load_shards: Callable[[AtomicStorageReader], None], *,
+                            shown: str, weights_only: bool | None) -> dict[str, Any] | None:
+        """A sharded strategy's resume with a local tier (``AtomicModelParallelStrategy``, ``AtomicFSDPStrategy``):
+        one decision across every node's local tier, each rank reading its shards from its node's tier (restored
+        from a peer's replica where the node lacks them) or the durable root. ``load_shards(reader)`` loads the
+        strategy's shards through ``reader``. Returns the checkpoint's rest, or None when no tier knows ``url``."""
+        assert self.local_tier is not None
+        nodes = self.nodes_for(strategy, sharded=True)
+        assert nodes is not None
+
+        def load(entry: Entry, manifest: Manifest, sources: Sources, failed: set[CheckpointRoot]) -> Loaded:
+            roots = sources.roots()
+            reader = AtomicStorageReader(roots[0], entry.commit, manifest=manifest, weights_only=weights_only,
+                                         sources=roots)
+            try:
+                load_shards(reader)
+            except CheckpointCorruptedError:
+                failed.update(reader.failed)
+                raise
+            error: CheckpointCorruptedError | None = None
+            for root in roots:  # the rest (loops, callbacks, RNG): from the first copy that verifies
+                try:
+                    return root.load(entry.commit, map_location=None, weights_only=weights_only, sharded_rest=True,
+                                     manifest=manifest)
+                except CheckpointCorruptedError as exc:
+                    failed.add(root)
+                    error = exc
+            assert error is not None
+            raise error
+
+        done = load_across_nodes(url, shown=shown, nodes=nodes, local_tier=self.local_tier, root_for=self.root,
+                                 replicas=self.tier_settings.resolved_replicas(nodes.count),
+                                 fallback=self.settings.fallback_on_corruption, load=load)
+        if done is None:
+            return None
+        trainer = getattr(strategy, "lightning_module", None)
+        trainer = getattr(trainer, "trainer", None)
+        durable, entry = done.durable, done.entry
+        self.last_load = replace(done.loaded.stats, tier="local" if done.sources.local is not None else "durable") \
+            if done.loaded.stats is not None else None
+        fit = trainer is not None and _fn(trainer) == "fit"
+        if fit or self.claim_on_load:
+            durable.resumed(entry, elsewhere=not durable.store.exists(f"{entry.commit}/{MANIFEST_NAME}"))
+            claim_now = self.claim_on_load if self.claim_on_load is not None else fit
+            if claim_now and nodes.rank == 0 and durable.writer_epoch is None:
+                durable.claim()
+        if fit:
+            mark_resumed_step_saved(trainer, done.loaded.checkpoint)
+        return done.loaded.checkpoint
+
+    def save_sharded_tiered(self, state: dict[str, Any], path: str, rest: dict[str, Any] | None,
+                            strategy: Any) -> Entry:
+        """A sharded strategy's save with a local tier: every rank's shards into its node's local tier, one commit
+        across the job's nodes (``io/replicas.py``); every rank calls it."""
+        assert self.local_tier is not None
+        nodes = self.nodes_for(strategy, sharded=True)
+        assert nodes is not None
+        root, name = root_and_name(self, path)
+        return save_sharded_tiered(state, self.tiers(root.url), name, rest, nodes)
+
     @override
     def remove_checkpoint(self, path: Any) -> None:
         url = normalize(_fspath(path))
@@ -493,7 +676,12 @@ class AtomicCheckpointIO(CheckpointIO):
         the fit retired since its last commit (Lightning's last top-k removal, the last ``keep_last`` drop), which
         otherwise waits for a later commit that this job will not make: the root then holds what Lightning kept
         (see ``Retention.end_of_writer`` for why readers stay safe)."""
-        self._each_tier(lambda tier: tier.close(), first=self._async.close if self._async is not None else None)
+        try:
+            self._each_tier(lambda tier: tier.close(), first=self._async.close if self._async is not None else None)
+        finally:
+            # After the last persist (a sharded one written across nodes needs every node's part): every node's
+            # copying thread ends, and the other nodes' processes may end their fit.
+            self._stop_replicator()
         with self._lock:
             written = [root for root in self._roots.values() if root.writer_epoch is not None]
         for root in written:
@@ -504,12 +692,15 @@ class AtomicCheckpointIO(CheckpointIO):
 
     def wait(self) -> None:
         """Block until the async save in flight (if any) has committed and, with ``local_tier``, the persists
-        queued so far are done; raise their error."""
+        queued so far are done (and, on global rank 0 of a job on several nodes, the copies of local commits to the
+        other nodes); raise their error."""
         def tier_wait(tier: TieredRoot) -> None:
             tier.wait()
-            tier.raise_error()
+            tier.raise_failure()
 
         self._each_tier(tier_wait, first=self._wait_async)
+        if self._replicator is not None:
+            self._replicator.flush()
 
     def persist_latest(self) -> None:
         """With ``local_tier``: wait for the save in flight, then persist the newest local checkpoint of every root

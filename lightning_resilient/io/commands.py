@@ -1,4 +1,5 @@
-"""``lightning-resilient ls | verify | gc | export``: look at, check and clean a checkpoint root without writing Python.
+"""``lightning-resilient ls | verify | gc | export | goodput``: look at, check and clean a checkpoint root, and add up
+what its training run's attempts cost, without writing Python.
 
 Exit status: 0 when all is well, 1 when a checkpoint fails verification (or the pointer is damaged), 2 for bad
 input (a URL no filesystem knows, a missing bucket, missing credentials, a checkpoint that does not exist, a file
@@ -37,7 +38,7 @@ PREEMPTION_PREFIX = "preemption"
 
 
 def add_commands(subparsers: Any) -> None:
-    """Register ``ls``, ``verify``, ``gc`` and ``export`` on the ``lightning-resilient`` parser."""
+    """Register ``ls``, ``verify``, ``gc``, ``export`` and ``goodput`` on the ``lightning-resilient`` parser."""
     ls = subparsers.add_parser("ls", help="the pointer and every committed checkpoint of a root",
                                description="Show the pointer (latest, writer epoch) and each committed checkpoint"
                                            " with its step, size, age and whether it verifies, then each attempt of"
@@ -91,6 +92,19 @@ def add_commands(subparsers: Any) -> None:
     export.add_argument("out", help="the .ckpt file to write (a path or an fsspec URL)")
     _storage_option(export)
     export.set_defaults(func=_guarded(_export))
+
+    goodput = subparsers.add_parser(
+        "goodput", help="what each attempt of the training run cost: productive time, lost steps, goodput",
+        description="Add up the goodput ledger that ResumeStateCallback keeps beside the checkpoints: per attempt"
+                    " (each run of the training command) when it started, what it resumed, the steps it reached, how"
+                    " it ended, its restore time, save stalls, the steps the next attempt recomputed and its"
+                    " productive time; then the totals, goodput as a fraction of the wall time, the measured MTBF"
+                    " and checkpoint cost, and the Young/Daly interval they give. Read-only.")
+    goodput.add_argument("root", help="the checkpoint root (ModelCheckpoint dirpath): s3://..., gs://..., a path")
+    goodput.add_argument("--json", action="store_true",
+                         help='print JSON instead: {"attempts": [...], "lost_steps": int, "goodput": float, ...}')
+    _storage_option(goodput)
+    goodput.set_defaults(func=_guarded(_goodput))
 
 
 def _local_tier_option(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +199,22 @@ def _export(args: argparse.Namespace) -> int:
 
     written = export_checkpoint(args.checkpoint, args.out, storage_options=_options(args))
     print(f"wrote {written} ({_size(os.path.getsize(written)) if os.path.exists(written) else 'remote'})")
+    return 0
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    # The ledger is exact resume's records (state/goodput.py), which import neither torch nor Lightning.
+    from lightning_resilient.state.goodput import measure
+
+    root = _open_root_only(args)
+    ledger = measure(root.store)
+    if args.json:
+        print(json.dumps(ledger.to_json(), indent=1))
+    elif not ledger.attempts and not ledger.skipped:
+        print(f"no attempts recorded under {root.url}: ResumeStateCallback (ledger=True, the default) keeps the"
+              " ledger of a training run in the ModelCheckpoint dirpath")
+    else:
+        print(ledger.table())
     return 0
 
 
@@ -377,7 +407,7 @@ def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry
             where = "local only, being persisted"
         else:
             where = "local only"
-        status = _check(local, e, args.quick)
+        status = _check_local(local, e, args.quick)
         if status.startswith("NO"):
             bad.append(e)
         print(f"| {e.name} | {e.step} | {e.writer_epoch} | {_size(e.size)} | {_age(e.created)} | {where} | {status} |")
@@ -385,14 +415,66 @@ def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry
     if newest:
         tier = "the local tier" if newest[0].commit not in durable else "the local tier, else the durable tier"
         print(f"\na resume on this node tries {newest[0].name} (step {newest[0].step}) first, from {tier} (a copy that"
-              " fails verification is skipped); on another node, the durable root's newest")
+              " fails verification is skipped); on another node, the durable root's newest (or, in a job on several"
+              " nodes, the newest any node holds: each node's local tier holds its copy, or its part and replicas)")
+    _print_persist_status(local)
     return bad
+
+
+def _check_local(local: CheckpointRoot, entry: Entry, quick: bool) -> str:
+    """:func:`_check` of a local tier's commit: of a sharded commit written across nodes, the parts this node holds
+    (the others are on other nodes)."""
+    from lightning_resilient.io import parts
+
+    try:
+        manifest = local.read_manifest(entry.commit)
+    except CheckpointCorruptedError as exc:
+        return f"NO: {exc}"
+    if not parts.spans_nodes(manifest):
+        return _check(local, entry, quick)
+    held = parts.held(local, manifest)
+    if not held:
+        return "NO: holds none of its parts"
+    paths = {o.path for o in parts.held_objects(manifest, held)}
+    only = [i for i, o in enumerate(manifest.objects) if o.path in paths]
+    try:
+        if quick:
+            local.reader.check_sizes(entry.commit, manifest, only=only)
+        else:
+            local.reader.verify(entry.commit, only=only)
+    except CheckpointCorruptedError as exc:
+        return f"NO: {exc}"
+    which = ", ".join(str(p) for p in sorted(held))
+    return f"{'sizes ok' if quick else 'yes'} (part(s) {which} of {parts.part_count(manifest)})"
+
+
+def _print_persist_status(local: CheckpointRoot) -> None:
+    """The last persist of the job writing this local tier: done, pending, or failing (since when, and why)."""
+    from lightning_resilient.io.tiered import read_status
+
+    status = read_status(local)
+    if status is None:
+        return
+    state, step = status.get("state"), status.get("step")
+    when = _age(float(status.get("at") or 0.0))
+    if status.get("failures"):
+        since = status.get("failing_since")
+        now = (f"step {step} being retried ({when} ago)" if state == "pending"
+               else f"the last, of step {step}, {when} ago")
+        print(f"\npersist: FAILING ({status.get('failures')} failed in a row"
+              + (f", since {_age(float(since))} ago" if since else "") + f"); {now}: {status.get('error')}. Training"
+              " goes on from the local tier; later saves retry with backoff")
+    elif state == "pending":
+        print(f"\npersist: step {step} queued or in progress ({when} ago)")
+    else:
+        print(f"\npersist: ok, step {step} durable ({when} ago)")
 
 
 def _print_attempts(root: CheckpointRoot) -> None:
     """Each attempt of the training run (a run of the training command) recorded under the root, with its resume
     audit, oldest first. A record that cannot be read is named and skipped."""
-    # The attempt records are exact resume's (state/attempts.py), which imports neither torch nor Lightning.
+    # The attempt records are exact resume's (state/attempts.py), which imports neither torch nor Lightning; the
+    # goodput command reads them the same way (state/goodput.py).
     from lightning_resilient.state.attempts import read_attempts
 
     try:

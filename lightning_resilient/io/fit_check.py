@@ -16,6 +16,10 @@ state, so checkpoints carry nothing of it. ``ResumeStateCallback`` adds one to a
 it (a plugin set on the strategy after the Trainer was built, or the package run from a source tree without
 installed entry points).
 
+The entry point is also the one call the package gets before ``fit`` creates the process group: for a Trainer with
+the plugin it makes that group use this torchrun attempt's own keys in torchrun's store
+(``elastic.scope_process_group``: a restarted rank would otherwise read the killed attempt's peer addresses).
+
 The check runs in ``on_fit_start``: after every ``setup`` (``ModelCheckpoint.setup`` resolves a ``dirpath`` left
 ``None`` to ``<default_root_dir>/.../checkpoints``), before the sanity check and the first step. Every rank checks:
 one that raised alone would leave the others waiting for it at the next collective. A ``default_root_dir`` that a
@@ -32,6 +36,8 @@ import re
 import sys
 import warnings
 from typing import Any
+
+from lightning_resilient.torchrun import scope_process_group
 
 __all__ = ["add_fit_start_check", "lightning_pytorch_callbacks", "pytorch_lightning_callbacks"]
 
@@ -56,6 +62,9 @@ class _Check:
         # own client: without credentials in the environment that fails with botocore's bare NoCredentialsError.
         self._held = []
         plugin = _plugin(trainer)
+        if plugin is not None:
+            # Every rank, at one point, before any load: with a local tier on several processes, the job's nodes.
+            plugin.join_nodes(trainer)
         if stage != "fit" or plugin is None:
             return
         self._load_before = plugin.last_load
@@ -238,6 +247,8 @@ def _for_trainer_being_built(namespace: str) -> list[Any]:
         return [_callback_class(namespace)()]
     if _plugin(trainer) is None:
         return []
+    # Before fit creates the process group (the strategy's setup_environment): under torchrun, this attempt's own.
+    scope_process_group(trainer)
     # Lightning logs "Adding 1 callbacks from entry point ..." for what a factory returns, a line about something the
     # user never added: the check is part of the plugin, so it joins the list Lightning is building (as Lightning
     # would add it, right after this call) without that line.

@@ -12,8 +12,8 @@ import re
 import socket
 import uuid
 
-__all__ = ["ATTEMPTS_DIR", "REPLACED_DIR", "SKELETON_NAME", "commit_time", "new_commit_folder", "writer_epoch_of",
-           "writer_identity"]
+__all__ = ["ATTEMPTS_DIR", "REPLACED_DIR", "SKELETON_NAME", "WHOLE", "commit_time", "is_whole_object",
+           "new_commit_folder", "part_record", "writer_epoch_of", "writer_identity"]
 
 _COMMIT_RE = re.compile(r"^c(\d{13})-e(\d+)-[0-9a-f]{8}$")
 # The non-tensor part of a checkpoint (torch.save of the checkpoint with its tensors replaced by slots).
@@ -23,6 +23,21 @@ REPLACED_DIR = ".lightning_resilient/replaced"
 # One record per attempt of a training run and per rank (lightning_resilient/state/attempts.py): what each step
 # consumed, for the resume audit. Nothing of the protocol reads it; retention and gc never list it.
 ATTEMPTS_DIR = ".lightning_resilient/attempts"
+# In a sharded commit, the objects holding a rank's whole items (not its shards of sharded tensors):
+# ``r<rank>-whole-shard-NNNNN.bin`` beside its ``r<rank>-shard-NNNNN.bin`` (io/sharded.py).
+WHOLE = "whole-"
+_WHOLE_RE = re.compile(r"^r\d{5}-whole-")
+
+
+def is_whole_object(path: str) -> bool:
+    """Whether an object of a sharded commit holds a rank's whole items (see :data:`WHOLE`)."""
+    return _WHOLE_RE.match(path.rsplit("/", 1)[-1]) is not None
+
+
+def part_record(commit: str, node: int) -> str:
+    """In a local tier: the record, written last, that this node holds node ``node``'s part of ``commit`` (a sharded
+    commit written across nodes, io/parts.py)."""
+    return f"{commit}/part-{node:05d}.json"
 
 
 def writer_identity() -> str:

@@ -106,6 +106,9 @@ class ShardedRecord:
     world_size: int  # processes that wrote it (a load may use another number: DCP reshards)
     metadata: int  # index into Manifest.objects: DCP's pickled Metadata
     ranks: list[list[int]]  # ranks[r]: indices into Manifest.objects, rank r's stream in order
+    # The global ranks of each node that wrote it, by node (written with a local tier, whose parts are per node: see
+    # io/parts.py); empty: not recorded (one node, or a save without a local tier). Added later: optional on read.
+    nodes: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -226,7 +229,8 @@ def _parse(raw: dict[str, Any], where: str) -> Manifest:
     raw_sharded = raw.get("sharded")
     sharded = None if raw_sharded is None else ShardedRecord(
         int(raw_sharded["world_size"]), int(raw_sharded["metadata"]),
-        [[int(i) for i in r] for r in raw_sharded["ranks"]])
+        [[int(i) for i in r] for r in raw_sharded["ranks"]],
+        [[int(r) for r in node] for node in raw_sharded.get("nodes") or []])
     origin = raw.get("origin")
     return Manifest(**_header(raw, where), chunk_size=chunk_size, hash=algorithm,
                     stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors, sharded=sharded,
@@ -247,7 +251,9 @@ def _check_consistent(manifest: Manifest, where: str) -> None:
                                            f" for {obj.size} bytes", object=where)
     if manifest.sharded is not None:
         used = [manifest.sharded.metadata, *(i for r in manifest.sharded.ranks for i in r)]
-        if any(not 0 <= i < len(objects) for i in used) or len(manifest.sharded.ranks) != manifest.sharded.world_size:
+        nodes = [r for node in manifest.sharded.nodes for r in node]
+        if any(not 0 <= i < len(objects) for i in used) or len(manifest.sharded.ranks) != manifest.sharded.world_size \
+                or (nodes and sorted(nodes) != list(range(manifest.sharded.world_size))):
             raise CheckpointCorruptedError(f"manifest {where} has an invalid sharded record", object=where)
     total = manifest.stream_bytes
     for i, t in enumerate(manifest.tensors):

@@ -141,13 +141,16 @@ class RootReader:
             raise CheckpointCorruptedError(f"{where} describes {manifest.commit!r}, not {folder!r}", object=where)
         return manifest
 
-    def check_sizes(self, folder: str, manifest: Manifest | None = None) -> Manifest:
+    def check_sizes(self, folder: str, manifest: Manifest | None = None, *,
+                    only: list[int] | None = None) -> Manifest:
         """Cheap structural check, before anything is allocated or read: every object the manifest names is stored
         with the size it declares (one listing per folder), and every tensor's byte count matches its dtype and
-        shape. A manifest can therefore never make a load allocate more than the stored bytes."""
+        shape. A manifest can therefore never make a load allocate more than the stored bytes. ``only``: the
+        indices of the objects to check (those a load reads), when not all."""
         manifest = manifest if manifest is not None else self.read_manifest(folder)
-        stored = self.stored_sizes(o.path for o in manifest.objects)
-        for obj in manifest.objects:
+        objects = manifest.objects if only is None else [manifest.objects[i] for i in only]
+        stored = self.stored_sizes(o.path for o in objects)
+        for obj in objects:
             url = self.store.url(obj.path)
             if obj.path not in stored:
                 raise CheckpointCorruptedError(f"{url} is missing", object=url)
@@ -255,7 +258,10 @@ class RootReader:
             manifest = self.read_manifest(folder)
         elif manifest.commit != folder:
             raise ValueError(f"the manifest given is {manifest.commit!r}'s, not {folder!r}'s")
-        self.check_sizes(folder, manifest)  # before anything is allocated from the manifest's declared sizes
+        # Before anything is allocated from the manifest's declared sizes. The rest of a sharded checkpoint is its
+        # skeleton and stream: a local tier on several nodes holds them beside only some of the shards.
+        rest = [manifest.skeleton, *manifest.stream] if manifest.sharded is not None and sharded_rest else None
+        self.check_sizes(folder, manifest, only=rest)
         if manifest.sharded is not None and not sharded_rest:
             raise ShardedCheckpointError(
                 f"{self.store.url(folder)} is a sharded checkpoint written by {manifest.sharded.world_size}"
@@ -329,14 +335,16 @@ class RootReader:
                           seconds=time.perf_counter() - started)
         return Loaded(checkpoint, folder, manifest, stats)
 
-    def verify(self, folder: str, progress: Callable[[int], None] | None = None) -> Manifest:
+    def verify(self, folder: str, progress: Callable[[int], None] | None = None, *,
+               only: list[int] | None = None) -> Manifest:
         """Read every byte of a commit and check every checksum, keeping nothing; raises on the first failure.
 
-        ``progress`` is called with the number of bytes of each chunk verified.
+        ``progress`` is called with the number of bytes of each chunk verified. ``only``: the indices of the objects
+        to verify (those a node's local tier holds of a sharded commit written across nodes), when not all.
         """
-        manifest = self.check_sizes(folder)
+        manifest = self.check_sizes(folder, only=only)
         jobs: list[Job] = []
-        for index in range(len(manifest.objects)):
+        for index in range(len(manifest.objects)) if only is None else only:
             jobs += self.read_chunks(manifest, index, _discard_piece)
         self.run(jobs, progress)
         return manifest

@@ -166,9 +166,10 @@ class CheckpointRoot:
         """Upload a prepared checkpoint, write its manifest, then move the pointer to it (:meth:`RootWriter.commit`)."""
         return self.writer.commit(prepared, folder=folder, extra=extra, sharded=sharded)
 
-    def publish(self, manifest: Manifest) -> Entry:
-        """Commit ``manifest``, whose objects are stored (:meth:`RootWriter.publish`)."""
-        return self.writer.publish(manifest)
+    def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None) -> Entry:
+        """Commit ``manifest``, whose objects are stored (:meth:`RootWriter.publish`; ``held``: those of them this
+        root holds, when it holds one node's part of a sharded commit)."""
+        return self.writer.publish(manifest, held=held)
 
     def remove(self, name: str) -> None:
         """Drop checkpoint ``name`` from the catalog (Lightning's ``remove_checkpoint``); retention deletes it."""

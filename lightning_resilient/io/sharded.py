@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import pickle
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -45,11 +47,15 @@ from torch.futures import Future
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import _paths, layout
+from lightning_resilient.io.folders import WHOLE
 from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord
+from lightning_resilient.io.reader import Job
 from lightning_resilient.io.root import CheckpointRoot
 
 __all__ = ["AtomicStorageReader", "AtomicStorageWriter", "load_full", "load_metadata", "load_sharded", "own_error",
            "own_errors", "root_and_name", "save_sharded"]
+
+log = logging.getLogger(__name__)
 
 METADATA_NAME = "dcp.metadata"
 
@@ -93,16 +99,27 @@ class AtomicStorageWriter(StorageWriter):
         name: the checkpoint's name in the root (``epoch=1-step=500.ckpt``).
         rest: on the coordinator, the part of the checkpoint that is not sharded (saved like a normal
             checkpoint alongside the shards); ignored on other ranks.
+        nodes: the global ranks of each node (recorded in the manifest: a local tier holds one part per node).
+        stage: the coordinator stages the commit (objects and manifest, in :attr:`manifest`) without publishing
+            it: with a local tier on several nodes every node publishes the manifest with its own part.
+
+    Each rank's stream puts its shards first and its whole items (tensors no rank shares with another, DCP's
+    deduplicated replicated tensors, bytes) in objects of their own (``r<rank>-whole-...``): every rank may need
+    those on load, so a local tier keeps them on every node (see ``io/parts.py``).
     """
 
-    def __init__(self, root: CheckpointRoot, name: str, rest: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: CheckpointRoot, name: str, rest: dict[str, Any] | None = None, *,
+                 nodes: list[list[int]] | None = None, stage: bool = False) -> None:
         super().__init__()
         self.root = root
         self.name = name
         self.rest = rest if rest is not None else {}
+        self.nodes = nodes or []
+        self.stage = stage
         self.is_coordinator = False
         self.commit: str | None = None
         self.entry: Any = None
+        self.manifest: Manifest | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.commit = None
@@ -129,7 +146,9 @@ class AtomicStorageWriter(StorageWriter):
         self.commit, rank = plan.storage_data["commit"], plan.storage_data["rank"]
         slots: list[layout.TensorSlot] = []
         kinds: list[str] = []
-        for item in plan.items:
+        # Shards first, then the whole items, each group in plan order: the whole items start an object of their own.
+        items = sorted(plan.items, key=_is_whole)
+        for item in items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 raw = bytes(data.getbuffer()) if isinstance(data, io.BytesIO) else bytes(data)
@@ -142,14 +161,18 @@ class AtomicStorageWriter(StorageWriter):
                 kinds.append("tensor")
             slots.append(layout.TensorSlot([["s", str(item.index.fqn)]], tensor, str(tensor.device)))
         total = layout.plan(slots)
+        first_whole = next((i for i, item in enumerate(items) if _is_whole(item)), len(items))
+        split = slots[first_whole].offset if first_whole < len(slots) else total
         sources = layout.host_sources(slots)
-        objects = self.root.writer.upload_stream(f"{self.commit}/r{rank:05d}-", total,
-                                          lambda a, b: layout.gather(slots, sources, a, b))
+        prefix = f"{self.commit}/r{rank:05d}-"
+        objects = self.root.writer.upload_stream(prefix, split, lambda a, b: layout.gather(slots, sources, a, b))
+        objects += self.root.writer.upload_stream(f"{prefix}{WHOLE}", total - split, lambda a, b: layout.gather(
+            slots, sources, split + a, split + b))
         results = [WriteResult(index=item.index, size_in_bytes=slot.nbytes,
                                storage_data={"rank": rank, "offset": slot.offset, "nbytes": slot.nbytes,
                                              "kind": kind, "dtype": layout.dtype_name(slot.tensor.dtype),
                                              "shape": list(slot.tensor.shape)})
-                   for item, slot, kind in zip(plan.items, slots, kinds, strict=True)]
+                   for item, slot, kind in zip(items, slots, kinds, strict=True)]
         if results:  # the coordinator needs every rank's objects for the manifest: they ride on the results
             results[0].storage_data["objects"] = [asdict(o) for o in objects]
         future: Future[list[WriteResult]] = Future()
@@ -180,10 +203,21 @@ class AtomicStorageWriter(StorageWriter):
             for objs in rank_objects:
                 ranks.append(list(range(i, i + len(objs))))
                 i += len(objs)
-            return ShardedRecord(world_size, i, ranks)
+            return ShardedRecord(world_size, i, ranks, self.nodes)
 
         prepared = self.root.prepare(self.rest, self.name)
-        self.entry = self.root.commit(prepared, folder=commit, extra=extra, sharded=record)
+        if self.stage:
+            self.manifest = self.root.writer.stage(prepared, folder=commit, extra=extra, sharded=record)
+        else:
+            self.entry = self.root.commit(prepared, folder=commit, extra=extra, sharded=record)
+
+
+def _is_whole(item: WriteItem) -> bool:
+    """Whether a DCP write item is a whole value (bytes, a plain tensor, a tensor no other rank holds part of) rather
+    than one rank's shard of a tensor sharded across ranks."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return True
+    return list(item.tensor_data.chunk.sizes) == list(item.tensor_data.size)
 
 
 class AtomicStorageReader(StorageReader):
@@ -191,17 +225,73 @@ class AtomicStorageReader(StorageReader):
 
     It keeps the manifest and the metadata once read, so one reader serves every ``dcp.load`` of a resume (the
     model, then each optimizer) with one read of each; pass ``manifest`` when the caller has already read it.
+
+    ``sources``: roots holding copies of the commit, in the order to read them (a node's local tier, which may hold
+    only some of the shards, then the durable root): each object is read from the first that stores it, and read
+    again from the next when a copy fails verification. Those that failed are in :attr:`failed`.
     """
 
     def __init__(self, root: CheckpointRoot, commit: str, manifest: Manifest | None = None,
-                 weights_only: bool | None = None) -> None:
+                 weights_only: bool | None = None, sources: list[CheckpointRoot] | None = None) -> None:
         super().__init__()
         self.root = root
         self.commit = commit
         self.manifest = manifest
         self.weights_only = weights_only
+        self.sources = sources if sources else [root]
+        self.failed: set[CheckpointRoot] = set()
+        self._holders: dict[int, list[CheckpointRoot]] | None = None
         self.metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
+
+    def holders(self, manifest: Manifest, index: int) -> list[CheckpointRoot]:
+        """The sources that store object ``index`` with the size the manifest gives (one listing per folder and
+        source, made once): a declared size is never trusted to allocate before it was compared with a store."""
+        if self._holders is None:
+            holders: dict[int, list[CheckpointRoot]] = {i: [] for i in range(len(manifest.objects))}
+            for source in self.sources:
+                stored = source.reader.stored_sizes(o.path for o in manifest.objects)
+                for i, obj in enumerate(manifest.objects):
+                    if obj.path in stored and stored[obj.path] in (obj.size, None):
+                        holders[i].append(source)
+            self._holders = holders
+        found = self._holders[index]
+        if not found:
+            url = self.root.store.url(manifest.objects[index].path)
+            raise CheckpointCorruptedError(f"{url} is missing" + (" from every copy" if len(self.sources) > 1 else ""),
+                                           object=url)
+        return found
+
+    def read_object(self, manifest: Manifest, index: int, sink: Callable[[int, memoryview], None],
+                    only: Callable[[int, int], bool] | None = None) -> list[Job]:
+        """Jobs reading (verified) object ``index`` from its first holder, then from the next when that fails."""
+        sources = self.holders(manifest, index)
+        if len(sources) == 1:
+            return self._tracked(sources[0], sources[0].reader.read_chunks(manifest, index, sink, only=only))
+
+        def job() -> int:
+            for i, source in enumerate(sources):
+                try:
+                    return sum(read() for read in source.reader.read_chunks(manifest, index, sink, only=only))
+                except CheckpointCorruptedError as exc:
+                    self.failed.add(source)
+                    if i == len(sources) - 1:
+                        raise
+                    log.warning("%s; reading it from %s instead", exc, sources[i + 1].store.url(""))
+            raise AssertionError("unreachable")
+
+        return [job]
+
+    def _tracked(self, source: CheckpointRoot, jobs: list[Job]) -> list[Job]:
+        def tracked(job: Job) -> Job:
+            def run() -> int:
+                try:
+                    return job()
+                except CheckpointCorruptedError:
+                    self.failed.add(source)
+                    raise
+            return run
+        return [tracked(job) for job in jobs]
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -217,15 +307,15 @@ class AtomicStorageReader(StorageReader):
         if manifest.sharded is None:
             raise CheckpointCorruptedError(f"{self.root.store.url(self.commit)} is not a sharded checkpoint",
                                            object=self.root.store.url(self.commit))
-        self.root.reader.check_sizes(self.commit, manifest)  # declared sizes against the store before allocating
         self.manifest = manifest
         index = manifest.sharded.metadata
+        self.holders(manifest, index)  # declared sizes against the store before allocating
         buf = bytearray(manifest.objects[index].size)
 
         def sink(offset: int, piece: memoryview) -> None:
             buf[offset : offset + len(piece)] = piece
 
-        self.root.reader.run(self.root.reader.read_chunks(manifest, index, sink))
+        self.root.reader.run(self.read_object(manifest, index, sink))
         metadata = load_metadata(bytes(buf), self.root.store.url(manifest.objects[index].path))
         self.metadata = metadata
         return metadata
@@ -254,15 +344,19 @@ class AtomicStorageReader(StorageReader):
         for rank in sorted({r for r, _ in keys}):
             mine = [k for k in keys if k[0] == rank]
             extents = [(offset, unique[(rank, offset)]["nbytes"]) for _, offset in mine]
-            scatter = layout.Scatter(extents, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
-            buffers.update(zip(mine, scatter.buffers, strict=True))
+            needed = []
             for index, start in zip(manifest.sharded.ranks[rank], manifest.rank_offsets(rank), strict=True):
                 def wanted(a: int, b: int, start: int = start, extents: list[tuple[int, int]] = extents) -> bool:
                     # Only the chunks holding bytes this rank asked for: a resharded load reads its part only.
                     return any(o < start + b and start + a < o + n for o, n in extents if n)
 
-                sink = _shifted(scatter.write, start)
-                jobs += self.root.reader.read_chunks(manifest, index, sink, only=wanted)
+                if wanted(0, max(1, manifest.objects[index].size)):
+                    self.holders(manifest, index)  # its stored size checked before the buffers are allocated
+                    needed.append((index, start, wanted))
+            scatter = layout.Scatter(extents, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+            buffers.update(zip(mine, scatter.buffers, strict=True))
+            for index, start, wanted in needed:
+                jobs += self.read_object(manifest, index, _shifted(scatter.write, start), only=wanted)
         self.root.reader.run(jobs)
         for req in plan.items:
             info = self.storage_data[req.storage_index]
@@ -367,11 +461,9 @@ def load_full(url: str, storage_options: dict[str, Any] | None = None) -> dict[s
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from lightning_resilient.io.catalog import normalize, resolve
-    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+    from lightning_resilient.io import catalog
 
-    io_ = AtomicCheckpointIO(storage_options=storage_options)
-    found = resolve(normalize(url), io_.root)
+    found = catalog.resolve(catalog.normalize(url), lambda root: catalog.reader(root, storage_options))
     if found is None:
         raise ValueError(f"{url} is a plain file, not a lightning_resilient checkpoint")
     root, entry = found.root, found.entry

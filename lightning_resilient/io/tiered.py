@@ -34,22 +34,30 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_resilient._checks import check_int
-from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError, SettingTypeError
+from lightning_resilient._checks import check_int, check_number, check_optional_int
+from lightning_resilient.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    PersistFailedError,
+    SettingTypeError,
+    StaleWriterError,
+)
 from lightning_resilient.io import _paths, layout
+from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.async_save import raise_from_background
 from lightning_resilient.io.catalog import NOT_FOUND, Together
 from lightning_resilient.io.folders import writer_epoch_of
-from lightning_resilient.io.lineage import Lineage
+from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
 from lightning_resilient.io.pointer import Entry, Pointer
 from lightning_resilient.io.root import CheckpointRoot, Loaded, Prepared
 
-__all__ = ["TIER_RECORD", "TierSettings", "TierView", "TieredResolved", "TieredRoot", "durable_of",
-           "find_latest_tiered", "load_tiered", "local_tier_url", "resolve_tiered"]
+__all__ = ["Claim", "PERSIST_STATUS", "TIER_RECORD", "TierSettings", "TierView", "TieredResolved", "TieredRoot",
+           "adopt_claim", "durable_of", "find_latest_tiered", "load_tiered", "local_tier_url", "read_status",
+           "resolve_tiered", "retarget", "save_key", "set_aside_if_foreign", "split_tiered", "write_status"]
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +96,7 @@ def durable_of(local_root: CheckpointRoot) -> str | None:
     return record["durable"] if record is not None else None
 
 
-def _save_key(entry: Entry) -> tuple[int, int] | str:
+def save_key(entry: Entry) -> tuple[int, int] | str:
     """What makes two saves one training state: (writer epoch, step), as retention counts them; a save without a
     step (a Fabric or hand-made state) is a state of its own."""
     return (entry.writer_epoch, entry.step) if entry.step > 0 else entry.commit
@@ -98,16 +106,22 @@ def _save_key(entry: Entry) -> tuple[int, int] | str:
 
 @dataclass(frozen=True)
 class TierSettings:
-    """``AtomicCheckpointIO(local_tier=..., persist_every=..., local_keep=...)``, checked when made."""
+    """``AtomicCheckpointIO(local_tier=..., persist_every=..., local_keep=..., replicas=..., max_persist_failures=...,
+    max_seconds_without_durable=...)``, checked when made."""
 
     local_tier: str | None  # a node-local folder, absolute with symlinks resolved (see given()); None: no local tier
     persist_every: int = 1
     local_keep: int = 2
+    replicas: int | None = None  # None: 2 on several nodes, 1 (none) on one (see resolved_replicas)
+    max_persist_failures: int | None = 5
+    max_seconds_without_durable: float | None = None
 
     @classmethod
-    def given(cls, local_tier: Any, persist_every: Any, local_keep: Any) -> TierSettings:
+    def given(cls, local_tier: Any, persist_every: Any, local_keep: Any, replicas: Any = None,
+              max_persist_failures: Any = 5, max_seconds_without_durable: Any = None) -> TierSettings:
         """The settings as a user gives them: ``local_tier`` a path or ``os.PathLike`` (checked, made absolute)."""
-        return cls(_check_local_tier(local_tier), persist_every, local_keep)
+        return cls(_check_local_tier(local_tier), persist_every, local_keep, replicas, max_persist_failures,
+                   max_seconds_without_durable)
 
     def __post_init__(self) -> None:
         # Frozen: the checked values (plain ints) are set once, here.
@@ -115,9 +129,27 @@ class TierSettings:
                                                             typed=False, hint="persist every N-th saved step"))
         object.__setattr__(self, "local_keep", check_int("local_keep", self.local_keep, minimum=1, typed=False,
                                                          hint="checkpoints kept in the local tier"))
-        if self.local_tier is None and self.persist_every != 1:
-            raise ValueError(f"persist_every={self.persist_every} needs local_tier: without a local tier every save"
-                             " goes to the durable root. Pass local_tier='/local/nvme/ckpt' (a node-local folder).")
+        object.__setattr__(self, "replicas", check_optional_int(
+            "replicas", self.replicas, minimum=1, none_means="2 on several nodes, 1 on one", typed=False))
+        object.__setattr__(self, "max_persist_failures", check_optional_int(
+            "max_persist_failures", self.max_persist_failures, minimum=1, none_means="never stop for failed persists",
+            typed=False))
+        if self.max_seconds_without_durable is not None:
+            object.__setattr__(self, "max_seconds_without_durable", check_number(
+                "max_seconds_without_durable", self.max_seconds_without_durable, above=0,
+                hint="seconds without a durable commit while persists fail; None: no limit"))
+        if self.local_tier is None:
+            given = [f"{name}={value}" for name, value, default in (
+                ("persist_every", self.persist_every, 1), ("replicas", self.replicas, None)) if value != default]
+            if given:
+                raise ValueError(f"{given[0]} needs local_tier: without a local tier every save goes to the durable"
+                                 " root. Pass local_tier='/local/nvme/ckpt' (a node-local folder).")
+
+    def resolved_replicas(self, nodes: int) -> int:
+        """How many nodes hold each local commit (a sharded commit's part) in a job on ``nodes`` nodes: ``replicas``
+        (at most ``nodes``), by default 2 on several nodes."""
+        wanted = self.replicas if self.replicas is not None else (2 if nodes > 1 else 1)
+        return max(1, min(wanted, nodes))
 
 
 def _check_local_tier(value: Any) -> str | None:
@@ -140,18 +172,29 @@ class TieredRoot:
 
     Quacks like :class:`~lightning_resilient.io.root.CheckpointRoot` where saves use one (``prepare``, ``commit``,
     ``save``, ``remove``), so the synchronous and the async save paths take it unchanged.
+
+    A persist that fails (the store is down) never stops training by itself: it is reported (a warning, and the
+    status ``ls --local-tier`` shows), and retried with backoff at the next saves (the newest state: an older one is
+    never worth more) until one succeeds. Only past a bound (``max_persist_failures`` failures in a row, or
+    ``max_seconds_without_durable`` since the last durable commit) does the next save raise
+    :class:`~lightning_resilient.PersistFailedError`, after committing locally. A fenced job
+    (:class:`~lightning_resilient.StaleWriterError`) is stopped at its next save, whatever the bounds.
     """
 
     def __init__(self, durable: CheckpointRoot, local: CheckpointRoot, *, persist_every: int,
-                 executor: Callable[[], Executor]) -> None:
+                 executor: Callable[[], Executor], max_persist_failures: int | None = None,
+                 max_seconds_without_durable: float | None = None, retry_delay: float = 10.0) -> None:
         self.durable = durable
         self.local = local
         self.persist_every = persist_every
+        self.max_persist_failures = max_persist_failures
+        self.max_seconds_without_durable = max_seconds_without_durable
+        self.retry_delay = retry_delay  # the first backoff after a failed persist; doubles per failure in a row
         self._executor = executor
         self._lock = threading.Lock()
         self._jobs: deque[tuple[Callable[[], None], str]] = deque()
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # fatal: raised by the next save (a fenced job, a bound passed)
         self._saves = 0  # distinct training states saved by this writer (a top-k save and save_last count once)
         self._last: tuple[int, int] | str | None = None  # the save key of the last one
         self._persisting_state = False
@@ -159,7 +202,20 @@ class TieredRoot:
         self._persisted: set[str] = set()  # commits that are in the durable tier
         self._pending: set[str] = set()  # commits queued for a persist that has not finished
         self._newest_key: tuple[int, int] | str | None = None  # the save key of the newest persist queued
-        self._held: dict[str, int] = {}  # local folders held for persists, with how many persists hold each
+        self._held: dict[str, int] = {}  # local folders held (persists, replication), with how many holds each
+        # Failed persists in a row, the last one's error, since when they fail, when the next retry is due, and when
+        # this writer last had a checkpoint made durable (or first asked for one).
+        self._failures = 0
+        self._failure: BaseException | None = None
+        self._failing_since: float | None = None
+        self._retry_at = 0.0
+        self._durable_at: float | None = None
+        #: Called with every local commit, once committed (replication to other nodes: ``io/replicas.py``).
+        self.on_commit: Callable[[Entry], None] | None = None
+        #: Copies a manifest's objects into the durable root and returns the manifest to publish there, or None to
+        #: leave it to this node (a sharded commit written across nodes is copied by every node: io/replicas.py).
+        self.copier: Callable[[Manifest], Manifest | None] | None = None
+        self._claim_made: Claim | None = None
 
     # What saves and logs need of a root.
     @property
@@ -170,14 +226,16 @@ class TieredRoot:
     def store(self) -> Any:
         return self.durable.store
 
-    def _claim(self) -> None:
-        """Claim the durable root (if this writer has not yet: that fences older jobs) and write the local tier
-        as the claimed writer epoch, with the durable lineage."""
+    def claim(self) -> Claim:
+        """Claim the durable root (if this writer has not yet: that fences older jobs) and write the local tier as
+        the claimed writer epoch, with the durable lineage; returns the claim (what another node's local tier
+        adopts: ``adopt_claim``)."""
         if self.durable.writer_epoch is None:
             self.durable.claim()
-        if self.local.writer_epoch != self.durable.writer_epoch:
-            origin = self.durable.origin
-            assert self.durable.writer_epoch is not None and origin is not None
+        origin = self.durable.origin
+        assert self.durable.writer_epoch is not None and origin is not None
+        claim = self._claim_made
+        if claim is None or claim.writer_epoch != self.durable.writer_epoch:
             pointer, _ = self.durable.read_pointer()
             if pointer is not None:
                 # A job fenced before its first save (a newer claim, or the root deleted and written again since
@@ -185,43 +243,18 @@ class TieredRoot:
                 self.durable.fence.check_current(pointer)
             # The incarnation this writer claimed (a pointer rebuilt since may carry none).
             root_id = self.durable.fence.root_id or (pointer.root_id if pointer is not None else "")
-            self._set_aside_if_foreign(root_id)
-            # The record first: a local root holding commits always says which durable root it belongs to.
-            _write_tier_record(self.local, self.durable.url, root_id)
-            self.local.adopt(self.durable.writer_epoch, origin, dict(pointer.origins) if pointer else {})
+            claim = Claim(self.durable.url, self.durable.writer_epoch, origin,
+                          dict(pointer.origins) if pointer else {}, root_id)
+            self._claim_made = claim
+        if self.local.writer_epoch != claim.writer_epoch:
+            adopt_claim(self.local, claim)
             if origin.here and not self.durable.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
                 # Resumed from a checkpoint only this node holds: the durable tier is behind by saves of earlier
                 # jobs, and a process that just failed may fail again before its N-th save. Its first save is
                 # persisted, so every restart moves the durable tier forward.
                 with self._lock:
                     self._saves = self.persist_every - 1
-
-    def _set_aside_if_foreign(self, root_id: str) -> None:
-        """Move the local tier root aside (kept, renamed) when it cannot be this durable root's: it holds the
-        lineage of another incarnation of the root (deleted and written again under the same URL), or its pointer
-        is damaged. Its checkpoints could otherwise be taken for this run's, or stop every save."""
-        if not self.local.store.exists(""):
-            return
-        record = tier_record(self.local)
-        try:
-            pointer, _ = self.local.read_pointer()
-        except CheckpointError as exc:
-            why = f"its pointer is damaged ({exc})"
-        else:
-            if pointer is None and record is None:
-                return
-            if record is not None and record["root_id"] == root_id:
-                return
-            why = (f"it holds checkpoints of an earlier incarnation of {self.durable.url} (that root was deleted and"
-                   " written again since)")
-        path = self.local.store.path("").rstrip("/")
-        # The time says when; the random tail keeps two set-asides of one second apart (a rename onto an existing
-        # folder fails, or, onto an empty one, replaces it).
-        aside = f"{path}.set-aside-{int(time.time())}-{uuid.uuid4().hex[:8]}"
-        os.rename(path, aside)
-        self.local.fence.writer_epoch = self.local.fence.root_id = None  # set aside: the next save adopts again
-        warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
-                      " you no longer need it.", RuntimeWarning, stacklevel=4)
+        return claim
 
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
                 before_fill: Callable[[], None] | None = None) -> Prepared:
@@ -231,22 +264,35 @@ class TieredRoot:
         return self.commit(self.prepare(checkpoint, name))
 
     def commit(self, prepared: Prepared) -> Entry:
-        """Commit to the local tier (the save is done then), and queue the persist of every Nth saved state. An
-        error of an earlier persist is raised after this save is committed locally (an emergency save is never
-        lost to an earlier persist's failure)."""
-        self._claim()
-        entry = self.local.commit(prepared)
+        """Commit to the local tier (the save is done then), and queue the persist of every Nth saved state. A
+        fatal error of an earlier persist is raised after this save is committed locally (an emergency save is
+        never lost to an earlier persist's failure)."""
+        self.claim()
+        return self.committed(self.local.commit(prepared))
+
+    def committed(self, entry: Entry) -> Entry:
+        """``entry`` is committed to the local tier (by :meth:`commit`, or by a sharded save, whose every rank
+        wrote its part): count it, queue its persist when it is due (or a retry of a failed one, when its backoff
+        has passed), hand it to :attr:`on_commit`; then raise a fatal error of an earlier persist."""
         with self._lock:
-            key = _save_key(entry)
+            key = save_key(entry)
             if key != self._last:
                 self._last = key
                 self._saves += 1
                 self._persisting_state = self._saves % self.persist_every == 0
                 self._latest = []
             self._latest.append(entry)
-            persist = self._persisting_state
+            retry = self._failures > 0 and time.monotonic() >= self._retry_at
+            persist = self._persisting_state or retry
+            if self._durable_at is None:
+                self._durable_at = time.time()  # the clock of max_seconds_without_durable starts with the first save
         if persist:
+            if retry and not self._persisting_state:
+                log.info("retrying the persist to %s with the newest state (step %d)", self.durable.url, entry.step)
             self._enqueue(entry)
+        if self.on_commit is not None:
+            self.on_commit(entry)
+        self._check_bounds()
         self.raise_error()
         return entry
 
@@ -255,12 +301,36 @@ class TieredRoot:
         persists queued before it (so a persist never resurrects a name removed after it)."""
         pointer, _ = self.local.read_pointer()
         if pointer is not None and name in pointer.checkpoints:
-            self._claim()
+            self.claim()
             self.local.remove(name)
         self._submit(lambda: self.durable.remove(name), f"removal of {self.durable.store.url(name)}")
 
     def forget_stock(self, name: str) -> bool:
         return self.durable.writer.forget_stock(name)
+
+    # -- holds on local folders --------------------------------------------------------------------------------
+    def hold(self, entry: Entry, why: str) -> None:
+        """Keep ``entry``'s local folders from local retention until :meth:`release` (each hold counted)."""
+        with self._lock:
+            first = [f for f in entry.folders if not self._held.get(f)]
+            for folder in entry.folders:
+                self._held[folder] = self._held.get(folder, 0) + 1
+        if first:
+            self.local.hold(first, why)
+
+    def release(self, entry: Entry) -> None:
+        with self._lock:
+            released = []
+            for folder in entry.folders:
+                self._held[folder] -= 1
+                if not self._held[folder]:
+                    del self._held[folder]
+                    released.append(folder)
+        if released:
+            try:
+                self.local.release(released)
+            except Exception as exc:  # the hold is dropped by the next adopt of this local tier at the latest
+                log.warning("could not release %s: %s", self.local.store.url(entry.commit), exc)
 
     # -- persisting ----------------------------------------------------------------------------------------------
     def _enqueue(self, entry: Entry) -> None:
@@ -268,14 +338,11 @@ class TieredRoot:
             if entry.commit in self._persisted or entry.commit in self._pending:
                 return
             self._pending.add(entry.commit)
-            self._newest_key = _save_key(entry)
-            first_holds = [f for f in entry.folders if not self._held.get(f)]
-            for folder in entry.folders:
-                self._held[folder] = self._held.get(folder, 0) + 1
+            self._newest_key = save_key(entry)
         # Held from now (not from when the copy starts): local retention would otherwise delete a queued checkpoint
         # while the saves go on. Its folders include those whose bytes it shares (last.ckpt and its top-k twin).
-        if first_holds:
-            self.local.hold(first_holds, _PERSISTING)
+        self.hold(entry, _PERSISTING)
+        self._status("pending", entry)
         self._submit(lambda: self._persist(entry), f"persist of {self.local.store.url(entry.commit)}")
 
     def _submit(self, job: Callable[[], None], what: str) -> None:
@@ -297,51 +364,116 @@ class TieredRoot:
                 job, what = self._jobs.popleft()
             try:
                 job()
-            except BaseException as exc:
+            except StaleWriterError as exc:  # a newer job claimed the durable root: this one must stop
                 with self._lock:
                     self._error = self._error or exc
                 log.error("%s failed; the durable tier keeps its previous checkpoint: %s", what, exc)
+            except Exception as exc:  # a removal from a store that is down: it stays in the durable catalog for now
+                log.warning("%s failed (training goes on; the durable tier's retention catches up later): %s",
+                            what, exc)
 
     def _persist(self, entry: Entry) -> None:
         try:
             with self._lock:
-                superseded = _save_key(entry) != self._newest_key
+                superseded = save_key(entry) != self._newest_key
             if superseded:
                 # A newer state is queued behind this one: the durable tier gets that one instead, so a store slower
                 # than the saves never builds a backlog (of uploads, or of held local checkpoints).
                 log.info("not persisting %s (step %d): a newer save is queued after it", entry.commit, entry.step)
                 return
-            manifest = self.local.read_manifest(entry.commit)
-            self.durable.writer.make_room(manifest.name)  # a stock file of that name (a run from before the plugin)
             try:
-                manifest = self._copy(manifest)
-                self.durable.publish(manifest)
-            except BaseException as exc:
-                self.durable.writer.abandon(manifest.commit, exc)
-                self.durable.writer.put_back(manifest.name)
+                self._publish(self.local.read_manifest(entry.commit))
+            except StaleWriterError:
                 raise
+            except Exception as exc:
+                self._failed(entry, exc)
+                return
             with self._lock:
                 self._persisted.add(entry.commit)
+                recovered, self._failures, self._failure, self._failing_since = self._failures, 0, None, None
+                self._durable_at = time.time()
+                if isinstance(self._error, PersistFailedError):  # the store is back before a save raised it
+                    self._error = None
+            self._status("ok", entry)
             log.info("persisted %s to %s", entry.commit, self.durable.url)
+            if recovered:
+                log.warning("the durable tier %s takes checkpoints again (step %d persisted, after %d failed"
+                            " persist(s))", self.durable.url, entry.step, recovered)
         finally:
             with self._lock:
                 self._pending.discard(entry.commit)  # a failed persist may be queued again
-                released = []
-                for folder in entry.folders:
-                    self._held[folder] -= 1
-                    if not self._held[folder]:
-                        del self._held[folder]
-                        released.append(folder)
-            if released:
-                try:
-                    self.local.release(released)
-                except Exception as exc:  # the hold is dropped by the next adopt of this local tier at the latest
-                    log.warning("could not release %s: %s", self.local.store.url(entry.commit), exc)
+            self.release(entry)
 
-    def _copy(self, manifest: Manifest) -> Manifest:
-        """Copy ``manifest``'s objects from the local tier into the durable one, verifying each; returns the
-        manifest to publish there. An object shared with another commit of the same step stays shared when that
-        commit is durable already; otherwise it is copied into this commit's own folder."""
+    def _publish(self, manifest: Manifest) -> None:
+        self.durable.writer.make_room(manifest.name)  # a stock file of that name (a run from before the plugin)
+        try:
+            copied = self.copier(manifest) if self.copier is not None else None
+            self.durable.publish(copied if copied is not None else self._copy(manifest))
+        except BaseException as exc:
+            self.durable.writer.abandon(manifest.commit, exc)
+            self.durable.writer.put_back(manifest.name)
+            raise
+
+    def _failed(self, entry: Entry, exc: BaseException) -> None:
+        """A persist failed (after the store's own retries): report it, schedule its retry, check the bounds."""
+        now = time.time()
+        with self._lock:
+            self._failures += 1
+            self._failure = exc
+            self._failing_since = self._failing_since or now
+            failures = self._failures
+            delay = min(self.retry_delay * 2 ** (failures - 1), _MAX_RETRY_DELAY)
+            self._retry_at = time.monotonic() + delay
+        self._status("failed", entry, exc)
+        message = (f"persisting {entry.commit} (step {entry.step}) to the durable tier {self.durable.url} failed"
+                   f" ({failures} in a row): {exc}. Training goes on from the local tier; the newest state is"
+                   f" persisted again at the first save after {delay:.0f} s")
+        log.warning(message)
+        if failures == 1:  # once per outage: each later failure is logged
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        """Past ``max_persist_failures`` failed persists in a row, or ``max_seconds_without_durable`` without a
+        durable commit while persists fail: the next save raises (the durable tier is too far behind to go on)."""
+        with self._lock:
+            if self._error is not None or self._failure is None:
+                return
+            failures, since = self._failures, self._durable_at
+            limit = self.max_persist_failures
+            seconds = self.max_seconds_without_durable
+            why = None
+            if limit is not None and failures >= limit:
+                why = f"{failures} persists in a row failed (max_persist_failures={limit})"
+            elif seconds is not None and since is not None and time.time() - since > seconds:
+                why = (f"no checkpoint was made durable for {time.time() - since:.3g} s"
+                       f" (max_seconds_without_durable={seconds:g})")
+            if why is None:
+                return
+            error = PersistFailedError(
+                f"the durable tier {self.durable.url} does not take checkpoints: {why}; the last failure:"
+                f" {self._failure}. The local tier {self.local.url} holds the newest checkpoints (resume from it on"
+                " this node); fix the store, or raise the bound, and resume.")
+            error.__cause__ = self._failure
+            self._error = error
+
+    def _status(self, state: str, entry: Entry, error: BaseException | None = None) -> None:
+        """Record the persist status beside the local tier (``ls --local-tier`` shows it): never fails a save."""
+        with self._lock:
+            error = error if error is not None else self._failure  # a retry pending: the failure it retries
+            status = {"state": state, "commit": entry.commit, "step": entry.step, "at": time.time(),
+                      "failures": self._failures, "failing_since": self._failing_since,
+                      "error": f"{type(error).__name__}: {error}" if error is not None else None,
+                      "durable": self.durable.url}
+        try:
+            write_status(self.local, status)
+        except OSError as exc:
+            log.debug("could not record the persist status: %s", exc)
+
+    def copy_targets(self, manifest: Manifest) -> list[str]:
+        """Where each of ``manifest``'s objects goes in the durable root ("" for one that is there already): an
+        object shared with another commit of the same step stays shared when that commit is durable already;
+        otherwise it is copied into this commit's own folder."""
         pointer, _ = self.durable.read_pointer()
         live = pointer.live_folders() if pointer is not None else set()
         commit = manifest.commit
@@ -354,7 +486,11 @@ class TieredRoot:
                 targets.append("")  # already durable: referenced, not copied
             else:
                 targets.append(f"{commit}/shared-{i:05d}-{obj.path.rsplit('/', 1)[-1]}")
+        return targets
 
+    def copy_objects(self, manifest: Manifest, indices: list[int], targets: list[str]) -> None:
+        """Copy objects ``indices`` of ``manifest`` from the local tier to ``targets`` in the durable one, each
+        verified against the manifest on the way (a damaged local copy is never persisted)."""
         def copy(i: int) -> int:
             obj, target = manifest.objects[i], targets[i]
             if not target:
@@ -367,11 +503,15 @@ class TieredRoot:
             self.durable.store.write_pieces(target, [data])
             return len(data)
 
-        with self._executor() as pool:
-            list(pool.map(copy, range(len(manifest.objects))))
-        objects = [obj if not target or target == obj.path else replace(obj, path=target)
-                   for obj, target in zip(manifest.objects, targets, strict=True)]
-        return replace(manifest, objects=objects)
+        with self._executor() as pool:  # behind training: as many writers as the durable store gains from
+            map_in_lanes(pool, copy, indices, self.durable.store.write_threads(self.durable.writer.max_concurrency))
+
+    def _copy(self, manifest: Manifest) -> Manifest:
+        """Copy ``manifest``'s objects from the local tier into the durable one, verifying each; returns the
+        manifest to publish there."""
+        targets = self.copy_targets(manifest)
+        self.copy_objects(manifest, list(range(len(manifest.objects))), targets)
+        return retarget(manifest, targets)
 
     def persist_latest(self) -> list[Entry]:
         """Persist this writer's newest saved step (every name saved at it, e.g. a top-k name and ``last.ckpt``)
@@ -382,7 +522,7 @@ class TieredRoot:
         for entry in latest:
             self._enqueue(entry)
         self.wait()
-        self.raise_error()
+        self.raise_failure()
         return latest
 
     def wait(self) -> None:
@@ -395,14 +535,111 @@ class TieredRoot:
             thread.join()
 
     def raise_error(self) -> None:
+        """Raise a fatal error of a background persist (a fenced job, a bound passed): what a save raises."""
         with self._lock:
             error, self._error = self._error, None
         raise_from_background(error, "raised by a background persist to the durable tier; the durable tier keeps"
                                      " its previous checkpoint")
 
+    def raise_failure(self) -> None:
+        """Raise a fatal error, else the failure of the last persist if it failed: what a caller that waits for the
+        durable tier (the end of a fit, an emergency save, :meth:`AtomicCheckpointIO.wait`) must hear."""
+        self.raise_error()
+        with self._lock:
+            failure = self._failure
+        raise_from_background(failure, "raised by a background persist to the durable tier; the durable tier keeps"
+                                       " its previous checkpoint")
+
+    @property
+    def failures(self) -> int:
+        """Persists that failed in a row (0 once one succeeds)."""
+        return self._failures
+
     def close(self) -> None:
         """Persist the newest local checkpoint (the last of a fit), wait for it, raise any error."""
         self.persist_latest()
+
+
+def retarget(manifest: Manifest, targets: list[str]) -> Manifest:
+    """``manifest`` with each object at its target path in the durable root (see :meth:`TieredRoot.copy_targets`)."""
+    objects = [obj if not target or target == obj.path else replace(obj, path=target)
+               for obj, target in zip(manifest.objects, targets, strict=True)]
+    return replace(manifest, objects=objects)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A job's claim of a durable root, as its local tiers (one per node) adopt it: one writer epoch and lineage in
+    every tier of every node."""
+
+    durable: str
+    writer_epoch: int
+    origin: Origin
+    origins: dict[int, Origin]
+    root_id: str
+
+
+def adopt_claim(local: CheckpointRoot, claim: Claim) -> None:
+    """Write the local tier root ``local`` as the job's claim of its durable root (once per writer epoch): set the
+    local tier aside first when it belongs to another incarnation of the durable root, or is damaged."""
+    if local.writer_epoch == claim.writer_epoch:
+        return
+    set_aside_if_foreign(local, claim.durable, claim.root_id)
+    # The record first: a local root holding commits always says which durable root it belongs to.
+    _write_tier_record(local, claim.durable, claim.root_id)
+    local.adopt(claim.writer_epoch, claim.origin, claim.origins)
+
+
+def set_aside_if_foreign(local: CheckpointRoot, durable_url: str, root_id: str) -> None:
+    """Move the local tier root aside (kept, renamed) when it cannot be this durable root's: it holds the lineage of
+    another incarnation of the root (deleted and written again under the same URL), or its pointer is damaged. Its
+    checkpoints could otherwise be taken for this run's, or stop every save."""
+    if not local.store.exists(""):
+        return
+    record = tier_record(local)
+    try:
+        pointer, _ = local.read_pointer()
+    except CheckpointError as exc:
+        why = f"its pointer is damaged ({exc})"
+    else:
+        if pointer is None and record is None:
+            return
+        if record is not None and record["root_id"] == root_id:
+            return
+        why = (f"it holds checkpoints of an earlier incarnation of {durable_url} (that root was deleted and"
+               " written again since)")
+    path = local.store.path("").rstrip("/")
+    # The time says when; the random tail keeps two set-asides of one second apart (a rename onto an existing folder
+    # fails, or, onto an empty one, replaces it).
+    aside = f"{path}.set-aside-{int(time.time())}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, aside)
+    local.fence.writer_epoch = local.fence.root_id = None  # set aside: the next save adopts again
+    warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
+                  " you no longer need it.", RuntimeWarning, stacklevel=5)
+
+
+#: Beside a local tier root: the persist status of the job writing it (``ls --local-tier`` shows it).
+PERSIST_STATUS = ".lightning_resilient/persist.json"
+_MAX_RETRY_DELAY = 600.0  # the longest wait before a failed persist is tried again
+
+
+def write_status(local: CheckpointRoot, status: dict[str, Any]) -> None:
+    """Replace the persist status beside ``local`` (a local folder): written whole, then renamed over the old one."""
+    path = local.store.path(PERSIST_STATUS)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, path)
+
+
+def read_status(local: CheckpointRoot) -> dict[str, Any] | None:
+    """The persist status beside ``local``, or None when no job recorded one (or it cannot be read)."""
+    try:
+        raw = json.loads(local.store.read(PERSIST_STATUS))
+    except (FileNotFoundError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def _write_tier_record(local: CheckpointRoot, durable_url: str, root_id: str) -> None:
@@ -419,6 +656,8 @@ class TierView:
     local: CheckpointRoot
     durable_pointer: Pointer | None
     local_pointer: Pointer | None
+    #: The local commits other nodes' local tiers hold (a job on several nodes: io/replicas.py), candidates too.
+    others: list[Entry] = field(default_factory=list)
 
     @classmethod
     def read(cls, durable: CheckpointRoot, local: CheckpointRoot) -> TierView:
@@ -434,15 +673,20 @@ class TierView:
         """The durable root's current lineage: the authority on what a resume may continue."""
         return self.durable_pointer.lineage() if self.durable_pointer is not None else Lineage({}, 0)
 
+    def local_entries(self) -> list[Entry]:
+        """This node's local commits that may be resumed: under a writer epoch whose origin the durable root still
+        records (an epoch older than what the durable pointer keeps of its lineage may be a fenced job's, past its
+        fork)."""
+        origins = self.durable_pointer.origins if self.durable_pointer is not None else {}
+        return [e for e in (self.local_pointer.entries() if self.local_pointer is not None else [])
+                if e.writer_epoch in origins]
+
     def _entries(self) -> list[Entry]:
         durable = self.durable_pointer.entries() if self.durable_pointer is not None else []
-        # A local checkpoint counts only under a writer epoch whose origin the durable root still records: an epoch
-        # older than what the durable pointer keeps of its lineage may be a fenced job's, past its fork.
         origins = self.durable_pointer.origins if self.durable_pointer is not None else {}
-        local = [e for e in (self.local_pointer.entries() if self.local_pointer is not None else [])
-                 if e.writer_epoch in origins]
+        others = [e for e in self.others if e.writer_epoch in origins]
         seen: dict[str, Entry] = {}
-        for entry in [*local, *durable]:
+        for entry in [*self.local_entries(), *others, *durable]:
             seen.setdefault(entry.commit, entry)
         return list(seen.values())
 
@@ -483,17 +727,19 @@ class TieredResolved:
 
 
 def resolve_tiered(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot], *,
-                   shown: str | None = None) -> TieredResolved | None:
+                   shown: str | None = None, others: list[Entry] | None = None) -> TieredResolved | None:
     """What ``url`` names across the two tiers of its durable root; None when neither tier knows it (the caller's
     single-tier resolution then handles it: a plain file, a stock checkpoint, the error message).
 
     ``url`` may name the durable root (its newest checkpoint in either tier), a name in it, a commit folder in it, or
     the same in its local tier root (``<local_tier>/<...>``). ``shown``: ``url`` as the caller gave it, for messages.
+    ``others``: the local commits of other nodes of the job (see :attr:`TierView.others`).
     """
-    durable_url, rel = _split(url, local_tier, root_for)
+    durable_url, rel = split_tiered(url, local_tier, root_for)
     if durable_url is None:
         return None
     view = TierView.read(root_for(durable_url), root_for(local_tier_url(local_tier, durable_url)))
+    view.others = list(others or [])
     if rel == "":
         candidates = view.candidates()
         if not candidates:
@@ -535,7 +781,7 @@ def _local_pointer(local: CheckpointRoot, durable: Pointer | None) -> Pointer | 
     return pointer
 
 
-def _split(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot]) -> tuple[str | None, str]:
+def split_tiered(url: str, local_tier: str, root_for: Callable[[str], CheckpointRoot]) -> tuple[str | None, str]:
     """(durable root URL, path relative to it) for a URL in a durable root or in a local tier root."""
     base = os.path.realpath(os.path.expanduser(local_tier))
     plain = url[len("file://"):] if url.startswith("file://") else url

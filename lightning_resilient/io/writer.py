@@ -22,6 +22,7 @@ import torch
 
 from lightning_resilient.errors import CheckpointError, StaleWriterError
 from lightning_resilient.io import layout
+from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.fencing import WriterFence, is_resumed
 from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
 from lightning_resilient.io.manifest import (
@@ -162,9 +163,12 @@ class RootWriter:
         """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel."""
         known = self._known if step is not None and step == self._known_step else {}
         spans = layout.windows(total, layout.object_size(total, self.shard_size, self.max_concurrency))
+        # The objects (their size: from max_concurrency alone, the same layout on every machine), written by as
+        # many threads at once as the store gains from (a local disk: fewer, see Store.write_threads).
+        lanes = self.store.write_threads(self.max_concurrency)
         with self._executor() as pool:
-            return list(pool.map(lambda i: self.put(f"{prefix}shard-{i:05d}.bin", pieces(*spans[i]), known),
-                                 range(len(spans))))
+            return map_in_lanes(pool, lambda i: self.put(f"{prefix}shard-{i:05d}.bin", pieces(*spans[i]), known),
+                                range(len(spans)), lanes)
 
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Entry:
@@ -175,15 +179,28 @@ class RootWriter:
         """
         folder = folder or self.new_commit_folder(prepared.name, prepared.created)
         try:
-            prepared.ready()
-            return self._commit(prepared, folder, extra, sharded)
+            return self.publish(self._stage(prepared, folder, extra, sharded))
         except BaseException as exc:
-            # Not committed, so nothing refers to it: delete it now (a crash instead leaves it to gc). If the
-            # pointer may have moved to it after all (a lost response), it is left alone.
-            if self._unreferenced(folder, exc):
-                self.retention.discard(folder)
-                self._put_back(prepared.name)
+            self._failed(prepared.name, folder, exc)
             raise
+
+    def stage(self, prepared: Prepared, *, folder: str, extra: list[ObjectEntry] | None = None,
+              sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Manifest:
+        """Upload a prepared checkpoint into ``folder`` and return its manifest, unpublished: what :meth:`commit`
+        does before :meth:`publish`. A sharded save with a local tier on several nodes stages on the coordinator's
+        node, and every node then publishes the manifest with the part it holds (``tiered.commit_node_part``)."""
+        try:
+            return self._stage(prepared, folder, extra, sharded)
+        except BaseException as exc:
+            self._failed(prepared.name, folder, exc)
+            raise
+
+    def _failed(self, name: str, folder: str, error: BaseException) -> None:
+        # Not committed, so nothing refers to it: delete it now (a crash instead leaves it to gc). If the
+        # pointer may have moved to it after all (a lost response), it is left alone.
+        if self._unreferenced(folder, error):
+            self.retention.discard(folder)
+            self._put_back(name)
 
     def make_room(self, name: str) -> None:
         """Before a commit of ``name`` that did not come through :meth:`new_commit_folder` (a persist from a local
@@ -281,8 +298,9 @@ class RootWriter:
             return True
         return pointer is None or folder in pointer.live_folders()
 
-    def _commit(self, prepared: Prepared, folder: str, extra: list[ObjectEntry] | None,
-                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None) -> Entry:
+    def _stage(self, prepared: Prepared, folder: str, extra: list[ObjectEntry] | None,
+               sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None) -> Manifest:
+        prepared.ready()
         assert self.fence.writer_epoch is not None and self.fence.origin is not None
         epoch, origin, name, step = self.fence.writer_epoch, self.fence.origin, prepared.name, prepared.step
         objects = self.upload_stream(f"{folder}/", prepared.total, prepared.pieces, step)
@@ -291,23 +309,24 @@ class RootWriter:
                                  self._known if step == self._known_step else {}))
         skeleton = len(objects) - 1
         objects += extra or []
-        manifest = Manifest(name=name, commit=folder, step=step, epoch=prepared.epoch, created=prepared.created,
-                            writer_epoch=epoch, chunk_size=self.chunk_size, skeleton=skeleton,
-                            stream=stream, objects=objects, tensors=prepared.tensors,
-                            sharded=sharded(objects) if sharded is not None else None, origin=origin)
-        return self.publish(manifest)
+        return Manifest(name=name, commit=folder, step=step, epoch=prepared.epoch, created=prepared.created,
+                        writer_epoch=epoch, chunk_size=self.chunk_size, skeleton=skeleton,
+                        stream=stream, objects=objects, tensors=prepared.tensors,
+                        sharded=sharded(objects) if sharded is not None else None, origin=origin)
 
-    def publish(self, manifest: Manifest) -> Entry:
+    def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None) -> Entry:
         """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer.
 
         A save's last step, and the whole of persisting a node-local checkpoint to its durable tier (the objects
         copied there first, the manifest the one the local tier committed: same commit, writer epoch and origin).
+        ``held``: the objects this root holds of a sharded checkpoint written across nodes (one node's part of a
+        local tier, see ``io/parts.py``): only they are checked; the manifest still names every object.
         """
         assert self.fence.writer_epoch is not None and manifest.writer_epoch == self.fence.writer_epoch
         folder, name, step, origin = manifest.commit, manifest.name, manifest.step, manifest.origin
         epoch = self.fence.writer_epoch
         self.store.sync_folder(folder)  # the data is durable before the manifest names it
-        self._check_stored(manifest.objects, folder)
+        self._check_stored(manifest.objects if held is None else held, folder)
         # The manifest goes last: until it exists, this folder is not a checkpoint.
         self.store.write(f"{folder}/{MANIFEST_NAME}", manifest.to_bytes())
         for path in (folder, name, ""):  # and it, and the folders holding it, before the pointer names it
@@ -337,9 +356,9 @@ class RootWriter:
         try:
             new, _ = self.fence.update(add, fenced=True)
         except BaseException:
-            self._unwrite_if_incomplete(manifest)
+            self._unwrite_if_incomplete(manifest, manifest.objects if held is None else held)
             raise
-        self._remember(manifest, new)
+        self._remember(manifest, new, held)
         log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(folder), entry.step,
                  len(manifest.objects), entry.size)
         self.retention.delete_retired(new)
@@ -360,25 +379,26 @@ class RootWriter:
             raise CheckpointError(f"{self.store.url(obj.path)} {what} just before {self.store.url(folder)} was to be"
                                   " committed (something deleted or replaced it): the save was not committed")
 
-    def _unwrite_if_incomplete(self, manifest: Manifest) -> None:
-        """After a failed pointer move: delete ``manifest`` again if an object it names is gone. A newer job's ``gc``
-        may delete a fenced writer's objects between its stored-objects check and its manifest write (the folder had
-        no manifest then); the folder may be kept (while the pointer is missing), but never as a checkpoint that
-        names what is gone. Such a manifest was never loadable, so nothing is lost."""
+    def _unwrite_if_incomplete(self, manifest: Manifest, objects: list[ObjectEntry]) -> None:
+        """After a failed pointer move: delete ``manifest`` again if one of its ``objects`` (those this root holds)
+        is gone. A newer job's ``gc`` may delete a fenced writer's objects between its stored-objects check and its
+        manifest write (the folder had no manifest then); the folder may be kept (while the pointer is missing), but
+        never as a checkpoint that names what is gone. Such a manifest was never loadable, so nothing is lost."""
         with contextlib.suppress(Exception):  # best effort: a manifest naming what is gone never verifies anyway
-            found = self.reader.stored_sizes({o.path for o in manifest.objects})
-            if any(o.path not in found or found[o.path] not in (o.size, None) for o in manifest.objects):
+            found = self.reader.stored_sizes({o.path for o in objects})
+            if any(o.path not in found or found[o.path] not in (o.size, None) for o in objects):
                 self.store.remove(f"{manifest.commit}/{MANIFEST_NAME}")
                 log.warning("%s names objects that were deleted while this fenced writer committed it: its manifest"
                             " was deleted again", self.store.url(manifest.commit))
 
-    def _remember(self, manifest: Manifest, pointer: Pointer | None = None) -> None:
+    def _remember(self, manifest: Manifest, pointer: Pointer | None = None,
+                  held: list[ObjectEntry] | None = None) -> None:
         if manifest.step != self._known_step:
             self._known = {}
         self._known_step = manifest.step
         live = pointer.live_folders() if pointer is not None else None
         self._known = {k: v for k, v in self._known.items() if live is None or v.rsplit("/", 1)[0] in live}
-        for obj in manifest.objects:
+        for obj in manifest.objects if held is None else held:  # only what this root stores may be referenced
             self._known[(obj.digest, obj.size)] = obj.path
 
     # -- remove ------------------------------------------------------------------------------------------------

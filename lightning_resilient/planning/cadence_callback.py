@@ -5,7 +5,9 @@ synchronous CheckpointIO, only the hand-off (plus any wait for the previous save
 callback times every call, times the optimizer steps in between, and from a given MTBF computes the optimal
 interval (:func:`~lightning_resilient.planning.cadence.daly_interval` by default) and the expected waste of the
 present cadence. With ``adapt=True`` it also sets the interval, in steps, on the trainer's step-based
-``ModelCheckpoint`` callbacks.
+``ModelCheckpoint`` callbacks. With ``measured=True`` the MTBF is the one the goodput ledger of the checkpoint root
+measured (``state/goodput.py``, read inside the function: the one import from a later group of the module map), once
+it has seen a failure; the given one until then.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ class CheckpointCadence(Callback):
     ``global_step % every_n_train_steps == 0``), and is not stored in the checkpoint: a resumed run starts from the
     configured value and adapts again after its first save.
 
+    Measured MTBF (``measured=True``): when training starts, the goodput ledger that ``ResumeStateCallback`` keeps in
+    the first ``ModelCheckpoint``'s dirpath is read (one record per earlier attempt, on global rank 0, broadcast),
+    and once it has seen a failure without notice (an attempt killed, or ended by an error or a hang, or preempted
+    without an emergency save) its MTBF (the attempts' time over their failures) replaces the given one for this
+    fit; the given ``mtbf_hours``/``mtbf_seconds`` is the estimate until then. One line says which is used
+    (:attr:`mtbf_source`). A ledger that cannot be read is reported and the given MTBF used; training goes on.
+
     Args:
         mtbf_hours: the job's mean time between failures (of all its nodes together), in hours...
         mtbf_seconds: ...or in seconds; give exactly one.
@@ -120,6 +129,8 @@ class CheckpointCadence(Callback):
         max_steps: with ``adapt``, never save more than this many steps apart.
         log_metrics: also ``pl_module.log`` ``cadence/save_seconds``, ``cadence/interval_seconds``,
             ``cadence/waste`` (and ``cadence/current_waste``) on the training step after each save.
+        measured: use the MTBF measured by the checkpoint root's goodput ledger once it has one (see above); the
+            given MTBF until then.
     """
 
     def __init__(
@@ -133,6 +144,7 @@ class CheckpointCadence(Callback):
         min_steps: int | None = None,
         max_steps: int | None = None,
         log_metrics: bool = False,
+        measured: bool = False,
     ) -> None:
         super().__init__()
         if (mtbf_hours is None) == (mtbf_seconds is None):
@@ -143,6 +155,11 @@ class CheckpointCadence(Callback):
         else:
             self.mtbf_seconds = check_positive("mtbf_seconds", mtbf_seconds)
         self.restart_seconds = check_non_negative("restart_seconds", restart_seconds)
+        self.measured = check_bool("measured", measured)
+        #: The MTBF given (``mtbf_hours``/``mtbf_seconds``); :attr:`mtbf_seconds` is the one in use.
+        self.given_mtbf_seconds = self.mtbf_seconds
+        #: Where :attr:`mtbf_seconds` comes from: ``"given"``, or what the ledger measured it from.
+        self.mtbf_source = "given"
         if method not in _FORMULAS:
             raise ValueError(f"method must be 'daly' or 'young', got {method!r}")
         adapt = check_bool("adapt", adapt)
@@ -215,6 +232,9 @@ class CheckpointCadence(Callback):
                            " cadence", category=RuntimeWarning)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.mtbf_seconds, self.mtbf_source = self.given_mtbf_seconds, "given"
+        if self.measured:
+            self._use_measured_mtbf(trainer)
         now = time.perf_counter()
         self._mark = (now, trainer.global_step)
         self._blocked_since_mark = 0.0
@@ -261,6 +281,22 @@ class CheckpointCadence(Callback):
         return self._describe(m, every_n)
 
     # -- internals -----------------------------------------------------------------------------------------------
+    def _use_measured_mtbf(self, trainer: Trainer) -> None:
+        """The MTBF of the root's goodput ledger, read on rank 0 and broadcast (every rank reaches this hook)."""
+        found: tuple[float | None, str] | None = None
+        if trainer.is_global_zero:
+            found = _measured_mtbf(trainer)
+        found = trainer.strategy.broadcast(found, src=0)
+        if found is None:
+            return
+        mtbf, why = found
+        given = format_duration(self.given_mtbf_seconds)
+        if mtbf is None:
+            rank_zero_info(f"CheckpointCadence: {why}: using the MTBF given, {given}")
+            return
+        self.mtbf_seconds, self.mtbf_source = mtbf, why
+        rank_zero_info(f"CheckpointCadence: MTBF {format_duration(mtbf)}, {why} (instead of the {given} given)")
+
     def _restore(self) -> None:
         trainer, wrapper = self._trainer, self._wrapper
         self._trainer = self._wrapper = None
@@ -390,3 +426,31 @@ class CheckpointCadence(Callback):
             if trainer.is_global_zero:
                 log.debug("CheckpointCadence: every_n_train_steps %d -> %d at step %d (%s)", old, new,
                           m.global_step, why)
+
+
+def _measured_mtbf(trainer: Trainer) -> tuple[float | None, str]:
+    """(the MTBF the goodput ledger of the trainer's checkpoint root measured, or None; where it came from, or why
+    there is none). Never raises: a ledger that cannot be read leaves the given MTBF in use."""
+    root = next((str(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                 if isinstance(cb, ModelCheckpoint) and cb.dirpath), None)
+    if root is None:
+        return None, "measured=True, but no ModelCheckpoint has a dirpath whose goodput ledger could be read"
+    from lightning_resilient.state.goodput import measure_root
+
+    plugin = trainer.strategy.checkpoint_io
+    while not hasattr(plugin, "storage_options") and hasattr(plugin, "checkpoint_io"):  # AsyncCheckpointIO
+        plugin = plugin.checkpoint_io
+    try:
+        ledger = measure_root(root, getattr(plugin, "storage_options", None))
+    except Exception as exc:  # the ledger never stops training
+        log.warning("CheckpointCadence: the goodput ledger of %s could not be read (%s)", root, exc)
+        return None, f"the goodput ledger of {root} could not be read"
+    for why in ledger.skipped:
+        log.warning("CheckpointCadence: skipped in the goodput ledger of %s: %s", root, why)
+    attempts = sum(a.seconds for a in ledger.attempts)
+    if ledger.mtbf_seconds is None:
+        return None, (f"no failure without notice in the goodput ledger of {root} yet"
+                      f" ({plural(len(ledger.attempts), 'attempt')}, {format_duration(attempts)})")
+    return ledger.mtbf_seconds, (f"measured by the goodput ledger of {root}:"
+                                 f" {plural(ledger.failures, 'failure')} without notice in"
+                                 f" {format_duration(attempts)} of {plural(len(ledger.attempts), 'attempt')}")

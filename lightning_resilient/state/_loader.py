@@ -26,8 +26,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_resilient.state.seeding import PerSampleSeeded, SampleSeeding, SeededCollate
 
-__all__ = ["LoaderKind", "TrackedBatchSampler", "apply_sample_seeding", "batch_len", "classify", "custom_samplers",
-           "draw_once_per_epoch", "generators", "has_state", "hook_iterators", "sample_seeding", "sampler_facts",
+__all__ = ["LoaderKind", "OneEpochBatches", "Start", "TrackedBatchSampler", "apply_sample_seeding", "batch_len",
+           "classify", "custom_samplers", "draw_once_per_epoch", "generators", "give_batches", "has_state",
+           "hook_iterators", "own_batch_sampler", "restore_batch_sampler", "sample_seeding", "sampler_facts",
            "set_data_epoch", "sized", "untrack"]
 
 
@@ -213,14 +214,16 @@ def generators(loader: Any) -> list[torch.Generator]:
     return _walk(loader)[0]
 
 
-def draw_once_per_epoch(loader: Any, drawing: Callable[[], set[int] | None]) -> None:
+def draw_once_per_epoch(loader: Any, drawing: Callable[[], set[int] | None],
+                        before_draw: Callable[[], None] | None = None) -> None:
     """Make each ``DistributedSamplerWrapper`` in the loader draw its inner sampler's order once per epoch.
 
     Lightning wraps a sampler it does not know (torchdata's ``RandomSampler`` among them) in a
     ``DistributedSamplerWrapper``, whose every ``iter()`` re-draws the inner sampler and so advances its
     generator. torchdata iterates the index sampler once to build an iterator, twice with workers, and four times
     to build one from a saved state, so a resumed epoch would draw a different order. While ``drawing()`` returns
-    a set (an epoch's iterator is being built), a wrapper already in it keeps its order.
+    a set (an epoch's iterator is being built), a wrapper already in it keeps its order. ``before_draw()`` is called
+    right before a wrapper draws (the generators are then as the epoch's order is drawn from them).
     """
     for wrapper in _walk(loader)[1]:
         ref = weakref.ref(wrapper)
@@ -230,6 +233,8 @@ def draw_once_per_epoch(loader: Any, drawing: Callable[[], set[int] | None]) -> 
             target, drawn = ref(), drawing()
             if drawn is not None and id(target) in drawn:
                 return
+            if before_draw is not None:
+                before_draw()
             reset(target)
             if drawn is not None:
                 drawn.add(id(target))
@@ -249,9 +254,10 @@ def untrack(loader: Any) -> None:
     collate = getattr(loader, "collate_fn", None)
     if isinstance(collate, SeededCollate):
         loader.collate_fn = collate.collate_fn
+    restore_batch_sampler(loader)
     sampler = getattr(loader, "batch_sampler", None)
     if isinstance(sampler, TrackedBatchSampler):
-        object.__setattr__(loader, "batch_sampler", sampler.inner)  # as set: DataLoader refuses it after __init__
+        object.__setattr__(loader, "batch_sampler", sampler.original)  # as set: DataLoader refuses it after __init__
     if getattr(loader.__dict__.get("_get_iterator"), "_hooked", False):
         del loader.__dict__["_get_iterator"]
     for wrapper in _walk(loader)[1]:
@@ -273,12 +279,17 @@ def batch_len(batch: Any) -> int:
 
 
 # -- map-style: the index stream ----------------------------------------------------------------------------------
+# What an epoch's start tells the index stream: batches of the sampler's order to skip, or the batches to read
+# instead of the sampler's (the rest of an epoch resumed on another number of processes).
+Start = int | list[list[int]]
+
+
 class _Stream:
     """One epoch's index stream, started lazily so an iterator torch discards unread costs nothing."""
 
-    def __init__(self, inner: Any, skip: int, handed: deque[Any], on_order: Callable[[], None] | None) -> None:
+    def __init__(self, inner: Any, start: Start, handed: deque[Any], on_order: Callable[[], None] | None) -> None:
         self.inner = inner
-        self.skip = skip
+        self.start = start
         self.handed = handed
         self.on_order = on_order
         self.started = False
@@ -290,9 +301,12 @@ class _Stream:
     def __next__(self) -> Any:
         if self._it is None:
             self.started = True
-            if self.on_order is not None:
-                self.on_order()  # right before the sampler draws the epoch's order
-            self._it = itertools.islice(iter(self.inner), self.skip, None)
+            if isinstance(self.start, list):  # given batches: the sampler draws no order for them
+                self._it = iter(self.start)
+            else:
+                if self.on_order is not None:
+                    self.on_order()  # right before the sampler draws the epoch's order
+                self._it = itertools.islice(iter(self.inner), self.start, None)
         batch = next(self._it)
         self.handed.append(batch)  # with workers the stream runs ahead: consumed in order, later
         return batch
@@ -301,18 +315,21 @@ class _Stream:
 class TrackedBatchSampler:
     """Wraps a loader's batch sampler: each new index stream is the start of an epoch.
 
-    ``on_epoch_start()`` is called when a stream is created and returns how many batches to skip; ``on_order()``
-    right before the stream's first index is drawn (when a sampler draws the epoch's order); every batch of indices
-    the stream yields is appended to ``handed`` (so the samples of each consumed batch are known).
+    ``on_epoch_start()`` is called when a stream is created and returns how many batches to skip, or the batches
+    to yield instead of the sampler's; ``on_order()`` right before the stream's first index is drawn (when a sampler
+    draws the epoch's order); every batch of indices the stream yields is appended to ``handed`` (so the samples of
+    each consumed batch are known).
     """
 
-    inner: Any  # the loader's own batch sampler
+    inner: Any  # the batch sampler read: the loader's own, or ``replacement``
+    original: Any  # the loader's own batch sampler, put back by untrack()
 
-    def __init__(self, inner: Any, on_epoch_start: Callable[[], int], handed: deque[Any],
-                 on_order: Callable[[], None] | None = None) -> None:
+    def __init__(self, inner: Any, on_epoch_start: Callable[[], Start], handed: deque[Any],
+                 on_order: Callable[[], None] | None = None, replacement: Any = None) -> None:
         while isinstance(inner, TrackedBatchSampler):  # a second fit with the same loader: track it once
-            inner = inner.inner
-        self.inner = inner
+            inner = inner.original
+        self.original = inner
+        self.inner = inner if replacement is None else replacement
         self.on_epoch_start = on_epoch_start
         self.on_order = on_order
         self.handed = handed
@@ -323,7 +340,7 @@ class TrackedBatchSampler:
             # torch's multiprocessing iterator asks for the index stream twice while it is created (once in
             # the base class, once in its first reset) and throws the first away, and a resume may create an
             # iterator it never reads: same epoch, same skip.
-            stream = _Stream(self.inner, self._last.skip, self.handed, self.on_order)
+            stream = _Stream(self.inner, self._last.start, self.handed, self.on_order)
         else:
             stream = _Stream(self.inner, self.on_epoch_start(), self.handed, self.on_order)
         self._last = stream
@@ -334,6 +351,59 @@ class TrackedBatchSampler:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+class OneEpochBatches:
+    """A stateful loader's batch sampler with given batches for one epoch: the rest of an epoch resumed on another
+    number of processes (a stateful loader's own state cannot say it). Its first stream yields ``batches`` (each
+    appended to ``handed``), every later one is the loader's own batch sampler's, unwrapped (so the loader's state
+    holds that sampler's own iterator state). :func:`restore_batch_sampler` puts the loader's own back."""
+
+    inner: Any
+
+    def __init__(self, inner: Any, batches: list[list[int]], handed: deque[Any]) -> None:
+        self.inner = inner
+        self.batches = batches
+        self.handed = handed
+        self._last: _Stream | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._last is not None and self._last.started:
+            return iter(self.inner)
+        # (torch's multiprocessing iterator asks for the stream twice while it is created: same batches)
+        self._last = _Stream(self.inner, self.batches, self.handed, None)
+        return self._last
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def own_batch_sampler(loader: Any) -> Any:
+    """The loader's batch sampler under :class:`TrackedBatchSampler` and :class:`OneEpochBatches`."""
+    found = getattr(loader, "batch_sampler", None)
+    while isinstance(found, (TrackedBatchSampler, OneEpochBatches)):
+        found = found.inner
+    return found
+
+
+def give_batches(loader: DataLoader[Any], batches: list[list[int]], handed: deque[Any]) -> None:
+    """Make the loader's next epoch read ``batches`` (see :class:`OneEpochBatches`)."""
+    object.__setattr__(loader, "batch_sampler", OneEpochBatches(own_batch_sampler(loader), batches, handed))
+
+
+def restore_batch_sampler(loader: Any, iterator: Any = None) -> None:
+    """Put the loader's own batch sampler back after :func:`give_batches`, also into a live (persistent) iterator
+    about to be reset for a new epoch (it keeps the index sampler it was created with)."""
+    given = getattr(loader, "batch_sampler", None)
+    if not isinstance(given, OneEpochBatches):
+        return
+    own = given.inner
+    object.__setattr__(loader, "batch_sampler", own)  # as set: DataLoader refuses it after __init__
+    if iterator is not None and getattr(iterator, "_index_sampler", None) is given:
+        iterator._index_sampler = own
 
 
 # -- other DataLoaders: the iterator ------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ that holds it), the plan a resume derives from a record (:class:`ResumePlan`), a
 from on a resume (:class:`OrderReplay`). Only :class:`RankRecord` reaches a checkpoint, and only as the plain dict of
 :meth:`RankRecord.to_dict`.
 
-The callback's ``state_dict()`` is ``{"format": FORMAT, "world_size": N, "ranks": [one record dict per rank]}``:
+The callback's ``state_dict()`` is ``{"format": FORMAT, "world_size": N, "ranks": [one record dict per rank], ...}``
+(also ``accumulate_grad_batches``, and the per-sample seed):
 dicts, lists, numbers, strings and tensors only, so a checkpoint loads with ``weights_only=True`` (a
 :class:`LoaderKind` is stored as its string). Keys added to format 2 after its first version are optional on read.
 """
@@ -93,6 +94,12 @@ class RankRecord:
     # (order_generator_draws). None: not known; then neither key is stored.
     order_draws: int | None = None
     order_generator_draws: int = 0
+    # The epoch's global order (state/elastic.py's OrderSpec: what a resume on another number of processes splits the
+    # rest of), or why it cannot be described (a phrase naming the sampler or dataset); None: not recorded (a record
+    # written before elastic resume, or no loader). Added to format 2 later, as is step_samples: the samples of the
+    # stream consumed up to the last optimizer step (those after it trained no step yet); None: not recorded.
+    order: dict[str, Any] | str | None = None
+    step_samples: int | None = None
 
     @property
     def mid_epoch(self) -> bool:
@@ -113,7 +120,17 @@ class RankRecord:
         if self.order_draws is not None:
             out["order_draws"] = self.order_draws
             out["order_generator_draws"] = self.order_generator_draws
+        if self.order is not None:
+            out["order"] = self.order
+        if self.step_samples is not None:
+            out["step_samples"] = self.step_samples
         return out
+
+    @property
+    def reads_a_rest(self) -> bool:
+        """Saved inside an epoch whose rest this stream read after a resume on another number of processes: a
+        resume (on any number) splits what is left of that order again."""
+        return self.mid_epoch and isinstance(self.order, dict) and self.order.get("layout") == "rest"
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> RankRecord:
@@ -129,7 +146,8 @@ class RankRecord:
                 validation_follows=bool(raw.get("validation_follows", False)),
                 validation_draws=raw.get("validation_draws", 0),
                 order_draws=None if raw.get("order_draws") is None else int(raw["order_draws"]),
-                order_generator_draws=int(raw.get("order_generator_draws", 0)))
+                order_generator_draws=int(raw.get("order_generator_draws", 0)), order=raw.get("order"),
+                step_samples=None if raw.get("step_samples") is None else int(raw["step_samples"]))
         except KeyError as exc:
             raise CheckpointCorruptedError(
                 f"the ResumeStateCallback record in this checkpoint has no {exc.args[0]!r}, which every record of"

@@ -8,20 +8,33 @@ random part keeps two jobs started at once apart). Rank ``r``'s record is ``<att
 - a header object first: ``format``, ``attempt``, ``rank``, ``world_size``, ``started`` (this host's clock, for
   display), ``resumed_step`` and ``resumed_from`` (None for a fresh start), ``facts`` (batch size, dataset, seed, ...);
 - one list per training step (:class:`StepDigest`): ``[epoch, batch_idx, global_step, sample indices digest, input
-  digest, loss]``;
-- later objects update header fields (the resume audit's ``audit`` result, how the attempt ``ended``).
+  digest, loss]``, and, where the sampler says the indices, a seventh item ``[samples, sample set digest]`` (added to
+  format 1 later; a reader of the first version reads the first six);
+- later objects update header fields (the resume audit's ``audit`` result, how the attempt ``ended``, the goodput
+  ledger's ``progress`` and ``timings``).
+
+The goodput ledger (``state/ledger.py`` measures, ``state/goodput.py`` reads) keeps its figures in the same record,
+as header fields: ``progress`` (:class:`Progress`: the global step reached and this host's clock then, updated at
+every optimizer step), ``timings`` (:class:`Timings`: when the fit started, the time to its first training step, the
+commit it resumed, step-time medians, the time saves blocked the loop; updated at the first step, at each save and at
+the end), ``end`` (how the attempt ended, one of :data:`END_KINDS`, beside the ``ended`` text) and, in rank 0's
+record, ``stragglers`` (:class:`StragglerReport`). They were added to format 1 as optional header fields: a reader
+that predates them keeps them in ``extra``, and this reader reads a record written before them (all None).
 
 Versioning: a reader refuses a header of a newer ``format`` (:class:`~lightning_resilient.UnsupportedFormatError`)
 and a damaged record (:class:`~lightning_resilient.CheckpointCorruptedError`); callers report it and skip the
 record, never fail training. Header fields this version does not know are kept (``extra``), so later versions can
-add fields (a goodput ledger: restore time, save stalls) without a new format.
+add fields without a new format (as the ledger's were); a field of a known name whose value does not parse makes the
+record damaged.
 
-Writing (:class:`AttemptLog`): on local disk (or a shared POSIX filesystem) every step is appended and flushed, so a
-SIGKILL loses nothing the step recorded; on an object store, which cannot append, a background thread rewrites the
-whole object at most every ``flush_seconds`` (or ``flush_steps`` steps), never from the training thread, so a kill
-loses at most that interval. The record keeps only the steps after the second-to-last save it saw (:meth:`AttemptLog.
-prune`): what a resume from the latest (or the one before it) replays. A failed write is logged and retried at the
-next flush; it never reaches training.
+Writing (:class:`AttemptLog`): on local disk (or a shared POSIX filesystem) every step (and every progress update) is
+appended and flushed, so a SIGKILL loses nothing the step recorded (header updates are folded into the header by a
+rewrite once they pile up); on an object store, which cannot append, a background thread rewrites the whole object
+at most every ``flush_seconds`` (or ``flush_steps`` steps), never from the training thread, so a kill loses at most
+that interval (of steps, and of the ledger's progress). The record keeps only the steps after the second-to-last
+save it saw (:meth:`AttemptLog.prune`): what a resume from the latest (or the one before it) replays. A failed write
+is logged and retried at the next flush; it never reaches training. :func:`open_logs` lists the records this process
+is writing, so that what ends the process from another thread (the hang watchdog) can record why first.
 
 Retention: when an attempt starts, records of attempts older than the :data:`KEEP_ATTEMPTS` newest are deleted
 (:func:`drop_old_attempts`). A resume only ever compares against the newest attempt that trained past its
@@ -37,6 +50,7 @@ import os
 import re
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
@@ -46,8 +60,10 @@ from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedForm
 from lightning_resilient.io.folders import ATTEMPTS_DIR
 from lightning_resilient.io.store import LocalStore, Store
 
-__all__ = ["AttemptLog", "AttemptRecord", "AuditResult", "FORMAT", "KEEP_ATTEMPTS", "StepDigest", "drop_old_attempts",
-           "list_attempts", "new_attempt_id", "parse_record", "read_attempts", "read_record", "record_name"]
+__all__ = ["AttemptLog", "AttemptRecord", "AuditResult", "END_KINDS", "FORMAT", "KEEP_ATTEMPTS", "Progress",
+           "StepDigest", "StragglerReport", "Timings", "drop_old_attempts", "end_kind", "list_attempts",
+           "list_records", "new_attempt_id", "open_logs", "parse_record", "read_attempts", "read_record",
+           "record_name"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +84,15 @@ def list_attempts(store: Store) -> list[str]:
     """The attempt ids with a record under the root, oldest first."""
     ids = {m.group(1) for name in store.list_dir(ATTEMPTS_DIR) if (m := _RECORD_RE.match(name))}
     return sorted(ids, key=_order)
+
+
+def list_records(store: Store) -> dict[str, list[int]]:
+    """Each attempt with a record under the root (oldest first) and the ranks that left one (lowest first)."""
+    ranks: dict[str, list[int]] = {}
+    for name in store.list_dir(ATTEMPTS_DIR):
+        if match := _RECORD_RE.match(name):
+            ranks.setdefault(match.group(1), []).append(int(match.group(2)))
+    return {attempt: sorted(ranks[attempt]) for attempt in sorted(ranks, key=_order)}
 
 
 def _order(attempt: str) -> tuple[int, str]:
@@ -103,6 +128,9 @@ class StepDigest:
     indices: str | None  # digest of the batch's sample indices; None where the sampler does not say
     data: str | None  # digest of the batch's inputs (a strided slice of each tensor's bytes, shapes, dtypes)
     loss: float | None  # the loss training_step returned; None when it returned none
+    # (samples in the batch, an order-free digest of their indices that adds up over batches: audit.py's
+    # digest_sample_set); None where the sampler does not say the indices. Compared across a change of world size.
+    samples: tuple[int, str] | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -110,7 +138,10 @@ class StepDigest:
         return self.epoch, self.batch
 
     def to_json(self) -> list[Any]:
-        return [self.epoch, self.batch, self.step, self.indices, self.data, self.loss]
+        out: list[Any] = [self.epoch, self.batch, self.step, self.indices, self.data, self.loss]
+        if self.samples is not None:
+            out.append([self.samples[0], self.samples[1]])
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> StepDigest:
@@ -123,7 +154,12 @@ class StepDigest:
             raise ValueError(f"a step's digests are strings or null, got {raw!r:.80}")
         if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
             raise ValueError(f"a step's loss is a number or null, got {raw!r:.80}")
-        return cls(epoch, batch, step, indices, data, None if loss is None else float(loss))
+        samples = raw[6] if len(raw) > 6 else None
+        if samples is not None and not (isinstance(samples, list) and len(samples) == 2 and isinstance(samples[0], int)
+                                        and not isinstance(samples[0], bool) and isinstance(samples[1], str)):
+            raise ValueError(f"a step's samples are [count, digest], got {raw!r:.80}")
+        return cls(epoch, batch, step, indices, data, None if loss is None else float(loss),
+                   None if samples is None else (samples[0], samples[1]))
 
 
 @dataclass(frozen=True)
@@ -144,6 +180,138 @@ class AuditResult:
         return cls(str(raw.get("outcome", "")), raw["line"], int(raw.get("compared", 0)))
 
 
+END_KINDS = ("finished", "preempted", "hang", "error", "interrupted")
+"""How an attempt ended, where it could tell: ``finished`` (the fit returned), ``preempted`` (a preemption notice:
+``PreemptionCheckpoint``'s exit, or Lightning's SIGTERM handling), ``hang`` (the hang watchdog ended the process),
+``error`` (an exception ended the fit), ``interrupted`` (Ctrl-C). An attempt killed outright (SIGKILL, a lost node)
+records no end."""
+
+
+def _number(raw: Any, what: str) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise ValueError(f"{what} is a number, got {raw!r:.80}")
+    return float(raw)
+
+
+def _optional_number(raw: Any, what: str) -> float | None:
+    return None if raw is None else _number(raw, what)
+
+
+def _whole(raw: Any, what: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ValueError(f"{what} is an int, got {raw!r:.80}")
+    return raw
+
+
+def _optional_whole(raw: Any, what: str) -> int | None:
+    return None if raw is None else _whole(raw, what)
+
+
+def _optional_text(raw: Any, what: str) -> str | None:
+    if raw is not None and not isinstance(raw, str):
+        raise ValueError(f"{what} is a string or null, got {raw!r:.80}")
+    return raw
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far an attempt got: the global step reached (optimizer steps done) and this host's clock then."""
+
+    step: int
+    at: float
+
+    def to_json(self) -> list[Any]:
+        return [self.step, self.at]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Progress:
+        if not isinstance(raw, list) or len(raw) < 2:
+            raise ValueError(f"progress is a list [step, time], got {raw!r:.80}")
+        return cls(_whole(raw[0], "progress's step"), _number(raw[1], "progress's time"))
+
+
+@dataclass(frozen=True)
+class Timings:
+    """One rank's timings of one attempt (the goodput ledger's figures; see ``state/ledger.py`` for how each is
+    measured). Clock times are this host's (``time.time()``); durations are measured with a monotonic clock."""
+
+    fit_started: float | None = None  # when the fit started (the callback's setup): the attempt's start
+    first_step: int | None = None  # the global step its first training batch started from
+    first_step_at: float | None = None  # when that batch started: the end of startup (and, resumed, of the restore)
+    restore_seconds: float | None = None  # from the fit's start to its first training batch
+    load_seconds: float | None = None  # of which: the checkpoint plugin's load (AtomicCheckpointIO), when it loaded
+    resumed_commit: str | None = None  # the commit folder the plugin loaded (None: a fresh start, or another plugin)
+    resumed_tier: str | None = None  # "local" or "durable" with a local tier
+    steps: int = 0  # optimizer steps this attempt completed
+    step_seconds: float | None = None  # median optimizer step, recent steps, saves and validation excluded
+    own_seconds: float | None = None  # median time of a batch's own work: its fetch and forward (see ledger.py)
+    save_seconds: float = 0.0  # time trainer.save_checkpoint blocked the training loop, in all
+    saves: int = 0  # checkpoints taken (the saves of one global step together)
+    checkpoints: tuple[tuple[int, float, float], ...] = ()  # the newest: (global step, clock at the end, blocked s)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "checkpoints"}
+        out["checkpoints"] = [list(c) for c in self.checkpoints]
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Timings:
+        """The known fields (a later version's others are ignored); a known field of the wrong type raises."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"timings is an object, got {raw!r:.80}")
+        checkpoints = raw.get("checkpoints") or []
+        if not isinstance(checkpoints, list) or not all(isinstance(c, list) and len(c) >= 3 for c in checkpoints):
+            raise ValueError(f"timings' checkpoints are [step, time, seconds] lists, got {checkpoints!r:.80}")
+        return cls(
+            fit_started=_optional_number(raw.get("fit_started"), "fit_started"),
+            first_step=_optional_whole(raw.get("first_step"), "first_step"),
+            first_step_at=_optional_number(raw.get("first_step_at"), "first_step_at"),
+            restore_seconds=_optional_number(raw.get("restore_seconds"), "restore_seconds"),
+            load_seconds=_optional_number(raw.get("load_seconds"), "load_seconds"),
+            resumed_commit=_optional_text(raw.get("resumed_commit"), "resumed_commit"),
+            resumed_tier=_optional_text(raw.get("resumed_tier"), "resumed_tier"),
+            steps=_whole(raw.get("steps", 0), "steps"),
+            step_seconds=_optional_number(raw.get("step_seconds"), "step_seconds"),
+            own_seconds=_optional_number(raw.get("own_seconds"), "own_seconds"),
+            save_seconds=_number(raw.get("save_seconds", 0.0), "save_seconds"),
+            saves=_whole(raw.get("saves", 0), "saves"),
+            checkpoints=tuple((_whole(c[0], "a checkpoint's step"), _number(c[1], "a checkpoint's time"),
+                               _number(c[2], "a checkpoint's seconds")) for c in checkpoints))
+
+
+@dataclass(frozen=True)
+class StragglerReport:
+    """One rank consistently slower than the others, as found at a save: the median time of its batches' own work
+    (fetch and forward, before the first gradient collective) against the median of the other ranks' medians."""
+
+    step: int  # the global step of the save where it was found
+    rank: int
+    seconds: float  # the rank's median
+    others: float  # the median of the other ranks' medians
+    batches: int | None = None  # batches the rank's median is taken over
+
+    @property
+    def factor(self) -> float:
+        return self.seconds / self.others if self.others > 0 else math.inf
+
+    def describe(self) -> str:
+        over = f" over its last {self.batches} batches" if self.batches else ""
+        return (f"rank {self.rank} is {self.factor:.1f}x slower than the others at step {self.step}: its batches' own"
+                f" work (fetch and forward) takes {self.seconds * 1000:.1f} ms (median{over}), the other ranks'"
+                f" {self.others * 1000:.1f} ms")
+
+    def to_json(self) -> list[Any]:
+        return [self.step, self.rank, self.seconds, self.others, self.batches]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> StragglerReport:
+        if not isinstance(raw, list) or len(raw) < 4:
+            raise ValueError(f"a straggler report is [step, rank, seconds, others, batches], got {raw!r:.80}")
+        return cls(_whole(raw[0], "a straggler's step"), _whole(raw[1], "a straggler's rank"),
+                   _number(raw[2], "a straggler's seconds"), _number(raw[3], "a straggler's others"),
+                   _optional_whole(raw[4] if len(raw) > 4 else None, "a straggler's batches"))
+
+
 @dataclass
 class AttemptRecord:
     """One rank's record of one attempt (see the module docstring for its stored form)."""
@@ -159,6 +327,11 @@ class AttemptRecord:
     ended: str | None = None  # "finished", or what stopped it; None: killed, or still running
     steps: list[StepDigest] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # header fields of a later version, kept as they were
+    # The goodput ledger's fields (see the module docstring); None or empty in a record written before them.
+    progress: Progress | None = None
+    timings: Timings | None = None
+    end: str | None = None  # one of END_KINDS, beside the ``ended`` text; None: killed, running, or an older record
+    stragglers: list[StragglerReport] = field(default_factory=list)
 
     def header(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -169,6 +342,12 @@ class AttemptRecord:
             out["audit"] = self.audit.to_json()
         if self.ended is not None:
             out["ended"] = self.ended
+        for name in ("progress", "timings", "end"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = _json(value)
+        if self.stragglers:
+            out["stragglers"] = _json(self.stragglers)
         return out
 
     def to_bytes(self) -> bytes:
@@ -181,7 +360,30 @@ class AttemptRecord:
 
 
 _HEADER_FIELDS = {"record", "format", "attempt", "rank", "world_size", "started", "resumed_step", "resumed_from",
-                  "facts", "audit", "ended"}
+                  "facts", "audit", "ended", "progress", "timings", "end", "stragglers"}
+
+
+def end_kind(record: AttemptRecord) -> str | None:
+    """How the attempt ended (one of :data:`END_KINDS`), read from ``end``, or from the ``ended`` text of a record
+    written before ``end`` existed; None: it recorded no end (killed, or still running)."""
+    if record.end is not None:
+        return record.end
+    text = record.ended
+    if text is None:
+        return None
+    if text == "finished":
+        return "finished"
+    if "PreemptedExit" in text or "SIGTERMException" in text:
+        return "preempted"
+    return "interrupted" if "KeyboardInterrupt" in text else "error"
+
+
+def _json(value: Any) -> Any:
+    """A header value as JSON: the typed parts by their ``to_json``."""
+    if isinstance(value, (list, tuple)):
+        return [_json(v) for v in value]
+    to_json = getattr(value, "to_json", None)
+    return to_json() if callable(to_json) else value
 
 
 def _line(value: Any) -> str:
@@ -221,12 +423,21 @@ def parse_record(data: bytes, where: str) -> AttemptRecord:
         raise CheckpointCorruptedError(f"attempt record {where} is empty")
     try:
         audit = header.get("audit")
+        progress, timings, end = header.get("progress"), header.get("timings"), header.get("end")
+        stragglers = header.get("stragglers") or []
+        if not isinstance(stragglers, list):
+            raise ValueError(f"stragglers is a list, got {stragglers!r:.80}")
+        if end is not None and not isinstance(end, str):  # (a later version's kind of end is kept as it is)
+            raise ValueError(f"end is a string, got {end!r:.80}")
         return AttemptRecord(
             attempt=str(header["attempt"]), rank=int(header["rank"]), world_size=int(header["world_size"]),
             started=float(header.get("started", math.nan)), resumed_step=_optional_int(header.get("resumed_step")),
             resumed_from=header.get("resumed_from"), facts=dict(header.get("facts") or {}),
             audit=None if audit is None else AuditResult.from_json(audit), ended=header.get("ended"), steps=steps,
-            extra={k: v for k, v in header.items() if k not in _HEADER_FIELDS})
+            extra={k: v for k, v in header.items() if k not in _HEADER_FIELDS},
+            progress=None if progress is None else Progress.from_json(progress),
+            timings=None if timings is None else Timings.from_json(timings), end=end,
+            stragglers=[StragglerReport.from_json(r) for r in stragglers])
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptedError(f"attempt record {where} has a damaged header ({exc!r})") from None
 
@@ -248,6 +459,15 @@ def read_record(store: Store, attempt: str, rank: int) -> AttemptRecord:
     """Rank ``rank``'s record of ``attempt``; ``FileNotFoundError`` when there is none."""
     rel = record_name(attempt, rank)
     return parse_record(store.read(rel), store.url(rel))
+
+
+_OPEN: weakref.WeakSet[AttemptLog] = weakref.WeakSet()  # the logs of this process between start() and close()
+_COMPACT_AFTER = 512  # header updates appended on local disk before the file is rewritten with them folded in
+
+
+def open_logs() -> list[AttemptLog]:
+    """The attempt records this process is writing (started, not closed yet)."""
+    return list(_OPEN)
 
 
 class AttemptLog:
@@ -273,10 +493,13 @@ class AttemptLog:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._progressed = 0  # progress updates not yet on the store (an object store's flush_steps counts them too)
+        self._appended_updates = 0  # header updates appended on local disk since the file was last rewritten
         self.writes = 0  # objects (or, on local disk, lines) written: for the tests and the benchmark
 
     # -- training thread -------------------------------------------------------------------------------------------
     def start(self) -> None:
+        _OPEN.add(self)
         if self.local:
             self._rewrite_local()
             return
@@ -295,15 +518,35 @@ class AttemptLog:
             self._wake.set()
 
     def update(self, **fields: Any) -> None:
-        """Set header fields (``audit``, ``ended``): appended on local disk, in the next flush elsewhere."""
+        """Set header fields (``audit``, ``ended``, the ledger's): appended on local disk, in the next flush
+        elsewhere."""
         with self._lock:
             self.record = replace(self.record, **fields)
             self._dirty = True
         if self.local:
-            changes = {k: (v.to_json() if isinstance(v, AuditResult) else v) for k, v in fields.items()}
-            self._append(changes)
+            self._append_update({k: _json(v) for k, v in fields.items()})
         else:
             self._wake.set()
+
+    def progress(self, progress: Progress) -> None:
+        """The global step reached, at every optimizer step: appended on local disk (a SIGKILL loses none), kept
+        for the next flush elsewhere (``flush_steps`` counts these updates as it counts steps)."""
+        with self._lock:
+            self.record.progress = progress
+            self._dirty = True
+            self._progressed += 1
+            due = self.flush_steps is not None and self._progressed >= self.flush_steps
+        if self.local:
+            self._append_update({"progress": progress.to_json()})
+        elif due:
+            self._wake.set()
+
+    def _append_update(self, changes: dict[str, Any]) -> None:
+        self._appended_updates += 1
+        if self._appended_updates >= _COMPACT_AFTER:  # fold the updates into the header: the file stays small
+            self._rewrite_local()
+        else:
+            self._append(changes)
 
     def prune(self, after: tuple[int, int]) -> None:
         """Forget the steps at or before ``after`` (an (epoch, batch_idx) key): no resume replays them any more."""
@@ -317,6 +560,7 @@ class AttemptLog:
 
     def close(self) -> None:
         """Write what is left and stop the background thread (waits for the last write)."""
+        _OPEN.discard(self)
         if self._thread is not None:
             self._stopping.set()
             self._wake.set()
@@ -359,6 +603,7 @@ class AttemptLog:
                 with suppress(FileNotFoundError):
                     os.unlink(tmp)
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+            self._appended_updates = 0
             self.writes += 1
             self._ok()
         except OSError as exc:
@@ -378,6 +623,7 @@ class AttemptLog:
             if not self._unflushed and not self._dirty:
                 return
             count, self._unflushed, self._dirty = self._unflushed, 0, False
+            progressed, self._progressed = self._progressed, 0
             data = self.record.to_bytes()
         try:
             self.store.write(self.rel, data)
@@ -386,6 +632,7 @@ class AttemptLog:
         except Exception as exc:  # the audit never stops training: logged, written again next time
             with self._lock:
                 self._unflushed += count
+                self._progressed += progressed
                 self._dirty = True
             self._failed(exc)
 

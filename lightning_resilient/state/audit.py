@@ -10,11 +10,19 @@ rank, with the interrupted attempt's step at the same (epoch, batch_idx). The fi
 step, rank and what differed: the data (sample indices or input bytes) or, with the same data, the loss. Nothing to
 compare (no record, or none past S) is said as such, never as "identical".
 
+After a resume on another number of processes (``state/elastic.py``) no step matches one of the interrupted attempt:
+the batches are cut differently. What is compared then is which samples were trained (:class:`SampleReplay`): each
+step also records an order-free digest of its sample indices that adds up over batches (:func:`digest_sample_set`),
+so the samples the interrupted attempt's ranks trained after the checkpoint, stretch by stretch of the epoch's order,
+can be compared with those this attempt's ranks train, wherever both have trained the same number of samples. Input
+bytes and losses are not compared across such a change.
+
 Where it runs and when it writes is the callback's business (``callback.py``); the records are ``attempts.py``'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -39,8 +47,8 @@ from lightning_resilient.state.attempts import (
     read_record,
 )
 
-__all__ = ["RankOutcome", "Replay", "ResumeAudit", "SLICE", "audit_line", "changed_facts", "digest_batch",
-           "digest_indices", "nothing_line"]
+__all__ = ["RankOutcome", "Replay", "ResumeAudit", "SLICE", "SampleReplay", "add_sample_sets", "audit_line",
+           "changed_facts", "digest_batch", "digest_indices", "digest_sample_set", "nothing_line", "sample_line"]
 
 _log = logging.getLogger(__name__)
 
@@ -56,6 +64,30 @@ def digest_indices(indices: Sequence[Any]) -> str:
     except (TypeError, ValueError, OverflowError):  # keys of a dataset indexed by something else
         data = repr(list(indices)).encode()
     return hashlib.blake2b(data, digest_size=_DIGEST).hexdigest()
+
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def digest_sample_set(indices: Sequence[Any]) -> str:
+    """An order-free digest of a batch's sample indices that adds up over batches (:func:`add_sample_sets`): the sum,
+    modulo 2**64, of a 64-bit mix (splitmix64) of each index, as 16 hex digits."""
+    try:
+        values = np.array([int(i) for i in indices], dtype=np.int64).view(np.uint64)
+    except (TypeError, ValueError, OverflowError):  # keys of a dataset indexed by something else
+        values = np.array([int.from_bytes(hashlib.blake2b(repr(i).encode(), digest_size=8).digest(), "little")
+                           for i in indices], dtype=np.uint64)
+    with np.errstate(over="ignore"):  # the mix is arithmetic modulo 2**64
+        z = values + _MIX[0]
+        z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+        z = z ^ (z >> np.uint64(31))
+        return f"{int(z.sum(dtype=np.uint64)):016x}"
+
+
+def add_sample_sets(a: str, b: str) -> str:
+    """The :func:`digest_sample_set` of two batches together."""
+    return f"{(int(a, 16) + int(b, 16)) % (1 << 64):016x}"
 
 
 def digest_batch(batch: Any) -> str:
@@ -190,6 +222,86 @@ def changed_facts(then: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
             if key in then and key in now and then[key] != now[key]]
 
 
+class SampleReplay:
+    """One rank's samples, batch by batch, in the epoch a resume on another number of processes continued: what it
+    trained there until its share covers what the interrupted attempt trained after the checkpoint (``needed``
+    samples, all ranks together, ``per_batch`` per batch of all ranks), or the epoch ends."""
+
+    def __init__(self, *, epoch: int, needed: int, per_batch: int) -> None:
+        self.epoch = epoch
+        self.batches_needed = max(1, math.ceil(needed / max(1, per_batch)))
+        self.samples: list[tuple[int, str] | None] = []
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+
+    def check(self, step: StepDigest) -> bool:
+        """Take a step's samples; True when this rank's share is complete (the same step on every rank)."""
+        if step.epoch != self.epoch:
+            return step.epoch > self.epoch
+        self.samples.append(step.samples)
+        self.first_step = step.step if self.first_step is None else self.first_step
+        self.last_step = step.step
+        return len(self.samples) >= self.batches_needed
+
+
+def _stretches(per_rank: Sequence[Sequence[tuple[int, str] | None]]) -> list[tuple[int, str]] | None:
+    """Batch by batch, the samples of every rank's batch together (a stretch of the epoch's order); None when a
+    batch's samples are not known. Only the batches every rank has count."""
+    count = min((len(batches) for batches in per_rank), default=0)
+    out = []
+    for j in range(count):
+        parts = [batches[j] for batches in per_rank]
+        if any(p is None for p in parts):
+            return None
+        total, digest = 0, f"{0:016x}"
+        for size, part in parts:  # type: ignore[misc]  # (None excluded above)
+            total, digest = total + size, add_sample_sets(digest, part)
+        out.append((total, digest))
+    return out
+
+
+def sample_line(then: list[tuple[int, str]], now: Sequence[Sequence[tuple[int, str] | None]], *, interrupted: str,
+                world_then: int, world_now: int, steps: tuple[int | None, int | None], resumed_step: int,
+                changed: list[str]) -> AuditResult:
+    """The line comparing which samples the interrupted attempt's ranks trained after the checkpoint (``then``:
+    its stretches) with those this attempt's ranks trained (``now``: each rank's batches), across a change of world
+    size: at every count of samples both have trained, the same samples or not."""
+    hint = f" Changed since then: {'; '.join(changed)}." if changed else ""
+    stretches = _stretches(now)
+    if stretches is None:
+        return nothing_line(f"this run's loader does not say its sample indices (world size {world_then} then,"
+                            f" {world_now} now){hint}")
+    seen: dict[int, str] = {}
+    total, digest = 0, f"{0:016x}"
+    for size, part in then:
+        total, digest = total + size, add_sample_sets(digest, part)
+        seen[total] = digest
+    compared, total, digest = 0, 0, f"{0:016x}"
+    for size, part in stretches:
+        total, digest = total + size, add_sample_sets(digest, part)
+        if total in seen:
+            if seen[total] != digest:
+                line = (f"resume audit: the samples this run trained after the checkpoint of step {resumed_step} DIFFER"
+                        f" from those the interrupted attempt {interrupted} trained after it ({world_then} rank(s)"
+                        f" then, {world_now} now): the first {total} samples are not the same set ({compared} samples"
+                        f" before them were the same), so the rest of the epoch was not split as it was left.{hint}")
+                return AuditResult("differs", line, compared)
+            compared = total
+    if not compared:
+        return nothing_line(f"the interrupted attempt {interrupted} and this run never trained the same number of"
+                            f" samples after the checkpoint of step {resumed_step} ({world_then} rank(s) then,"
+                            f" {world_now} now: their batches do not line up){hint}")
+    first, last = steps
+    span = (f"global step {first}" if first == last else f"global steps {first} to {last}") if first is not None else ""
+    short = (f" (this run stopped before training the interrupted attempt's last {seen and max(seen) - compared})"
+             if seen and max(seen) > compared else "")
+    line = (f"resume audit: the {compared} samples this run trained after the checkpoint of step {resumed_step}"
+            f" ({span} on {world_now} rank(s)) are the same samples, stretch by stretch of the epoch's order, as those"
+            f" the interrupted attempt {interrupted} trained after it on {world_then} rank(s){short}: sample ids"
+            " compared across the change of world size (input bytes and losses are not comparable across it).")
+    return AuditResult("identical", line, compared)
+
+
 def nothing_line(reason: str) -> AuditResult:
     return AuditResult("nothing", f"resume audit: nothing to compare: {reason}", 0)
 
@@ -262,12 +374,17 @@ class ResumeAudit:
     """
 
     def __init__(self, *, rank: int, world: int, gather: Callable[[Any], list[Any]], flush_seconds: float,
-                 flush_steps: int | None) -> None:
+                 flush_steps: int | None, compare: bool = True) -> None:
         self.rank, self.world, self.gather = rank, world, gather
+        self.compare = compare  # False: only keep the record (for the goodput ledger), no step digests, no audit
         self.flush_seconds, self.flush_steps = flush_seconds, flush_steps
         self.log: AttemptLog | None = None
         self.replay: Replay | None = None
         self.end: tuple[int, int] | None = None  # the last (epoch, batch) any rank's interrupted attempt recorded
+        # After a resume on another number of processes: this rank's samples (SampleReplay), and the stretches of
+        # the epoch's order the interrupted attempt's ranks trained after the checkpoint (samples, set digest).
+        self.samples: SampleReplay | None = None
+        self._then: list[tuple[int, str]] = []
         self.decided: _Decided | None = None
         self.resumed_step = 0
         self.reported = False
@@ -280,7 +397,7 @@ class ResumeAudit:
               resumed_from: str | None) -> AuditResult | None:
         """Open this attempt's record; on a resume, find the interrupted attempt's record and read this rank's part.
         Returns, on rank 0, the line to log when there is nothing to compare (None otherwise, or elsewhere)."""
-        decided = self._decide(store, resumed_step) if self.rank == 0 else None
+        decided = self._decide(store, resumed_step if self.compare else None) if self.rank == 0 else None
         decided = self.gather(decided)[0]
         if not isinstance(decided, _Decided):  # no rank 0 among the ranks gathered: nothing is known
             decided = _Decided(None, None, "rank 0 of this run decided nothing", None, {})
@@ -290,10 +407,12 @@ class ResumeAudit:
                                    resumed_from, facts)
             self.log = AttemptLog(store, record, flush_seconds=self.flush_seconds, flush_steps=self.flush_steps)
             self.log.start()
-        if resumed_step is None:
-            self.reported = True  # a fresh start: nothing to audit
+        if resumed_step is None or not self.compare:
+            self.reported = True  # a fresh start (or no audit): nothing to compare
             return None
         self.resumed_step = resumed_step
+        if decided.interrupted is not None and decided.world_then is not None and decided.world_then != self.world:
+            return self._start_samples(store, decided, facts)
         previous = self._read_previous(store, decided) if decided.interrupted is not None else None
         self.replay = Replay(self.rank, previous, resumed_step)
         ends = [e for e in self.gather(self.replay.last_key) if e is not None]
@@ -308,6 +427,50 @@ class ResumeAudit:
             self._keep(result)
             return result
         return None
+
+    def _start_samples(self, store: Store | None, decided: _Decided, facts: Mapping[str, Any]) -> AuditResult | None:
+        """A resume on another number of processes: rank 0 reads every rank's record of the interrupted attempt and
+        adds up, batch by batch, the samples its ranks trained after the checkpoint; every rank then records its
+        own samples until its share covers as many (a collective: every rank runs it)."""
+        found = self._stretches_then(store, decided) if self.rank == 0 else None
+        found = self.gather(found)[0]
+        if not isinstance(found, tuple):
+            self.reported = True
+            result = nothing_line(found if isinstance(found, str) else "rank 0 of this run decided nothing")
+            if self.rank == 0:
+                self._keep(result)
+                return result
+            return None
+        epoch, self._then = found
+        batch_size = facts.get("batch_size")
+        per_batch = self.world * (batch_size if isinstance(batch_size, int) and batch_size > 0 else 1)
+        self.samples = SampleReplay(epoch=epoch, needed=sum(size for size, _ in self._then), per_batch=per_batch)
+        return None
+
+    def _stretches_then(self, store: Store | None, decided: _Decided) -> tuple[int, list[tuple[int, str]]] | str:
+        interrupted, world_then = decided.interrupted, decided.world_then
+        assert store is not None and interrupted is not None and world_then is not None
+        records = []
+        for rank in range(world_then):
+            try:
+                records.append(read_record(store, interrupted, rank))
+            except Exception as exc:  # missing, damaged, newer: nothing to compare across ranks
+                return (f"rank {rank}'s record of the interrupted attempt {interrupted} could not be read ({exc}), and"
+                        f" after a change of world size ({world_then} rank(s) then, {self.world} now) the samples"
+                        " of every rank are needed")
+        past = [[s for s in record.steps if s.step >= self.resumed_step] for record in records]
+        if not past[0]:
+            return (f"the interrupted attempt {interrupted} recorded no training step after step"
+                    f" {self.resumed_step}, the checkpoint this run resumed from")
+        epoch = past[0][0].epoch
+        stretches = _stretches([[s.samples for s in steps if s.epoch == epoch] for steps in past])
+        if stretches is None:
+            return (f"the interrupted attempt {interrupted}'s loader did not say its sample indices (a stateful"
+                    f" loader), so the samples it trained cannot be compared across the change of world size"
+                    f" ({world_then} rank(s) then, {self.world} now)")
+        if not stretches:
+            return f"not every rank of the interrupted attempt {interrupted} recorded a step after the checkpoint"
+        return epoch, stretches
 
     def _decide(self, store: Store | None, resumed_step: int | None) -> _Decided:
         if store is None:
@@ -365,10 +528,12 @@ class ResumeAudit:
     def step(self, digest: StepDigest, loss: torch.Tensor | None) -> bool:
         """Record a step (and compare it, on a resume). True when the replay just ended: call :meth:`report`."""
         if loss is not None and loss.device.type == "cpu":
-            digest = StepDigest(digest.epoch, digest.batch, digest.step, digest.indices, digest.data, float(loss))
+            digest = dataclasses.replace(digest, loss=float(loss))
             loss = None
         self._pending.append((digest, loss))
         done = not self.reported and self.end is not None and digest.key >= self.end
+        if self.samples is not None and not self.reported:
+            done = self.samples.check(digest)
         self._settle(0 if done else _LAG)
         self._last_key = digest.key
         return done
@@ -379,8 +544,7 @@ class ResumeAudit:
         while self._pending and (len(self._pending) > keep or self._pending[0][1] is None):
             digest, loss = self._pending.pop(0)
             if loss is not None:
-                digest = StepDigest(digest.epoch, digest.batch, digest.step, digest.indices, digest.data,
-                                    float(loss))
+                digest = dataclasses.replace(digest, loss=float(loss))
             if self.log is not None:
                 self.log.add(digest)
             if self.replay is not None and not self.reported:
@@ -390,7 +554,10 @@ class ResumeAudit:
         """Gather every rank's outcome (a collective); rank 0 gets the line to log, the others None."""
         self._settle(0)
         self.reported = True
-        assert self.replay is not None and self.decided is not None
+        assert self.decided is not None
+        if self.samples is not None:
+            return self._report_samples(self.samples, self.decided)
+        assert self.replay is not None
         outcomes = self.gather(self.replay.outcome())
         if self.rank != 0:
             return None
@@ -398,6 +565,20 @@ class ResumeAudit:
         result = audit_line(outcomes, interrupted=self.decided.interrupted or "?",
                             changed=changed_facts(self.decided.facts_then, facts_now),
                             world_then=self.decided.world_then, resumed_step=self.resumed_step)
+        self._keep(result)
+        return result
+
+    def _report_samples(self, samples: SampleReplay, decided: _Decided) -> AuditResult | None:
+        gathered = self.gather((samples.samples, samples.first_step, samples.last_step))
+        if self.rank != 0:
+            return None
+        firsts = [g[1] for g in gathered if g[1] is not None]
+        lasts = [g[2] for g in gathered if g[2] is not None]
+        facts_now = dict(self.log.record.facts) if self.log is not None else {}
+        result = sample_line(self._then, [g[0] for g in gathered], interrupted=decided.interrupted or "?",
+                             world_then=decided.world_then or 0, world_now=self.world,
+                             steps=(min(firsts) if firsts else None, max(lasts) if lasts else None),
+                             resumed_step=self.resumed_step, changed=changed_facts(decided.facts_then, facts_now))
         self._keep(result)
         return result
 
@@ -413,10 +594,11 @@ class ResumeAudit:
         if self.log is not None and len(self._saves) >= 2 and self._saves[-2] is not None:
             self.log.prune(self._saves[-2])
 
-    def close(self, ended: str) -> None:
+    def close(self, ended: str, **fields: Any) -> None:
+        """Record how the attempt ended (and ``fields``: the ledger's last figures) and close the record."""
         self._settle(0)
         if self.log is not None:
-            self.log.update(ended=ended)
+            self.log.update(ended=ended, **fields)
             self.log.close()
             self.log = None
 

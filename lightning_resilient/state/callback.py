@@ -18,6 +18,7 @@ in ``_record.py``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import warnings
@@ -38,6 +39,7 @@ from lightning_resilient.io.fit_check import add_fit_start_check
 from lightning_resilient.io.store import Store
 from lightning_resilient.state._loader import (
     LoaderKind,
+    Start,
     TrackedBatchSampler,
     apply_sample_seeding,
     batch_len,
@@ -45,8 +47,11 @@ from lightning_resilient.state._loader import (
     custom_samplers,
     draw_once_per_epoch,
     generators,
+    give_batches,
     has_state,
     hook_iterators,
+    own_batch_sampler,
+    restore_batch_sampler,
     sampler_facts,
     set_data_epoch,
     sized,
@@ -54,9 +59,18 @@ from lightning_resilient.state._loader import (
 )
 from lightning_resilient.state._record import FORMAT, OrderReplay, RankRecord, ResumePlan, check_format
 from lightning_resilient.state.attempts import StepDigest
-from lightning_resilient.state.audit import ResumeAudit, digest_batch, digest_indices
+from lightning_resilient.state.audit import ResumeAudit, digest_batch, digest_indices, digest_sample_set
+from lightning_resilient.state.elastic import (
+    OrderSpec,
+    Rest,
+    describe_order,
+    distributed_batch_sampler,
+    kept_accumulation,
+    plan_rest,
+)
+from lightning_resilient.state.ledger import AttemptTimer, end_of
 from lightning_resilient.state.rng import RngState, capture_rng, restore_rng
-from lightning_resilient.state.seeding import SampleSeeding
+from lightning_resilient.state.seeding import SampleSeeding, sample_seed, seed_global_rngs
 
 __all__ = ["ResumeStateCallback"]
 
@@ -155,22 +169,44 @@ class ResumeStateCallback(Callback):
     The log line that replaces Lightning's "not resumable" warning claims an exact continuation only when every
     condition for it holds; otherwise it says what was restored and what was not.
 
+    Goodput ledger (``ledger=True``, the default, with or without the audit): the same record also keeps where the
+    attempt's time went: when the fit started, the time to its first training step (the restore, when it resumed) and
+    the commit it loaded, the global step reached (every optimizer step, written as the record is), the median step
+    time, the time saves blocked the loop, and how the attempt ended (finished, preempted, error, hang) where it
+    could tell. At each save every rank's median time of its batches' own work (fetch and forward) is compared, and
+    a rank ``straggler_factor`` times slower than the others is reported in the log and the record.
+    ``lightning-resilient goodput ROOT`` adds the attempts up: productive time, steps recomputed after each restart,
+    restore time, save stalls, goodput, and the Young/Daly interval from the measured save cost and time between
+    failures (see docs/goodput.md).
+
     It runs first among the callbacks (it moves itself there), so a saver's ``on_train_batch_end`` (a user's
     ``trainer.save_checkpoint``, ``OnExceptionCheckpoint``) sees the batch counted; the RNG draws Lightning's restart
     makes when it skips the validation that followed a save are replayed from the save's RNG; a resume from an
     epoch-end save with ``max_steps`` starts the next epoch, as without ``max_steps``; and an epoch's order is drawn
     from the epoch's RNG however many iterators are created before it (``persistent_workers``).
 
+    Elastic resume (``state/elastic.py``): a checkpoint written by another number of processes continues its epoch
+    so that every sample of it is trained once: each save records the epoch's global order (the
+    ``DistributedSampler`` permutation, or one process's sampler order and the generator state it was drawn from)
+    and every rank's samples up to its last optimizer step; the resume splits the rest among this run's ranks in
+    equal numbers of batches (a map-style loader skips to them at the index level, a ``StatefulDataLoader`` reads
+    them for that epoch), moves Lightning's batch count to where the rest starts, and says in one line what was and
+    was not restored (ranks both jobs have continue their RNG streams, new ranks start streams seeded from (seed,
+    step, rank)). ``keep_global_batch=True`` also keeps processes x ``accumulate_grad_batches`` x batch size: the
+    optimizer steps then read the same samples as the checkpoint's job would have. What has no global order (an
+    ``IterableDataset``, a custom sampler or batch sampler) is named in a warning at resume, and the epoch's data
+    restarts.
+
     Not covered; a warning at resume says what was resumed instead (the RNG states and the loop's epoch and
     step) and that the epoch's data starts from its beginning: an ``IterableDataset`` without state, or with state
     read by ``num_workers > 0`` in a plain ``DataLoader`` (use ``StatefulDataLoader``); several training loaders;
-    a changed world size, batch size, number of batches, loader kind, sampler seed, number of sampler
-    generators, or (``StatefulDataLoader``) number of workers. Training data that is not a ``DataLoader`` gets RNG
-    states only (Lightning restores its ``state_dict()`` if it has one). Also not covered: random numbers drawn
-    by a validation right after a save (a resume skips it; a warning names the step when it happens),
-    ``training_step(dataloader_iter)``, a
-    ``StatefulDataLoader`` with ``in_order=False``, ``reload_dataloaders_every_n_epochs`` mid-epoch positions,
-    and samplers whose randomness lives outside ``torch.Generator`` objects and the global RNGs.
+    a changed batch size, number of batches, loader kind, sampler seed, number of sampler generators, or
+    (``StatefulDataLoader``) number of workers (at the same number of processes). Training data that is not a
+    ``DataLoader`` gets RNG states only (Lightning restores its ``state_dict()`` if it has one). Also not covered:
+    random numbers drawn by a validation right after a save (a resume skips it; a warning names the step when it
+    happens), ``training_step(dataloader_iter)``, a ``StatefulDataLoader`` with ``in_order=False``,
+    ``reload_dataloaders_every_n_epochs`` mid-epoch positions, and samplers whose randomness lives outside
+    ``torch.Generator`` objects and the global RNGs.
 
     Args:
         per_sample_seeding: seed each sample of a map-style training dataset from (seed, epoch, index), so that
@@ -183,16 +219,33 @@ class ResumeStateCallback(Callback):
             Local disk appends every step whatever this says.
         audit_flush_steps: on an object store, also rewrite the record once this many steps are unwritten (one
             request each time: 1 is one request per step); None: by time only.
+        ledger: keep the goodput ledger's figures in the attempt record (also with ``audit=False``; the record is
+            written on the same schedule, ``audit_flush_seconds``/``audit_flush_steps``).
+        straggler_factor: report a rank whose median own time per batch exceeds this many times the other ranks'
+            (checked at each save, under DDP and the like); None: never.
+        keep_global_batch: on a resume, set ``trainer.accumulate_grad_batches`` so that processes x accumulation x
+            batch size is the checkpoint's (a ValueError naming the sizes when no whole accumulation does), and in
+            one process read each epoch in ``DistributedSampler``'s order (as under DDP), so the training is the
+            same at any number of processes up to float reduction order. False: the global batch follows the
+            number of processes.
     """
 
     def __init__(self, *, per_sample_seeding: bool = True, audit: bool = True, audit_flush_seconds: float = 30.0,
-                 audit_flush_steps: int | None = None) -> None:
+                 audit_flush_steps: int | None = None, ledger: bool = True,
+                 straggler_factor: float | None = 1.5, keep_global_batch: bool = False) -> None:
         super().__init__()
         self.per_sample_seeding = check_bool("per_sample_seeding", per_sample_seeding)
+        self.keep_global_batch = check_bool(
+            "keep_global_batch", keep_global_batch,
+            hint="True: a resume on another number of processes sets accumulate_grad_batches to keep the global batch")
         self.audit = check_bool("audit", audit)
         self.audit_flush_seconds = check_number("audit_flush_seconds", audit_flush_seconds, above=0, finite=False)
         self.audit_flush_steps = check_optional_int("audit_flush_steps", audit_flush_steps, minimum=1,
                                                     none_means="by time only")
+        self.ledger = check_bool("ledger", ledger)
+        self.straggler_factor = (None if straggler_factor is None else
+                                 check_number("straggler_factor", straggler_factor, above=1,
+                                              hint="how many times slower than the others; None: never"))
         self._trainer: Trainer | None = None
         self._loader: Any = None  # the training loader being tracked
         self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (owner, name, what it replaced, the wrap)
@@ -246,6 +299,26 @@ class ResumeStateCallback(Callback):
         self._digests = False  # the audit will run (there is a root to record in): digest each fetched batch
         self._step_at_start = 0
         self._failure: str | None = None
+        # The goodput ledger: this rank's timings of the attempt, how the fit ended, and the plugin's load before it.
+        self._timer: AttemptTimer | None = None
+        self._end = "finished"
+        self._load_before: Any = None
+        # Elastic resume (state/elastic.py): every rank's saved record when this run has another number of processes
+        # (or the save was reading a rest), until the loader is known; the rest this rank reads, with the RNG and
+        # generators it starts from and Lightning's batch count it starts at; the batch count Lightning's epoch
+        # loop is moved to; the order the current stream reads (None: the sampler's own, described at a save); the
+        # samples of the stream up to its last optimizer step; and what the resume line says about it.
+        self._elastic: list[RankRecord] | None = None
+        self._rest_start: tuple[Rest, RngState, list[torch.Tensor] | None, int] | None = None
+        self._shift_to: int | None = None
+        self._stream_order: OrderSpec | None = None
+        self._draw_generators: list[torch.Tensor] | None = None  # a stateful loader's, before its wrapper drew
+        self._step_samples = 0
+        self._rest_line: str | None = None
+        # keep_global_batch: (world size, accumulate_grad_batches, batch_size) of the checkpoint's job, and the
+        # change made to this run's accumulate_grad_batches ((then, now); None: none).
+        self._saved_batch: tuple[int, int | None, int | None] | None = None
+        self._accumulation_change: tuple[int, int] | None = None
 
     @property
     def state_key(self) -> str:
@@ -269,7 +342,14 @@ class ResumeStateCallback(Callback):
         self._custom = []
         self._warned_data = False
         self._failure = None
+        self._end = "finished"
         self._digests = False
+        self._timer = AttemptTimer(rank=trainer.global_rank) if self.ledger else None
+        if self._timer is not None:
+            self._timer.fit_started()  # before Lightning loads the checkpoint: a restore is timed from here
+            self._load_before = _last_load(trainer)
+        self._elastic = self._rest_start = self._shift_to = self._stream_order = self._rest_line = None
+        self._saved_batch = self._accumulation_change = None
         if self.per_sample_seeding:
             self._seed, self._explicit_seed = _run_seed()
         add_fit_start_check(trainer)  # the folders are checked in on_fit_start, once ModelCheckpoint resolved them
@@ -297,6 +377,12 @@ class ResumeStateCallback(Callback):
         self._wrap(fit_loop.epoch_loop.val_loop, "increment_progress_to_evaluation_end", self._skip_validation)
         self._wrap(trainer, "_teardown", self._teardown_then_release)
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After every callback's setup: a wrapper another callback put on save_checkpoint in its setup
+        # (CheckpointCadence) is inside ours, so ours, removed first (in _teardown), leaves theirs as they left it.
+        if self._timer is not None:
+            self._wrap(trainer, "save_checkpoint", self._timed_save)
+
     def _wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         """Replace ``owner.name`` by ``wrapper(original, ...)``, once (a second fit reuses the loops)."""
         original = getattr(owner, name)
@@ -317,6 +403,22 @@ class ResumeStateCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._failure = f"{type(exception).__name__}: {exception}"[:300]
+        self._end = end_of(exception)
+
+    def _timed_save(self, save: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``trainer.save_checkpoint``, timed for the ledger (how long it blocks the loop), then the straggler check
+        (every rank saves together, so every rank reaches its collective)."""
+        timer, trainer = self._timer, self._trainer
+        if timer is None or trainer is None:
+            return save(*args, **kwargs)
+        started = timer.save_started()
+        try:
+            result = save(*args, **kwargs)
+        finally:
+            timer.save_ended(trainer.global_step, started)
+        if self.straggler_factor is not None and trainer.world_size > 1:
+            timer.check_stragglers(_gather, step=trainer.global_step, factor=self.straggler_factor)
+        return result
 
     def _teardown_then_release(self, teardown: Callable[[], Any]) -> Any:
         # Lightning calls the callbacks' teardown hooks only when the fit succeeded; its own _teardown runs after a
@@ -331,9 +433,11 @@ class ResumeStateCallback(Callback):
 
         Both stay picklable (``torch.save(trainer)``, ``deepcopy``, a loader reused by another Trainer), and nothing
         of this fit's tracking runs behind a later ``validate`` or a fit without this callback."""
+        timer, self._timer = self._timer, None
         if self._audit is not None:
             audit, self._audit = self._audit, None
-            audit.close("finished" if self._failure is None else f"stopped by {self._failure}")
+            ledger = {"end": self._end, "timings": timer.timings()} if timer is not None else {}
+            audit.close("finished" if self._failure is None else f"stopped by {self._failure}", **ledger)
         for loader in self._tracked:
             untrack(loader)
         self._tracked = []
@@ -352,20 +456,30 @@ class ResumeStateCallback(Callback):
         # the objects of a fit in progress: the Trainer, its loader, the live iterator, the loop wraps.
         state = self.__dict__.copy()
         state.update(_trainer=None, _loader=None, _live_iterator=None, _wrapped=[], _audit=None, _seeding=None,
-                     _tracked=[])
+                     _tracked=[], _timer=None, _load_before=None)
         return state
 
     def _reset_epoch_loop(self, reset: Callable[[], None]) -> None:
         """Lightning warns on every mid-epoch resume that the loader is not resumable; when this callback restored
-        the position, that is wrong, and one line of ours says what was restored instead."""
+        the position, that is wrong, and one line of ours says what was restored instead.
+
+        After a resume on another number of processes, Lightning's count of the epoch's batches (per process, as the
+        checkpoint's job counted them) is first moved to where this run's rest of the epoch starts, so the epoch ends
+        after that rest, with the accumulation boundaries and the last-batch step where they belong."""
+        shift, self._shift_to = self._shift_to, None
+        if shift is not None and self._trainer is not None:
+            _shift_batches(self._trainer.fit_loop.epoch_loop.batch_progress, shift)
         restored, self._restored = self._restored, None
-        if restored is None:
+        line, self._rest_line = self._rest_line, None
+        if restored is None and line is None:
             reset()
             return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
             reset()
-        rank_zero_info(f"ResumeStateCallback: {self._restored_line(*restored)}")
+        if line is None and restored is not None:
+            line = self._restored_line(*restored)
+        rank_zero_info(f"ResumeStateCallback: {line}")
 
     def _restored_line(self, epoch: int, consumed: int, batches: int | None, samples: int) -> str:
         """What a mid-epoch resume restored, and whether that makes it exact: "continues exactly" only when every
@@ -440,7 +554,7 @@ class ResumeStateCallback(Callback):
         if self._pending is not None:  # no training loader was built (e.g. limit_train_batches=0)
             restore_rng(self._pending.now_rng)
             self._pending = None
-        if self.audit:
+        if self.audit or self.ledger:
             self._start_audit(trainer)
 
     def _start_audit(self, trainer: Trainer) -> None:
@@ -452,12 +566,16 @@ class ResumeStateCallback(Callback):
         rank, world = _rank_and_world()
         store = _open_store(trainer, url)
         audit = ResumeAudit(rank=rank, world=world, gather=_gather, flush_seconds=self.audit_flush_seconds,
-                            flush_steps=self.audit_flush_steps)
+                            flush_steps=self.audit_flush_steps, compare=self.audit)
         resumed = trainer.ckpt_path is not None
         result = audit.start(store, facts=self._facts(trainer, world),
                              resumed_step=trainer.global_step if resumed else None,
                              resumed_from=str(trainer.ckpt_path) if resumed else None)
         self._audit = audit
+        if self._timer is not None:
+            last = _last_load(trainer)
+            loaded = last is not None and last is not self._load_before and resumed
+            self._timer.attach(audit.log, loaded=(last.commit, last.tier or None, last.seconds) if loaded else None)
         if result is not None:
             rank_zero_info(result.line)
 
@@ -503,6 +621,7 @@ class ResumeStateCallback(Callback):
         if len(loaders) == 1 and loaders[0] is self._loader:
             return
         pending, self._pending = self._pending, None
+        elastic, self._elastic = self._elastic, None
         if len(loaders) != 1:
             self._loader = self._kind = None
             warnings.warn(
@@ -511,6 +630,8 @@ class ResumeStateCallback(Callback):
                 RuntimeWarning, stacklevel=2)
             if pending is not None:
                 restore_rng(pending.now_rng)
+            elif elastic is not None:
+                restore_rng(self._rank_rng(elastic))
             return
         loader = loaders[0]
         kind = classify(loader)
@@ -525,16 +646,26 @@ class ResumeStateCallback(Callback):
         if self.per_sample_seeding:
             self._apply_seeding(loader)
         self._warn_about_the_data(loader, kind)
+        if self._saved_batch is not None:  # a resume: keep_global_batch with this loader's batch size
+            self._keep_global_batch(_batches_of(loader))
         if kind == LoaderKind.MAP:
-            # DataLoader refuses a new batch_sampler after construction: set it underneath.
-            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._handed, self._on_order)
+            # DataLoader refuses a new batch_sampler after construction: set it underneath. With keep_global_batch,
+            # one process reads the order DDP's DistributedSampler gives (the same at every number of processes).
+            own = own_batch_sampler(loader)
+            replacement = (distributed_batch_sampler(own, seed=int(os.environ.get("PL_GLOBAL_SEED", 0) or 0))
+                           if self.keep_global_batch and _rank_and_world()[1] == 1 else None)
+            tracked = TrackedBatchSampler(loader.batch_sampler, self._epoch_starts, self._handed, self._on_order,
+                                          replacement)
             object.__setattr__(loader, "batch_sampler", tracked)
             if self._digests:  # to see each batch on the host, before Lightning moves it to the device
                 hook_iterators(loader, None, self._on_iterator, self._before_fetch, self._after_fetch)
         elif kind != LoaderKind.OTHER:
             hook_iterators(loader, self._epoch_starts, self._on_iterator, self._before_fetch, self._after_fetch)
-            draw_once_per_epoch(loader, lambda: self._drawn)
-        self._plan = self._plan_resume(pending, loader, kind) if pending is not None else None
+            draw_once_per_epoch(loader, lambda: self._drawn, self._before_wrapper_draw)
+        if elastic is not None:
+            self._plan = self._plan_elastic(elastic, loader, kind)
+        else:
+            self._plan = self._plan_resume(pending, loader, kind) if pending is not None else None
         if kind == LoaderKind.OTHER and self._plan is not None:
             restore_rng(self._plan.now_rng)
             self._plan = None
@@ -696,12 +827,221 @@ class ResumeStateCallback(Callback):
         finally:
             self._draining = False
 
+    # -- elastic resume: another number of processes -------------------------------------------------------------
+    def _plan_elastic(self, records: list[RankRecord], loader: Any, kind: LoaderKind) -> ResumePlan | None:
+        """Plan a resume of a checkpoint written by another number of processes (or while reading such a rest):
+        this rank's share of the rest of the saved epoch (or the next epoch, when it was used up), the RNG it starts
+        from, and where Lightning's batch count moves to. What cannot be split is said, naming the cause."""
+        first = records[0]
+        rank, world = _rank_and_world()
+        world_then = len(records)
+        now_rng = self._rank_rng(records)
+        saved_generators = first.now_generators
+        gens = saved_generators if saved_generators is not None and len(saved_generators) == len(
+            generators(loader)) else None  # the loader's own generators, for the next epoch's draw
+        self._resumed = True
+        if kind == LoaderKind.LOADER:  # the rank-0 loader state Lightning saved cannot apply at another size either
+            self._owns_position = True
+            if self._trainer is not None:
+                self._trainer.fit_loop._combined_loader_states_to_load = []
+        length = self._batches if kind in (LoaderKind.MAP, LoaderKind.LOADER) else None
+        plan = ResumePlan(epoch=first.epoch + 1 if first.epoch_done else first.epoch, exact=False, skip=0,
+                          consumed=0, samples=0, epoch_rng=None, now_rng=now_rng, order_rng=None,
+                          epoch_generators=None, now_generators=gens, order_generators=None, validation_follows=False,
+                          validation_draws=0, order_draws=None, order_generator_draws=0)
+        sizes = f"on {world} process(es) a checkpoint written by {world_then}"
+        if first.epoch_done or not first.mid_epoch:
+            if first.epoch_done and length is not None:
+                self._shift_to = length  # Lightning then counts the saved epoch finished, at this size too
+            where = (f"at the end of epoch {first.epoch}: epoch {first.epoch + 1}" if first.epoch_done else
+                     f"at the start of epoch {first.epoch}: it")
+            self._rest_line = (f"resumed {sizes} {where} starts from its beginning, split among this run's"
+                               f" {world} process(es). {self._elastic_tail(world_then, world, None)}")
+            return plan
+        rest: Rest | str
+        if kind not in (LoaderKind.MAP, LoaderKind.LOADER) or length is None:
+            rest = (first.order if isinstance(first.order, str) else
+                    f"the training data is a {_describe(kind)}, whose position is its own state")
+        elif self._trainer is not None and self._trainer.limit_train_batches not in (1.0, None):
+            rest = (f"limit_train_batches={self._trainer.limit_train_batches} cuts the epoch short, so its rest"
+                    " cannot be placed in this run's epoch")
+        else:
+            own = own_batch_sampler(loader)
+            rest = plan_rest(records, dataset_size=len(loader.dataset), world=world, rank=rank,
+                             batch_size=int(own.batch_size), drop_last=bool(own.drop_last))
+        if isinstance(rest, str) or length is None:
+            # (a stream without state restarts at any number of processes: resuming on the same one is no fix)
+            restarts = kind == LoaderKind.ITERABLE or (kind == LoaderKind.OTHER and not has_state(loader))
+            same = "" if restarts else f"resume on {world_then} process(es), or "
+            rank_zero_warn(
+                f"ResumeStateCallback: resumed {sizes}, and the rest of epoch {first.epoch} cannot be split among"
+                f" this run's processes: {rest}. Resumed: the model, the optimizer and the loop's epoch and step"
+                f" (epoch {first.epoch}, after {first.consumed} batch(es) per process of the checkpoint's job), and"
+                f" {self._rng_phrase(world_then, world)}. Not resumed: the data, which restarts from the beginning of"
+                " the epoch's order at this number of processes, so in this epoch some samples are trained twice and"
+                f" some not at all. To continue the epoch exactly, {same}read the data with a map-style DataLoader"
+                " whose sampler is torch's, Lightning's or torchdata's.",
+                category=RuntimeWarning)
+            return plan
+        split = rest.split
+        if split.per_rank == 0 or split.per_rank > length:  # nothing left (drop_last), or more than an epoch holds
+            self._shift_to = length
+            plan = dataclasses.replace(plan, epoch=first.epoch + 1)
+            self._rest_line = (f"resumed {sizes} in epoch {first.epoch}, which has no full batch left for them"
+                               f" ({rest.length - rest.consumed} sample(s) left out, as drop_last does): epoch"
+                               f" {first.epoch + 1} starts from its beginning."
+                               f" {self._elastic_tail(world_then, world, None)}")
+            return plan
+        self._shift_to = length - split.per_rank
+        self._rest_start = (rest, now_rng, gens, length - split.per_rank)
+        self._rest_line = self._rest_phrase(rest, sizes, world_then, world)
+        return None
+
+    def _rest_phrase(self, rest: Rest, sizes: str, world_then: int, world: int) -> str:
+        split = rest.split
+        spec = rest.order
+        order = {"distributed": f"DistributedSampler's permutation, seed {spec.get('seed')}",
+                 "wrapper": f"Lightning's DistributedSamplerWrapper, seed {spec.get('seed')}",
+                 "random": "the RandomSampler's, drawn again from its saved state",
+                 "sequential": "sequential"}.get(str(spec.get("kind")), str(spec.get("kind")))
+        notes = []
+        if rest.again:
+            notes.append(f"the {rest.again} sample(s) read after the checkpoint's last optimizer step are read again"
+                         " (their gradients were not saved)")
+        if split.repeated:
+            notes.append(f"{split.repeated} sample(s) of the last batch are repeated so that every process has one"
+                         " (fewer samples were left than processes)")
+        if split.dropped:
+            notes.append(f"the last {split.dropped} sample(s) are left out (drop_last: not a full batch per process)")
+        once = "so every sample of the epoch is trained once" if not (split.repeated or split.dropped) else (
+            "so every other sample of the epoch is trained once")
+        return (f"resumed {sizes} in epoch {rest.epoch}: {rest.consumed} of its {rest.length} samples were trained"
+                f" before the checkpoint (the epoch's global order: {order}), and the other {split.remaining} are"
+                f" split among this run's {world} process(es), {split.per_rank} batch(es) each, {once}"
+                + "".join(f"; {n}" for n in notes) + f". {self._elastic_tail(world_then, world, rest)}")
+
+    def _elastic_tail(self, world_then: int, world: int, rest: Rest | None) -> str:
+        """The resume line's end: the global batch, the per-sample seeding, the RNG streams and the rest not
+        restored."""
+        parts = []
+        trainer = self._trainer
+        saved = self._saved_batch
+        batch = _batches_of(self._loader)
+        if saved is not None and saved[1] is not None and saved[2] is not None and batch is not None:
+            accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+            then, now = world_then * saved[1] * saved[2], world * accumulate * batch
+            change = self._accumulation_change
+            if then == now:
+                how = (f" (keep_global_batch: accumulate_grad_batches {change[0]} -> {change[1]})" if change else "")
+                parts.append(f"Global batch: {now} samples per optimizer step, as before{how}, so the optimizer steps"
+                             " read the same stretches of the epoch's order as the checkpoint's job would have")
+            else:
+                parts.append(f"Global batch: {then} samples per optimizer step then, {now} now (pass"
+                             " ResumeStateCallback(keep_global_batch=True) to keep it): the optimizer steps per epoch"
+                             " and the LR schedule's pace per sample change")
+        if self._seeding is not None:
+            parts.append(f"Per-sample seeding (seed {self._seeding.seed}) gives each sample the augmentation it had"
+                         " whichever process reads it")
+        parts.append(f"RNG: {self._rng_phrase(world_then, world)}; so random numbers drawn in training (dropout)"
+                     " differ from an uninterrupted run's")
+        missing = [m for m in self._not_restored() if "reduces gradients" not in m]
+        if missing:
+            parts.append(f"Not restored: {'; '.join(missing)}")
+        return ". ".join(parts) + "."
+
+    @staticmethod
+    def _rng_phrase(world_then: int, world: int) -> str:
+        if world == world_then:
+            return "every rank continues its own RNG streams"
+
+        def ranks(first: int, last: int) -> str:
+            return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+        kept = min(world, world_then)
+        out = (f"{ranks(0, kept - 1)} {'continues' if kept == 1 else 'continue'} the RNG streams of the checkpoint's"
+               f" {ranks(0, kept - 1)}")
+        if world_then > world:
+            return f"{out}, and those of its {ranks(world, world_then - 1)} end (they cannot be remapped)"
+        return (f"{out}, and {ranks(world_then, world - 1)} {'starts' if world - world_then == 1 else 'start'} new"
+                " streams seeded from (seed, step, rank)")
+
+    def _rank_rng(self, records: list[RankRecord]) -> RngState:
+        """The RNG this rank resumes with: its own saved streams if the checkpoint's job had this rank, else new ones
+        seeded from (seed, step, rank), so no two ranks draw the same numbers and a rerun draws them again."""
+        rank, _ = _rank_and_world()
+        if rank < len(records):
+            return records[rank].now_rng
+        step = self._trainer.global_step if self._trainer is not None else 0
+        saved = capture_rng()
+        seed_global_rngs(sample_seed(f"rank {rank}", epoch=step, seed=self._seed))
+        fresh = capture_rng()
+        restore_rng(saved)
+        return fresh
+
+    def _keep_global_batch(self, batch_size: int | None) -> None:
+        """keep_global_batch: set ``trainer.accumulate_grad_batches`` so that processes x accumulation x batch size
+        is the checkpoint's (before training, and before ``estimated_stepping_batches`` is read)."""
+        saved, trainer = self._saved_batch, self._trainer
+        if not self.keep_global_batch or saved is None or trainer is None:
+            return
+        world_then, accumulate_then, batch_then = saved
+        if accumulate_then is None or batch_then is None or batch_size is None:
+            rank_zero_warn(
+                "ResumeStateCallback(keep_global_batch=True) cannot keep the global batch: the checkpoint does not say"
+                " its accumulate_grad_batches or batch size (written by an earlier version, or without a batch size);"
+                f" accumulate_grad_batches stays {trainer.accumulate_grad_batches}.", category=RuntimeWarning)
+            self._saved_batch = None
+            return
+        _, world = _rank_and_world()
+        accumulate = kept_accumulation(world_then=world_then, accumulate_then=accumulate_then, batch_then=batch_then,
+                                       world=world, batch=batch_size)
+        if accumulate == trainer.accumulate_grad_batches:
+            return
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+            raise ValueError(
+                "ResumeStateCallback(keep_global_batch=True) sets accumulate_grad_batches, and this Trainer has a"
+                " GradientAccumulationScheduler that sets it too. Fix: remove one of them.")
+        before = self._accumulation_change[0] if self._accumulation_change else trainer.accumulate_grad_batches
+        self._accumulation_change = (before, accumulate)
+        trainer.accumulate_grad_batches = accumulate
+
+    def _start_rest(self, rest: Rest, now_rng: RngState, gens: list[torch.Tensor] | None, position: int) -> Start:
+        """The stream of an epoch's rest (see _plan_elastic): no order is drawn, the batches are given."""
+        self._epoch = rest.epoch
+        set_data_epoch(self._loader, rest.epoch)  # per-sample seeding's epoch, before workers start
+        self._snapshots = {}
+        self._fetched = 0
+        self._handed.clear()
+        self._fetched_digests.clear()
+        self._set_generators(gens)
+        self._now_rng = now_rng  # put back right before the first step (iterators draw base seeds before it)
+        self._consumed = self._base = position
+        self._samples = self._step_samples = 0
+        self._stream_order = rest.order
+        self._order_rng = self._order_generators = None
+        self._epoch_rng = capture_rng()
+        self._epoch_generators = self._get_generators()
+        log.info("resuming epoch %d on another number of processes: %d batch(es) of its rest on this rank",
+                 rest.epoch, rest.split.per_rank)
+        if self._kind == LoaderKind.LOADER:
+            give_batches(self._loader, rest.split.batches, self._handed)
+            return 0
+        return rest.split.batches
+
     # -- the data stream -----------------------------------------------------------------------------------------
-    def _epoch_starts(self) -> int:
+    def _epoch_starts(self) -> Start:
         """Called when an epoch's data stream starts (before the iterator exists); returns batches to skip."""
         if self._draining:
             return 0
         self._drawn = None if self._kind == LoaderKind.MAP else set()  # until the iterator exists (MAP draws lazily)
+        rest, self._rest_start = self._rest_start, None
+        if rest is not None:
+            return self._start_rest(*rest)
+        live = self._live_iterator() if self._live_iterator is not None else None
+        restore_batch_sampler(self._loader, live)  # a rest read by a stateful loader: its own batches from now on
+        self._stream_order = self._draw_generators = None
         plan, self._plan = self._plan, None
         epoch = plan.epoch if plan is not None else self._loop_epoch()
         self._epoch = epoch
@@ -725,7 +1065,7 @@ class ResumeStateCallback(Callback):
             else:
                 self._replay_validation = plan.validation_follows
             self._consumed = self._base = plan.consumed
-            self._samples = plan.samples
+            self._samples = self._step_samples = plan.samples
             self._restored = (epoch, self._consumed, self._batches, self._samples)
             log.info("resuming mid-epoch %d after %d consumed batch(es)", epoch, self._consumed)
             return plan.skip
@@ -742,7 +1082,7 @@ class ResumeStateCallback(Callback):
                                                      plan.order_generator_draws)
                 else:
                     self._now_rng = _advanced(plan.now_rng, plan.order_draws)
-        self._consumed = self._base = self._samples = 0
+        self._consumed = self._base = self._samples = self._step_samples = 0
         self._epoch_rng = capture_rng()
         self._epoch_generators = self._get_generators()
         return 0
@@ -799,25 +1139,37 @@ class ResumeStateCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._order_replay = None  # training has started: the epoch's order is the one drawn
         self._step_at_start = trainer.global_step
+        if self._timer is not None:
+            self._timer.batch_started(trainer.global_step)
         if self._now_rng is not None:
             restore_rng(self._now_rng)
             self._now_rng = None
 
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._timer is not None:
+            self._timer.before_backward()
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._timer is not None:
+            self._timer.batch_ended(trainer.global_step)
         self._consumed += 1
-        indices = self._handed.popleft() if self._kind == LoaderKind.MAP and self._handed else None
+        # (MAP: the sampler's batches; a stateful loader reading a given rest: those)
+        indices = self._handed.popleft() if self._handed else None
         self._samples += len(indices) if indices is not None else batch_len(batch)
+        if trainer.global_step != self._step_at_start:  # this batch ended an optimizer step
+            self._step_samples = self._samples
         consumed_in_stream = self._consumed - self._base
         for k in [k for k in self._snapshots if k < consumed_in_stream]:
             del self._snapshots[k]
         data = self._fetched_digests.popleft() if self._fetched_digests else None
         audit = self._audit
-        if audit is None:
+        if audit is None or not self.audit:
             return
         step = StepDigest(trainer.current_epoch, batch_idx, self._step_at_start,
                           None if indices is None else digest_indices(indices),
-                          data if data is not None else digest_batch(batch), None)
+                          data if data is not None else digest_batch(batch), None,
+                          None if indices is None else (len(indices), digest_sample_set(indices)))
         if audit.step(step, _loss_of(outputs)):
             self._report(audit)
 
@@ -868,15 +1220,39 @@ class ResumeStateCallback(Callback):
             order_generators=self._order_generators,
             now_generators=self._get_generators() if self._loader is not None else [],
             validation_follows=follows, validation_draws=validation_draws, order_draws=order_draws,
-            order_generator_draws=order_generator_draws)
+            order_generator_draws=order_generator_draws, order=self._order_now(), step_samples=self._step_samples)
         if follows:
             self._watch_validation = self._trainer.global_step if self._trainer is not None else 0
         if self._audit is not None:
             self._audit.saved()
         ranks = _gather(mine.to_dict())
         seeding = self._seeding
+        accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else None
         return {"format": FORMAT, "world_size": len(ranks), "ranks": ranks, "per_sample_seeding": seeding is not None,
-                "sample_seed": seeding.seed if seeding is not None else None}
+                "sample_seed": seeding.seed if seeding is not None else None, "accumulate_grad_batches": accumulate,
+                "batch_size": _batches_of(self._loader)}
+
+    def _order_now(self) -> OrderSpec | str | None:
+        """The global order of the epoch being read (what a resume on another number of processes splits the rest
+        of), or why it has none."""
+        if self._stream_order is not None:
+            return self._stream_order
+        if self._loader is None or self._kind is None:
+            return None
+        if self._kind not in (LoaderKind.MAP, LoaderKind.LOADER):
+            return f"the training data is a {_describe(self._kind)}, which has no global order of samples"
+        if self._kind == LoaderKind.MAP:  # drawn when the stream started: the RNG and generators right before it
+            return describe_order(self._loader, rng=self._order_rng, states=self._order_generators)
+        live = self._live_iterator() if self._live_iterator is not None else None
+        return describe_order(self._loader, rng=None, iterator=live,
+                              states=self._draw_generators if self._draw_generators is not None
+                              else self._epoch_generators)
+
+    def _before_wrapper_draw(self) -> None:
+        """A ``DistributedSamplerWrapper`` of a stateful loader is about to draw its inner sampler's order: the
+        generators it draws from, for the epoch's order (see _order_now)."""
+        if not self._draining:
+            self._draw_generators = self._get_generators()
 
     def _a_validation_follows(self) -> bool:
         """Whether a validation runs between this save and the next training step: a save from a training batch's
@@ -926,10 +1302,14 @@ class ResumeStateCallback(Callback):
         return (0, count) if loader.generator is not None else (count, 0)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._timer is not None:
+            self._timer.paused()  # a validation's time is neither a training step's nor a fetch's
         if self._watch_validation is not None:
             self._val_rng = capture_rng()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._timer is not None:
+            self._timer.resumed()
         step, self._watch_validation = self._watch_validation, None
         before, self._val_rng = self._val_rng, None
         if step is None or before is None or self._warned_validation:
@@ -955,15 +1335,20 @@ class ResumeStateCallback(Callback):
         if self.per_sample_seeding and saved_seed is not None and self._explicit_seed is None:
             self._seed = int(saved_seed)
         rank, world = _rank_and_world()
-        ranks = state_dict.get("ranks", [])
-        if len(ranks) != world:
-            warnings.warn(
-                f"the checkpoint was written by {len(ranks)} process(es) but this run has {world}: RNG states and"
-                " the data position cannot be restored exactly; training resumes at the saved step with fresh"
-                " RNG states and the epoch's data from its start (what stock Lightning does; a stateful loader"
-                " gets the position Lightning saved from global rank 0)", RuntimeWarning, stacklevel=2)
+        records = [RankRecord.from_dict(raw) for raw in state_dict.get("ranks", [])]
+        if not records:
             return
-        self._pending = RankRecord.from_dict(ranks[rank])
+        accumulate, batch = state_dict.get("accumulate_grad_batches"), state_dict.get("batch_size")
+        self._saved_batch = (len(records), None if accumulate is None else int(accumulate),
+                             None if batch is None else int(batch))
+        # Set before configure_optimizers reads it (assuming the batch size is as it was; _track checks it again).
+        self._keep_global_batch(self._saved_batch[2])
+        if len(records) == world and not records[rank].reads_a_rest:
+            self._pending = records[rank]
+            return
+        # Another number of processes (or the rest of an epoch read after such a resume): every rank's record decides
+        # what is left of the epoch, and its order is split among this run's processes once the loader is known.
+        self._elastic = records
 
 
 def _run_seed() -> tuple[int, int | None]:
@@ -1021,6 +1406,14 @@ def _open_store(trainer: Trainer, url: str) -> Store | None:
         return None
 
 
+def _last_load(trainer: Trainer) -> Any:
+    """What ``AtomicCheckpointIO`` (the Trainer's, under any wrapper) last loaded (``LoadStats``), or None."""
+    plugin = trainer.strategy.checkpoint_io
+    while not hasattr(plugin, "last_load") and hasattr(plugin, "checkpoint_io"):  # AsyncCheckpointIO
+        plugin = plugin.checkpoint_io
+    return getattr(plugin, "last_load", None)
+
+
 def _describe(kind: LoaderKind | str | None) -> str:
     return _DESCRIBE[kind] if isinstance(kind, LoaderKind) else str(kind)
 
@@ -1064,6 +1457,25 @@ def _warn_if_ddp_rebuilds_buckets(trainer: Trainer) -> None:
         " iteration, so the first step after this resume reduces gradients in another order than the uninterrupted"
         " run did, and the runs agree up to float rounding, not bit for bit. For bit-identical resumes use"
         " DDPStrategy(find_unused_parameters=True), which keeps the buckets as built.", category=RuntimeWarning)
+
+
+def _batches_of(loader: Any) -> int | None:
+    """Samples per batch of a DataLoader: its ``batch_size``, or its batch sampler's (a loader Lightning re-created
+    for DDP around its own batch sampler has ``batch_size=None``); None without automatic batching."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(own_batch_sampler(loader), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _shift_batches(progress: Any, to: int) -> None:
+    """Move Lightning's count of the epoch's batches (the epoch loop's ``batch_progress``, current and total alike)
+    so that ``current.ready`` is ``to``, keeping the counters' differences (which say where in a batch it was
+    saved)."""
+    delta = to - int(progress.current.ready)
+    for tracker in (progress.current, progress.total):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(tracker, name, getattr(tracker, name) + delta)
 
 
 def _same(a: Any, b: Any) -> bool:

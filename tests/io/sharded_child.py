@@ -6,7 +6,9 @@ own FSDPStrategy on CPU, but not a subclass, and torch's FSDP1 runs on CPU with 
 Run: python sharded_child.py ROOT OUT JSON_OPTIONS. Options: strategy, devices, max_steps, every (cadence),
 storage_options, die (``[rank, step]``: that rank SIGKILLs itself after storing its first object of that step's
 save). Resumes from ROOT when it holds a checkpoint. Prints ``SAVED <step>`` after each save (rank 0) and
-``DYING <rank>``; writes per-step losses (``OUT.losses``) and the final full weights (``OUT.weights``).
+``DYING <rank>``; writes per-step losses (``OUT.losses``), the final full weights (``OUT.weights``) and, per rank,
+one JSON line per training batch (``OUT.ids.r<global rank>``: ``epoch``, ``step`` (the global step after the batch)
+and ``ids``, the batch's sample indices).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class Net(LightningModule):
         fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+        x, y, _ = batch
         return torch.nn.functional.mse_loss(self.net(x + 0.01 * torch.randn_like(x)), y)
 
     def configure_optimizers(self) -> Any:
@@ -71,6 +73,9 @@ class Record(Callback):
         self.out = out
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        line = {"epoch": trainer.current_epoch, "step": trainer.global_step, "ids": batch[2].tolist()}
+        with open(f"{self.out}.ids.r{trainer.global_rank}", "a") as f:
+            f.write(json.dumps(line) + "\n")
         if trainer.global_rank == 0:
             with open(self.out + ".losses", "a") as f:
                 f.write(f"{trainer.global_step} {outputs['loss'].item()!r}\n")
@@ -124,7 +129,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(root: str, out: str, options: dict[str, Any]) -> None:
     torch.manual_seed(7)
     x = torch.randn(64, 8)
-    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True), torch.arange(64)), batch_size=4, shuffle=True)
     storage_options = options.get("storage_options") or {}
     devices = options["devices"]
     trainer = Trainer(

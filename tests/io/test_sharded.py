@@ -3,7 +3,8 @@
 In-process: the DCP storage writer/reader on every store (one process, no process group). Subprocesses (2 gloo
 processes, FSDP2 through AtomicModelParallelStrategy and FSDP1 through AtomicFSDPStrategy): bit-exact resume
 through a kill, a rank killed mid-save keeps the previous checkpoint latest, a damaged shard makes every rank
-resume the previous checkpoint, resharding from 2 processes to 1, and S3.
+resume the previous checkpoint, resharding from 2 processes to 1 (mid-epoch: with ResumeStateCallback the epoch's
+data continues too, each sample once), and S3.
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ def test_sharded_roundtrip_consolidation_and_corruption(backend, make_io):
     with pytest.raises(ShardedCheckpointError, match="AtomicModelParallelStrategy"):
         make_io(backend, claim_on_load=False).load_checkpoint(backend.root)
     # Every chunk a load reads is verified.
-    shard = next(p for p in backend.fs().find(backend.path(entry.commit)) if "/r00000-shard-" in p)
+    # One process holds every tensor whole: its stream is all whole items (r<rank>-whole-..., see io/sharded.py).
+    shard = next(p for p in backend.fs().find(backend.path(entry.commit)) if "/r00000-whole-shard-" in p)
     data = bytearray(backend.fs().cat_file(shard))
     data[100] ^= 1
     backend.fs().pipe_file(shard, bytes(data))
     with pytest.raises(CheckpointCorruptedError, match="blake3 checksum") as info:
         load_sharded(zeros_like(state), root, entry.commit, no_dist=True)
-    assert info.value.object == backend.url(f"{entry.commit}/r00000-shard-00000.bin")
+    assert info.value.object == backend.url(f"{entry.commit}/r00000-whole-shard-00000.bin")
 
 
 def test_a_partial_load_reads_only_the_chunks_it_needs(local_backend, make_io):
@@ -178,6 +180,12 @@ def losses(out: Path) -> list[list[str]]:
 BASE = {"devices": 2, "max_steps": 6, "every": 2}
 
 
+def batches(out: Path) -> list[dict[str, Any]]:
+    """Every rank's logged training batches so far (``epoch``, ``step`` after the batch, ``ids``), with ``rank``."""
+    return [{**json.loads(line), "rank": int(path.name.rsplit(".r", 1)[1])}
+            for path in sorted(out.parent.glob(f"{out.name}.ids.r*")) for line in path.read_text().splitlines()]
+
+
 def uninterrupted(shared_runs, options: dict[str, Any]) -> Path:
     """The output prefix (``.weights``, ``.losses``) of the job run once, to its end, with ``options``."""
     def run(folder: Path) -> None:
@@ -214,11 +222,17 @@ def test_a_rank_killed_mid_save_keeps_the_last_checkpoint_and_resumes_on_one_pro
     partial = [p for p in Path(root, "epoch=0-step=4.ckpt").rglob("*") if p.is_file()]
     assert any("r00001-" in p.name for p in partial), "rank 1 stored part of its shards before it died"
     assert not any(p.name == MANIFEST_NAME for p in partial)
-    # Resharding: the 2-process checkpoint of step 2 resumes on one process and trains on to step 6.
-    launch(root, tmp_path / "run", {**BASE, "devices": 1})
+    kept = [b for b in batches(tmp_path / "run") if b["step"] <= 2]  # what the checkpoint of step 2 holds
+    # Resharding: the 2-process checkpoint of step 2 resumes on one process and trains on to the end of epoch 0
+    # (64 samples, 16 trained before the checkpoint: 12 batches of 4 on one process). The weights and optimizer
+    # reshard, and ResumeStateCallback splits the rest of the epoch's order: every sample of it trained once.
+    launch(root, tmp_path / "run", {**BASE, "devices": 1, "max_steps": 14, "every": 7})
+    resumed = [b for b in batches(tmp_path / "run") if b["step"] > 2 and b["rank"] == 0][-12:]
+    assert [b["step"] for b in resumed] == list(range(3, 15)) and {b["epoch"] for b in resumed} == {0}
+    assert sorted(i for b in kept + resumed for i in b["ids"]) == list(range(64))
     final = torch.load(str(tmp_path / "run") + ".weights")
-    consolidated = load_full(root)  # the step-6 checkpoint, written by one process, as full tensors
-    assert consolidated["global_step"] == 6
+    consolidated = load_full(root)  # the step-14 checkpoint, written by one process, as full tensors
+    assert consolidated["global_step"] == 14
     assert all(torch.equal(consolidated["state_dict"][k], final[k]) for k in final)
     step2 = load_full(f"{root}/epoch=0-step=2.ckpt")
     assert step2["global_step"] == 2 and set(step2["state_dict"]) == set(final)

@@ -515,3 +515,104 @@ def test_gc_and_readers_between_a_persists_copy_and_its_manifest_lose_nothing(lo
     capsys.readouterr()
     assert main(["verify", local_backend.root, "--all", "--no-progress"]) == 0
     assert main(["ls", local_backend.root, "--local-tier", str(nvme)]) == 0  # exit 1 if any local copy failed
+
+
+# -- a store outage (issue 30, point 5) ------------------------------------------------------------------------------
+def _store_down(io: AtomicCheckpointIO, backend: Any) -> Callable[[], None]:
+    """Make every write to the durable store fail (as an outage does, after the store's own retries); returns the
+    function that brings it back."""
+    store = io.tiers(backend.root).durable.store
+    real = store.write_pieces
+
+    def down(path: str, pieces: Any) -> None:
+        raise ConnectionError("store unreachable (simulated)")
+
+    store.write_pieces = down
+
+    def back() -> None:
+        store.write_pieces = real
+
+    return back
+
+
+def save_each(io: AtomicCheckpointIO, backend: Any, steps: range) -> None:
+    """Save ``steps``, each one's persist over before the next save (without raising its failure, as a save does)."""
+    for step in steps:
+        io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+        io.tiers(backend.root).wait()
+
+
+def test_a_store_outage_never_stops_training_until_the_bound_and_ls_says_so(local_backend, tmp_path, plugin, plugins,
+                                                                            capsys):
+    from lightning_resilient import PersistFailedError
+
+    nvme = tmp_path / "nvme"
+    io = plugin(nvme, local_backend, persist_every=1, max_persist_failures=3, retry_max_delay=0.001)
+    save_each(io, local_backend, range(1, 3))  # durable: 1, 2
+    back = _store_down(io, local_backend)
+    with pytest.warns(RuntimeWarning, match=r"failed \(1 in a row\).*Training goes on from the local tier"):
+        save_each(io, local_backend, range(3, 5))  # two failed persists: the saves go on
+    assert io.tiers(local_backend.root).failures == 2
+    assert main(["ls", local_backend.root, "--local-tier", str(nvme)]) == 0
+    out = capsys.readouterr().out
+    assert "persist: FAILING (2 failed in a row, since" in out and "store unreachable (simulated)" in out
+    save_each(io, local_backend, range(5, 6))  # the third: the bound is reached
+    with pytest.raises(PersistFailedError, match=r"3 persists in a row failed \(max_persist_failures=3\)") as info:
+        io.save_checkpoint(make_checkpoint(6), local_backend.url("step=6.ckpt"))
+    assert isinstance(info.value.__cause__, ConnectionError)
+    io.tiers(local_backend.root).wait()  # (step 6's persist, queued by that save, fails too)
+    assert pointer_steps(local_root(nvme, local_backend))["step=6.ckpt"] == 6  # committed locally all the same
+    assert pointer_steps(local_backend.root) == {"step=1.ckpt": 1, "step=2.ckpt": 2}
+    back()
+    io.teardown()  # the store is back: the newest state is persisted
+    assert pointer_steps(local_backend.root)["step=6.ckpt"] == 6
+    assert main(["ls", local_backend.root, "--local-tier", str(nvme)]) == 0
+    assert "persist: ok, step 6 durable" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("delay", [0.001, 1000.0])
+def test_a_failed_persist_is_retried_at_the_next_save_once_its_backoff_passed(local_backend, tmp_path, plugin, delay):
+    import time
+
+    io = plugin(tmp_path / "nvme", local_backend, persist_every=4, retry_max_delay=delay)
+    save_each(io, local_backend, range(1, 4))
+    back = _store_down(io, local_backend)
+    with pytest.warns(RuntimeWarning, match="failed"):
+        save_each(io, local_backend, range(4, 5))  # step 4's persist fails
+    back()
+    time.sleep(0.01)  # past the short backoff, far from the long one
+    save_each(io, local_backend, range(5, 6))  # not a 4th step: persisted as the retry, if its backoff has passed
+    durable = pointer_steps(local_backend.root)
+    assert ("step=5.ckpt" in durable) == (delay < 1), durable
+    assert "step=4.ckpt" not in durable  # the newest state is retried, never an older one
+
+
+def test_a_persist_failing_for_longer_than_the_time_bound_stops_the_next_save(local_backend, tmp_path, plugin,
+                                                                              plugins):
+    import time
+
+    from lightning_resilient import PersistFailedError
+
+    io = plugin(tmp_path / "nvme", local_backend, persist_every=1, max_persist_failures=None,
+                max_seconds_without_durable=0.05)
+    plugins.abandoned(io)  # its store never comes back in this story: its release's wait says so, as asserted
+    plugins.asserted(io, ConnectionError, PersistFailedError)
+    _store_down(io, local_backend)
+    with pytest.warns(RuntimeWarning, match="failed"):
+        save_each(io, local_backend, range(1, 2))
+    time.sleep(0.1)
+    with pytest.raises(PersistFailedError, match=r"max_seconds_without_durable=0.05"):
+        save_each(io, local_backend, range(2, 3))
+
+
+def test_the_outage_and_replica_settings_are_checked_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="replicas=2 needs local_tier"):
+        AtomicCheckpointIO(replicas=2)
+    with pytest.raises(ValueError, match="replicas must be an int >= 1 or None"):
+        AtomicCheckpointIO(local_tier=str(tmp_path), replicas=0)
+    with pytest.raises(ValueError, match="max_persist_failures must be an int >= 1 or None"):
+        AtomicCheckpointIO(local_tier=str(tmp_path), max_persist_failures=0)
+    with pytest.raises(ValueError, match="max_seconds_without_durable must be > 0"):
+        AtomicCheckpointIO(local_tier=str(tmp_path), max_seconds_without_durable=-1)
+    with pytest.raises(TypeError, match="max_seconds_without_durable must be a number"):
+        AtomicCheckpointIO(local_tier=str(tmp_path), max_seconds_without_durable="1h")

@@ -230,3 +230,51 @@ def test_one_line_per_checkpoint_with_its_change_and_the_figures_behind_it_at_de
                for line in debug)
     assert cadence.explain().startswith(f"save at step {steps[-1]} blocked the loop")
     assert "checkpoint cost" in cadence.explain() and "MTBF 5 ms" in cadence.explain()
+
+
+# -- measured=True: the MTBF of the root's goodput ledger -------------------------------------------------------
+def fit_with_ledger(root, cadence: CheckpointCadence, caplog) -> list[str]:
+    trainer = Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[SlowIO()],
+                      callbacks=[cadence, ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)])
+    with caplog.at_level("INFO"):
+        trainer.fit(TinyModel(), tiny_loader())
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("CheckpointCadence: MTBF")
+            or "using the MTBF given" in r.getMessage()]
+
+
+def test_measured_uses_the_mtbf_the_roots_goodput_ledger_measured(tmp_path, caplog):
+    from lightning_resilient.state.goodput import measure_root
+
+    from ..state.test_goodput import FINISHED, KILLED, attempt, store_of, write
+
+    store = store_of(tmp_path / "root")
+    write(store, attempt(1, **KILLED))  # killed: a failure without notice
+    write(store, attempt(2, **{**FINISHED, "resumed": 200}))
+    measured = measure_root(str(tmp_path / "root")).mtbf_seconds
+    assert measured is not None and measured != 24 * 3600
+    cadence = CheckpointCadence(mtbf_hours=24, measured=True)
+    (line,) = fit_with_ledger(tmp_path / "root", cadence, caplog)
+    assert cadence.mtbf_seconds == measured and cadence.given_mtbf_seconds == 24 * 3600
+    assert line.startswith(f"CheckpointCadence: MTBF {format_duration(measured)}, measured by the goodput ledger of")
+    assert "1 failure without notice in" in line and "(instead of the 86400 s (24.0 h) given)" in line
+    m = cadence.measurements[0]
+    assert m.interval_seconds == daly_interval(m.checkpoint_seconds, measured)
+
+
+def test_measured_keeps_the_given_mtbf_until_a_failure_and_when_the_ledger_is_damaged(tmp_path, caplog):
+    from ..state.test_goodput import FINISHED, KILLED, attempt, store_of, write
+
+    cadence = CheckpointCadence(mtbf_hours=24, measured=True)
+    (line,) = fit_with_ledger(tmp_path / "fresh", cadence, caplog)  # no earlier attempt at all
+    assert cadence.mtbf_seconds == 24 * 3600 and "no failure without notice in the goodput ledger" in line
+    caplog.clear()
+    store = store_of(tmp_path / "damaged")
+    write(store, attempt(1, **KILLED))
+    write(store, attempt(2, **{**FINISHED, "resumed": 200}))
+    store.write(".lightning_resilient/attempts/a000001-abcdef.r0.jsonl", b"[1, 2]\n")  # the failure's record
+    cadence = CheckpointCadence(mtbf_hours=24, measured=True)
+    (line,) = fit_with_ledger(tmp_path / "damaged", cadence, caplog)
+    assert cadence.mtbf_seconds == 24 * 3600 and "using the MTBF given" in line  # training went on
+    assert any("skipped in the goodput ledger" in r.getMessage() and "a000001-abcdef (rank 0)" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")

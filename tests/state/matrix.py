@@ -63,8 +63,10 @@ def noisy_collate(items: list[Any]) -> Any:
 class Net(LightningModule):
     """An MLP with dropout and per-step noise (both from torch's global RNG), AdamW and a per-step LR schedule."""
 
-    def __init__(self, steps: list[tuple[Any, ...]], val_noise: bool = False, fail_at: int | None = None) -> None:
+    def __init__(self, steps: list[tuple[Any, ...]], val_noise: bool = False, fail_at: int | None = None,
+                 stepping_batches: bool = False) -> None:
         super().__init__()
+        self.stepping_batches = stepping_batches
         self.steps = steps
         self.val_noise = val_noise
         self.fail_at = fail_at
@@ -91,6 +93,8 @@ class Net(LightningModule):
         self.log("val_loss", torch.nn.functional.mse_loss(out, y))
 
     def configure_optimizers(self) -> Any:
+        if self.stepping_batches:  # Lightning then builds the training loader before it loads the loops' state
+            assert self.trainer.estimated_stepping_batches > 0
         opt = torch.optim.AdamW(self.parameters(), lr=0.02)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -167,6 +171,8 @@ class Config:
     seed: int | None = None  # seed_everything(seed) at each attempt's start (None: not called)
     shift: float = 0.0  # Samples' shift: another dataset of the same size
     collate_noise: bool = False  # a collate_fn that draws random numbers (noisy_collate)
+    resume_state: bool = True  # ResumeStateCallback in the Trainer (False: stock Lightning's resume)
+    stepping_batches: bool = False  # configure_optimizers reads estimated_stepping_batches (Lightning #20550)
 
 
 @dataclass
@@ -202,7 +208,7 @@ def run(cfg: Config, root: Path, stop_after: int | None, resume: bool) -> Result
     torch.manual_seed(1234)
     steps: list[tuple[Any, ...]] = []
     fail_at = cfg.fail_at if cfg.on_exception and stop_after is not None else None
-    model = Net(steps, cfg.val_noise, fail_at)
+    model = Net(steps, cfg.val_noise, fail_at, cfg.stepping_batches)
     loader_cls: Any = DataLoader
     if cfg.stateful:
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -214,7 +220,8 @@ def run(cfg: Config, root: Path, stop_after: int | None, resume: bool) -> Result
     val = DataLoader(Samples(12), batch_size=4, num_workers=cfg.workers) if cfg.val else None
     io = StoppingIO(None if cfg.on_exception else stop_after, cfg.overrun)
     callbacks: list[Callback] = [UserSaver(root, cfg.user_saver)] if cfg.user_saver else []
-    callbacks += [ResumeStateCallback(**cfg.callback), ModelCheckpoint(dirpath=root, **{"save_top_k": -1, **cfg.ckpt}),
+    callbacks += [ResumeStateCallback(**cfg.callback)] if cfg.resume_state else []
+    callbacks += [ModelCheckpoint(dirpath=root, **{"save_top_k": -1, **cfg.ckpt}),
                   StopLater(io)]
     if cfg.on_exception:
         callbacks.append(OnExceptionCheckpoint(dirpath=str(root), filename="on-exception"))

@@ -19,7 +19,16 @@ from lightning_resilient.io.folders import ATTEMPTS_DIR
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store import open_store
 from lightning_resilient.state.attempts import AttemptRecord, StepDigest, list_attempts, read_record, record_name
-from lightning_resilient.state.audit import RankOutcome, Replay, audit_line, digest_batch, digest_indices
+from lightning_resilient.state.audit import (
+    RankOutcome,
+    Replay,
+    add_sample_sets,
+    audit_line,
+    digest_batch,
+    digest_indices,
+    digest_sample_set,
+    sample_line,
+)
 
 from .matrix import Config, first_difference, run
 
@@ -49,6 +58,41 @@ def test_index_digests_follow_the_order_and_the_values():
     assert digest_indices([3, 1, 2]) == digest_indices(np.array([3, 1, 2])) == digest_indices(torch.tensor([3, 1, 2]))
     assert digest_indices([3, 1, 2]) != digest_indices([1, 2, 3])
     assert digest_indices(["a", "b"]) != digest_indices(["b", "a"])
+
+
+def test_a_sample_set_digest_ignores_the_order_and_adds_up_over_batches():
+    assert digest_sample_set([3, 1, 2]) == digest_sample_set(np.array([2, 3, 1])) == digest_sample_set(
+        torch.tensor([1, 2, 3]))
+    together = digest_sample_set([5, 9, 0, 7])
+    assert add_sample_sets(digest_sample_set([5, 9]), digest_sample_set([0, 7])) == together
+    assert together != digest_sample_set([5, 9, 0, 8]) and together != digest_sample_set([5, 9, 0, 7, 7])
+    assert add_sample_sets(digest_sample_set([]), together) == together
+
+
+def parts(*batches: list[int]) -> list[tuple[int, str]]:
+    return [(len(b), digest_sample_set(b)) for b in batches]
+
+
+def test_across_a_change_of_world_size_the_samples_are_compared_where_both_attempts_trained_as_many():
+    """Then: 2 ranks, 2 per batch (stretches of 4); now: 1 rank, 2 per batch, then 4 ranks, 2 per batch."""
+    then = [(4, add_sample_sets(digest_sample_set([0, 1]), digest_sample_set([2, 3]))),
+            (4, add_sample_sets(digest_sample_set([4, 5]), digest_sample_set([6, 7])))]
+    same = sample_line(then, [parts([1, 0], [3, 2], [5, 4], [7, 6])], interrupted="a1", world_then=2, world_now=1,
+                       steps=(3, 6), resumed_step=3, changed=[])
+    assert same.outcome == "identical" and same.compared == 8, same.line
+    assert same.line.startswith("resume audit: the 8 samples this run trained after the checkpoint of step 3"
+                                " (global steps 3 to 6 on 1 rank(s)) are the same samples")
+    wider = sample_line(then, [parts([0, 1], [8, 9]), parts([2, 3], [10, 11]), parts([4, 5], [12, 13]),
+                               parts([6, 7], [14, 15])], interrupted="a1", world_then=2, world_now=4, steps=(3, 4),
+                        resumed_step=3, changed=[])
+    assert wider.outcome == "identical" and wider.compared == 8  # the first stretch of 8 holds the same samples
+    moved = sample_line(then, [parts([0, 1], [4, 9])], interrupted="a1", world_then=2, world_now=1, steps=(3, 4),
+                        resumed_step=3, changed=["world size 2 then, 1 now"])
+    assert moved.outcome == "differs" and "DIFFER" in moved.line and "the first 4 samples are not the same set" in (
+        moved.line) and "Changed since then: world size 2 then, 1 now." in moved.line
+    unknown = sample_line(then, [[None]], interrupted="a1", world_then=2, world_now=1, steps=(3, 3),
+                          resumed_step=3, changed=[])
+    assert unknown.outcome == "nothing"
 
 
 # -- the comparison and its line -----------------------------------------------------------------------------------
@@ -208,9 +252,20 @@ def test_an_iterable_without_state_warns_at_fit_start_and_nothing_claims_exactne
 
 
 def test_audit_off_records_nothing_and_says_nothing(tmp_path):
-    cfg = Config("off", callback={"audit": False})
+    cfg = Config("off", callback={"audit": False, "ledger": False})
     resumed = resume_with(tmp_path, cfg, cfg)
     assert resumed.audit() == [] and not (tmp_path / "part" / ATTEMPTS_DIR).exists()
+
+
+def test_audit_off_keeps_the_ledger_without_step_digests(tmp_path):
+    cfg = Config("ledger only", callback={"audit": False})
+    resumed = resume_with(tmp_path, cfg, cfg)
+    assert resumed.audit() == []  # no comparison, no line
+    store = open_store(str(tmp_path / "part"), {}, RetryPolicy())
+    first, second = (read_record(store, a, 0) for a in list_attempts(store))
+    assert first.steps == [] and second.steps == [] and second.audit is None  # nothing digested
+    assert first.progress is not None and first.progress.step == 7 and second.resumed_step == 5
+    assert second.end == "finished" and second.timings is not None and second.timings.saves >= 1
 
 
 def test_ls_shows_each_attempt_and_its_audit(tmp_path, capsys):

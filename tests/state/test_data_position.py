@@ -349,7 +349,7 @@ def test_a_wrapped_sampler_is_drawn_once_per_epoch_so_a_later_epoch_resumes(tmp_
 
 
 def test_without_drawing_once_per_epoch_a_wrapped_sampler_resumes_another_order(tmp_path, monkeypatch):
-    monkeypatch.setattr(callback_module, "draw_once_per_epoch", lambda loader, drawing: None)
+    monkeypatch.setattr(callback_module, "draw_once_per_epoch", lambda loader, drawing, before_draw=None: None)
     full, resumed, _ = interrupted(tmp_path, wrapped, 7, every=7)
     assert [ids for _, _, ids in resumed.seen] != [ids for _, _, ids in after(full, 7)]
 

@@ -35,6 +35,19 @@ def test_a_stored_record_reads_back_to_the_same_dict_in_the_same_order():
     assert list(RankRecord.from_dict(at_end).to_dict()) == list(at_end)
 
 
+def test_the_epoch_s_order_and_its_stepped_samples_round_trip_and_are_optional():
+    order = {"kind": "distributed", "n": 40, "seed": 0, "epoch": 1, "shuffle": True, "drop_last": False,
+             "replicas": 2, "layout": "rest", "start": 16, "dataset": 40}
+    raw = stored(order=order, step_samples=8)
+    record = RankRecord.from_dict(raw)
+    assert record.to_dict() == raw and record.reads_a_rest and record.step_samples == 8
+    assert not RankRecord.from_dict(stored(order={**order, "layout": "sampler"})).reads_a_rest
+    why = RankRecord.from_dict(stored(order="the sampler Weighted is not one whose order can be drawn again"))
+    assert isinstance(why.order, str) and not why.reads_a_rest
+    older = RankRecord.from_dict(stored())  # written before elastic resume
+    assert older.order is None and older.step_samples is None and "order" not in older.to_dict()
+
+
 def test_the_kind_is_stored_as_a_plain_string_that_loads_with_weights_only():
     out = RankRecord.from_dict(stored(kind="loader")).to_dict()
     assert type(out["kind"]) is str and out["kind"] == LoaderKind.LOADER == "loader"

@@ -57,6 +57,8 @@ MATRIX = [
     Config("augmentation, workers 2 persistent, resumed in a later epoch", augment=True, workers=2, persistent=True,
            stops=(5,)),
     Config("augmentation, StatefulDataLoader workers 2", augment=True, workers=2, stateful=True, stops=(3,)),
+    Config("StatefulDataLoader workers 2, stepping batches", workers=2, stateful=True, stepping_batches=True,
+           stops=(3,)),  # the counterpart of the case without the callback below (Lightning #20550)
     # A collate_fn that draws random numbers: seeded per batch, in the main process and in workers.
     Config("random collate_fn, workers 0", collate_noise=True, stops=(3,)),
     Config("random collate_fn, workers 2", collate_noise=True, workers=2, stops=(3,)),
@@ -89,6 +91,29 @@ def test_resumed_run_is_bit_identical(cfg, tmp_path):
     assert expected in audit, audit
     restored = [line for line in resumed.lines if "restored the data position" in line]
     assert all("continues exactly" in line for line in restored), restored
+
+
+# Stock Lightning, the same runs without ResumeStateCallback: each differs after the resume, so the callback is what
+# makes the matrix above exact.
+WITHOUT = [
+    # Augmentation drawn in 2 workers from the global RNGs, stopped two batches past a mid-epoch save.
+    Config("no callback: augmentation, workers 2", augment=True, workers=2, resume_state=False, stops=(3,)),
+    # Stock Lightning restores a StatefulDataLoader's position itself, but not when configure_optimizers reads
+    # estimated_stepping_batches: that builds the loader before the loops' state is loaded, and the saved position is
+    # dropped (Lightning #20550): the resumed epoch starts over.
+    Config("no callback: StatefulDataLoader workers 2, stepping batches", stateful=True, workers=2,
+           stepping_batches=True, resume_state=False, stops=(3,)),
+]
+
+
+@pytest.mark.parametrize("cfg", WITHOUT, ids=[c.name for c in WITHOUT])
+def test_without_the_callback_the_resumed_run_differs(cfg, tmp_path):
+    full, resumed = stopped_and_resumed(cfg, tmp_path)
+    difference = first_difference(full.steps, resumed.steps)
+    assert difference is not None
+    if cfg.stepping_batches:
+        assert "samples differ" in difference, difference  # the position, not only the RNG
+    assert not all(torch.equal(value, resumed.weights[key]) for key, value in full.weights.items())
 
 
 def test_a_validation_that_draws_after_a_save_is_warned_about_and_is_what_differs(tmp_path):

@@ -39,14 +39,6 @@ def test_state_loads_with_weights_only():
     assert draws() == first
 
 
-def test_a_changed_world_size_warns_and_resumes_without_rng():
-    callback = ResumeStateCallback()
-    saved = {"format": 2, "world_size": 2, "ranks": [{"consumed": 1}, {"consumed": 1}]}
-    with pytest.warns(RuntimeWarning, match="written by 2 process\\(es\\) but this run has 1"):
-        callback.load_state_dict(saved)
-    assert callback._pending is None
-
-
 def test_a_changed_batch_size_warns_and_restarts_the_epoch(tmp_path):
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint

@@ -147,6 +147,11 @@ class Store:
     def sync_folder(self, rel: str) -> None:
         """Make the objects written under ``rel`` durable before anything refers to them (local disk only)."""
 
+    def write_threads(self, wanted: int) -> int:
+        """How many objects of one save (or persist) to write at once, of the ``wanted`` (``max_concurrency``): an
+        object store's requests wait on the network, so all of them."""
+        return wanted
+
     # Reading straight into the caller's buffers (no intermediate copy), where the backend can: local disk.
     supports_read_into = False
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -32,6 +33,18 @@ def file_lock(path: str, mode: int = fcntl.LOCK_EX, *, private: bool = False) ->
         os.close(fd)  # closing releases the lock
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform says), else the machine's."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+# Writes copying object bytes into the page cache at once, in this process (every root on local disk): half the
+# cores, the others for training (see LocalStore.write_threads).
+_COPY_SLOTS = max(1, _usable_cores() // 2)
+_COPYING = threading.BoundedSemaphore(_COPY_SLOTS)
+
+
 class LocalStore(Store):
     """Local (or shared POSIX) filesystem: fsync'ed temp file + ``os.replace`` under an ``flock``."""
 
@@ -39,6 +52,13 @@ class LocalStore(Store):
 
     def check_fencing(self) -> str | None:
         return None  # the swap is this package's own flock + os.replace
+
+    def write_threads(self, wanted: int) -> int:
+        """A local disk takes a save's bytes at the speed of the cores that copy them into the page cache: at most
+        half this process's cores copy at once (``_COPYING``), so that a save behind training leaves the loop its
+        cores (measured: ``benchmarks/step_time.py``), and twice as many writers as copy slots, so that one
+        writer's fsync (the disk's time, no core's) overlaps the next one's copy."""
+        return max(1, min(wanted, 2 * _COPY_SLOTS))
 
     def is_link(self, rel: str) -> bool:
         return os.path.islink(self.path(rel))
@@ -67,10 +87,11 @@ class LocalStore(Store):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for piece in pieces:
-                view = memoryview(piece).cast("B")
-                while len(view):
-                    view = view[os.write(fd, view):]
+            with _COPYING:
+                for piece in pieces:
+                    view = memoryview(piece).cast("B")
+                    while len(view):
+                        view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -1,0 +1,214 @@
+"""One "node" of a job with a local tier on every node, on loopback (gloo, CPU), for tests/io/test_replicas.py:
+``python nodes_child.py ROOT OUT OPTIONS``.
+
+Run it once per node with ``NODE_RANK``, the same ``MASTER_ADDR``/``MASTER_PORT`` and this node's own ``LOCAL_TIER``
+folder; with ``devices`` > 1 Lightning starts the node's other processes itself. OPTIONS (JSON): ``strategy``
+("ddp", "model_parallel" for FSDP2, "fsdp" for FSDP1), ``nodes``, ``devices``, ``max_steps``, ``every`` (save
+interval), ``persist_every``, ``replicas``, ``hold`` (``"receive:<step>"``: a node receiving that step's commit from
+another stops after writing its first object, printing ``RECEIVING <step>``; ``"persist:<step>"``: global rank 0
+stops between that step's persist's copy and its manifest, printing ``COPIED <step>``; comma-separated: windows for
+the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run).
+
+The job resumes from the root whenever any tier of any node may hold a checkpoint (``ckpt_path=ROOT``: the job's
+newest, one decision for every node), else starts fresh. It prints ``START rank=<r> step=<s> commit=<c> tier=<t>``,
+``SAVED <step>`` after each save and ``PERSISTED <step>`` once one is durable (global rank 0), and ``DONE`` at the
+end; global rank 0 writes the final full weights to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from lightning_resilient import (
+    AtomicCheckpointIO,
+    AtomicFSDPStrategy,
+    AtomicModelParallelStrategy,
+    ResumeStateCallback,
+)
+from lightning_resilient.io import replicas, tiered
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class Net(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                       torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+    def configure_model(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, AtomicFSDPStrategy):
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            cpu = torch.device("cpu")  # FSDP1 on CPU: wrapped here (see tests/io/sharded_child.py)
+            for i, layer in enumerate(self.net):
+                if isinstance(layer, torch.nn.Linear):
+                    self.net[i] = FSDP(layer, device_id=cpu, use_orig_params=True)
+            self.net = FSDP(self.net, device_id=cpu, use_orig_params=True)
+        elif isinstance(strategy, AtomicModelParallelStrategy):
+            from torch.distributed._composable.fsdp import fully_shard
+
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x + 0.01 * torch.randn_like(x)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+class Report(Callback):
+    def __init__(self, io: AtomicCheckpointIO, out: str) -> None:
+        self.io, self.out = io, out
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        last = self.io.last_load
+        say(f"START rank={trainer.global_rank} step={trainer.global_step}"
+            f" commit={last.commit if last is not None else None} tier={last.tier if last is not None else None}")
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self.step = checkpoint["global_step"]
+
+
+class Announcing(AtomicCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        say(f"SAVED {checkpoint['global_step']}")
+
+
+def _announce_sharded(cls: type) -> type:
+    class Announced(cls):  # type: ignore[valid-type,misc]
+        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+            step = checkpoint["global_step"]
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            if self.global_rank == 0:
+                say(f"SAVED {step}")
+
+    return Announced
+
+
+def hold(where: str) -> None:
+    """Stop at the instants a test kills the job in (see the module docstring): ``receive:<step>``,
+    ``persist:<step>``, comma-separated."""
+    for what in where.split(","):
+        kind, step = what.split(":")
+        held: list[int] = []  # each window once (a copy writes several objects)
+        if kind == "receive":
+            write = replicas._write
+
+            def write_then_hold(local: Any, manifest: Any, index: int, data: Any, step: int = int(step),
+                                write: Any = write, held: list[int] = held) -> None:
+                write(local, manifest, index, data)
+                # (a replica arrives in the background thread; the training thread writes the common objects of a
+                # sharded save the same way)
+                background = threading.current_thread().name == "lightning_resilient-replicas"
+                if manifest.step == step and background and not held:
+                    held.append(step)
+                    say(f"RECEIVING {manifest.step}")
+                    time.sleep(60)
+
+            replicas._write = write_then_hold
+        elif kind == "persist":
+            copy = tiered.TieredRoot._copy
+
+            def copy_then_hold(self: Any, manifest: Any, step: int = int(step), copy: Any = copy,
+                               held: list[int] = held) -> Any:
+                out = copy(self, manifest)
+                if manifest.step == step and not held:
+                    held.append(step)
+                    say(f"COPIED {manifest.step}")
+                    time.sleep(60)
+                return out
+
+            tiered.TieredRoot._copy = copy_then_hold  # type: ignore[method-assign]
+
+
+def announce_persists() -> None:
+    persist = tiered.TieredRoot._persist
+
+    def announced(self: Any, entry: Any) -> None:
+        persist(self, entry)
+        if entry.commit in self._persisted:
+            say(f"PERSISTED {entry.step}")
+
+    tiered.TieredRoot._persist = announced  # type: ignore[method-assign]
+
+
+def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    model = trainer.strategy.model
+    if isinstance(trainer.strategy, AtomicFSDPStrategy):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False)):
+            return model.state_dict()
+    if isinstance(trainer.strategy, AtomicModelParallelStrategy):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return trainer.lightning_module.state_dict()
+
+
+def main(root: str, out: str, options: dict[str, Any]) -> None:
+    torch.manual_seed(7)
+    x = torch.randn(64, 8)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    announce_persists()
+    if options.get("hold"):
+        hold(options["hold"])
+    nodes, devices = options["nodes"], options["devices"]
+    kind = options.get("strategy", "ddp")
+    if kind == "model_parallel":
+        strategy: Any = _announce_sharded(AtomicModelParallelStrategy)(data_parallel_size=nodes * devices,
+                                                                       tensor_parallel_size=1)
+    elif kind == "fsdp":
+        strategy = _announce_sharded(AtomicFSDPStrategy)()
+    else:
+        # find_unused_parameters=True keeps DDP's buckets as built: bit-exact resumes (see docs/multi-node.md).
+        strategy = DDPStrategy(find_unused_parameters=True)
+    local_tier = os.environ.get("LOCAL_TIER") if options.get("tier", True) else None
+    io_class = Announcing if kind == "ddp" else AtomicCheckpointIO
+    io = io_class(local_tier=local_tier, persist_every=options.get("persist_every", 1),
+                  replicas=options.get("replicas"), local_keep=2) if local_tier else io_class()
+    report = Report(io, out)
+    trainer = Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, strategy=strategy,
+                      max_steps=options["max_steps"], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[io],
+                      callbacks=[ResumeStateCallback(), report,
+                                 ModelCheckpoint(dirpath=root, every_n_train_steps=options["every"], save_top_k=-1)])
+    # The job's newest across every node's tier: rank 0 decides for all. A first run has nothing anywhere (the first
+    # save claims the durable root: a local commit never exists without it). Every node sees the same root here.
+    resume = Path(root, ".lightning_resilient").exists()
+    trainer.fit(Net(), loader, ckpt_path=root if resume else None)
+    weights = full_weights(trainer)
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in weights.items()}, out)
+    say("DONE")
+    sys.stdout.flush()
+    os._exit(0)  # gloo (and FSDP) teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

@@ -1,0 +1,167 @@
+"""Three "nodes" of one process each, on gloo, with the API of io/replicas.py alone (no Lightning, which costs seconds
+to import per process), for tests/io/test_replicas.py: sharded saves into every node's local tier with ``replicas=3``,
+then a new job resumes after a node was replaced, with the replicas it would restore from damaged one after the other.
+
+Each process asserts what it loads; rank 0 writes ``result.json`` (what each rank loaded, from where, and what it
+logged about restoring) into BASE.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+WORLD = 3
+
+
+def value(step: int) -> torch.Tensor:
+    return torch.arange(WORLD * 8 * 4, dtype=torch.float32).reshape(WORLD * 8, 4) + 1000 * step
+
+
+class Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(record.getMessage())
+
+
+class Job:
+    """One job's view of the tiers on this node: the roots, the nodes, the copies between them (what the plugin
+    wires up, see ``AtomicCheckpointIO.nodes_for``)."""
+
+    def __init__(self, base: str, rank: int) -> None:
+        from lightning_resilient.io.parts import spans_nodes
+        from lightning_resilient.io.replicas import Access, Nodes, Replicator
+        from lightning_resilient.io.root import RootSettings, SerialExecutor, open_root
+        from lightning_resilient.io.tiered import TieredRoot, local_tier_url, save_key
+
+        self.local_tier = os.path.join(base, f"nvme{rank}")
+        settings = RootSettings(keep_last=None, shard_size=256, chunk_size=64, orphan_grace_seconds=3600.0,
+                                fallback_on_corruption=True)
+        roots: dict[str, Any] = {}
+        tiers: dict[str, TieredRoot] = {}
+
+        def root_for(url: str) -> Any:
+            if url not in roots:
+                local = url.startswith(self.local_tier)
+                roots[url] = open_root(url, settings=replace(settings, keep_last=2) if local else settings)
+            return roots[url]
+
+        def tiers_for(url: str) -> TieredRoot:
+            if url not in tiers:
+                tier = tiers[url] = TieredRoot(root_for(url), root_for(local_tier_url(self.local_tier, url)),
+                                               persist_every=2, executor=SerialExecutor)
+                if rank == 0:
+                    tier.on_commit = lambda entry: self.replicator.replicate(tier, entry, save_key(entry))
+                    tier.copier = lambda m: self.replicator.persist_parts(tier, m) if spans_nodes(m) else None
+            return tiers[url]
+
+        self.root_for, self.tiers_for = root_for, tiers_for
+        self.nodes = Nodes.join(node_rank=rank, local_rank=0)
+        self.replicator = Replicator(self.nodes, Access(tiers_for), replicas=3)
+        self.replicator.start()
+
+
+def replica(job: Job, root: str, step: int, part: int) -> Path:
+    """This node's copy of object 0 of ``part`` of the commit of ``step``."""
+    from lightning_resilient.io import parts
+
+    local = job.tiers_for(root).local
+    pointer, _ = local.read_pointer()
+    entry = next(e for e in pointer.entries() if e.step == step)
+    manifest = local.read_manifest(entry.commit)
+    return Path(local.store.path(manifest.objects[parts.part_objects(manifest, part)[0]].path))
+
+
+def damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def job(rank: int, port: int, base: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_resilient.io.replicas import load_across_nodes, save_sharded_tiered
+    from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded
+
+    messages = Messages()
+    logging.getLogger("lightning_resilient").addHandler(messages)
+    logging.getLogger("lightning_resilient").setLevel(logging.INFO)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    root = os.path.join(base, "root")
+
+    first = Job(base, rank)
+    for step in (1, 2, 3):  # the 2nd is persisted (persist_every=2)
+        state = {"state_dict": {"w": distribute_tensor(value(step), mesh, [Shard(0)])}}
+        save_sharded_tiered(state, first.tiers_for(root), f"step={step}.ckpt",
+                            {"global_step": step} if rank == 0 else None, first.nodes)
+    first.tiers_for(root).wait()
+    first.replicator.flush()  # rank 0: every copy between nodes queued so far is done, on every node
+    dist.barrier()
+    # That job ends here as a killed one would (no end-of-fit persist); a new one resumes, on the same nodes.
+    resumed = Job(base, rank)
+
+    def resume() -> tuple[int, str]:
+        target = {"state_dict": {"w": distribute_tensor(torch.zeros(WORLD * 8, 4), mesh, [Shard(0)])}}
+
+        def load(entry: Any, manifest: Any, sources: Any, failed: set[Any]) -> Any:
+            roots = sources.roots()
+            reader = AtomicStorageReader(roots[0], entry.commit, manifest=manifest, sources=roots)
+            try:
+                load_sharded(target, reader.root, reader.commit, reader=reader)
+            except Exception:
+                failed.update(reader.failed)
+                raise
+            return roots[0].load(entry.commit, map_location=None, weights_only=None, sharded_rest=True,
+                                 manifest=manifest)
+
+        done = load_across_nodes(root, shown=root, nodes=resumed.nodes, local_tier=resumed.local_tier,
+                                 root_for=resumed.root_for, replicas=3, fallback=True, load=load)
+        assert done is not None
+        step = done.loaded.checkpoint["global_step"]
+        assert torch.equal(target["state_dict"]["w"].full_tensor(), value(step)), f"rank {rank}: wrong values"
+        return step, "local" if done.sources.local is not None else "durable"
+
+    outcomes: dict[str, Any] = {}
+    # (a) node 2 is replaced (its local tier is gone); node 0's replica of its part of step 3 is damaged: node 2
+    # restores its part from node 1's replica.
+    if rank == 2:
+        shutil.rmtree(resumed.local_tier)
+    if rank == 0:
+        damage(replica(resumed, root, 3, 2))
+    dist.barrier()
+    messages.seen.clear()
+    outcomes["a"] = (*resume(), [m for m in messages.seen if "restor" in m])
+    dist.barrier()
+    # (b) node 2 is replaced again; now every replica of its part is damaged, of step 3 and of step 2: step 3 has no
+    # source left (it was never persisted), step 2 is read from the durable root where node 2 lacks it.
+    if rank == 2:
+        shutil.rmtree(resumed.local_tier)
+    if rank in (0, 1):
+        for step in (2, 3):
+            if rank == 1 or step == 2:  # (node 0's copy of step 3 is damaged already)
+                damage(replica(resumed, root, step, 2))
+    dist.barrier()
+    outcomes["b"] = resume()
+    for ending in (first, resumed):
+        ending.replicator.stop()
+    gathered: list[Any] = [None] * WORLD
+    dist.all_gather_object(gathered, outcomes)
+    if rank == 0:
+        Path(base, "result.json").write_text(json.dumps(gathered))
+    dist.barrier()
+    os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
