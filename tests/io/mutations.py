@@ -77,7 +77,7 @@ MUTATIONS = [
              "return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit)]",
              related=("tests/io/test_protocol.py",)),
     Mutation("stored-check", "no stored-objects check before the manifest", "lightning_resilient/io/writer.py",
-             "self._check_stored(manifest.objects, folder)", "pass",
+             "self._check_stored(manifest.objects if held is None else held, folder)", "pass",
              related=("tests/io/test_gc.py",)),
     Mutation("gc-abandoned", "plain gc dropping abandoned branches", "lightning_resilient/io/retention.py",
              "if abandoned:\n            dropped = self.drop_abandoned(dry_run=dry_run)",
