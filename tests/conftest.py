@@ -189,6 +189,10 @@ def _training_command(process: Any) -> str | None:
     torchrun's); None for a session server (moto, fake-gcs-server) or Python's own helpers (the resource tracker)."""
     import psutil
 
+    from tests import procs
+
+    if process.pid in procs.server_pids():  # (the fork server a test's children come from: it lives on)
+        return None
     try:
         command = " ".join(process.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

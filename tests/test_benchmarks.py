@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
+
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
 
@@ -15,6 +17,7 @@ def load(name: str):
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    module.subprocess = procs.SUBPROCESS  # its worker processes are forked from the suite's server (tests/procs.py)
     return module
 
 

@@ -21,6 +21,7 @@ import pytest
 
 import lightning_resilient
 from lightning_resilient.cli import main
+from tests import procs
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 SCRIPT = shutil.which("lightning-resilient", path=os.path.dirname(sys.executable))
@@ -276,8 +277,8 @@ def test_the_local_s3_page_script_runs_as_it_is_and_its_restart_resumes(bare_env
     (script,) = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
     (tmp_path / "train.py").write_text(script)
     env = {k: v for k, v in bare_env.items() if k != "AWS_EC2_METADATA_DISABLED"}  # the page sets it itself
-    proc = subprocess.run([sys.executable, "train.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
+    proc = procs.run([sys.executable, "train.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                     timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("trained to step")]
     assert [line.split(";")[0] for line in lines] == ["trained to step 4", "trained to step 8"]

@@ -11,7 +11,6 @@ import copy
 import os
 import pickle
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -39,6 +38,7 @@ from lightning_resilient import (
 )
 from lightning_resilient.io.fit_check import FitStartCheck
 from lightning_resilient.io.pointer import LEGACY_POINTER_NAME, POINTER_NAME, Pointer
+from tests import procs
 
 from .models import TinyModel
 
@@ -646,8 +646,8 @@ def test_ddp_spawn_fits_and_resumes_with_the_plugin(tmp_path):
     repo = str(Path(__file__).resolve().parents[1])
     script = tmp_path / "spawn.py"
     script.write_text(SPAWN.format(repo=repo, root=str(tmp_path / "ckpt"), work=str(tmp_path / "work")))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    done = procs.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-4000:]
     # Lightning's hand-over file stayed a plain file, removed after use: the working folder is no checkpoint root
     assert not (tmp_path / "work" / ".lightning_resilient").exists()

@@ -29,6 +29,7 @@ from lightning_resilient import AtomicCheckpointIO, PreemptionCheckpoint, Resume
 from lightning_resilient.io.pointer import POINTER_NAME, Pointer
 from lightning_resilient.preemption import PreemptedExit
 from lightning_resilient.testing import StoreProxy
+from tests import procs
 
 from .models import TinyModel
 
@@ -402,8 +403,8 @@ def test_a_training_process_sigtermed_at_a_random_step_resumes_bit_identical(tmp
     for store, root in (("s3", s3_backend.root),):
         batch = random.Random().randint(3, 30)
         out = tmp_path / f"{store}.pt"
-        proc = subprocess.Popen([sys.executable, str(CHILD), root, str(out), store], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = procs.popen([sys.executable, str(CHILD), root, str(out), store], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("BATCH ") and int(line.split()[1]) == batch:
@@ -411,8 +412,8 @@ def test_a_training_process_sigtermed_at_a_random_step_resumes_bit_identical(tmp
                 break
         proc.wait(timeout=120)
         assert proc.returncode == 143, (store, batch, proc.stderr.read()[-3000:] if proc.stderr else "")
-        done = subprocess.run([sys.executable, str(CHILD), root, str(out), store], env=env, capture_output=True,
-                              text=True, timeout=180)
+        done = procs.run([sys.executable, str(CHILD), root, str(out), store], env=env, capture_output=True,
+                         text=True, timeout=180)
         assert done.returncode == 0, done.stderr[-3000:]
         got = torch.load(out)
         for name in want:
@@ -428,8 +429,8 @@ def test_a_training_process_sigtermed_before_training_starts_exits_124_not_0(tmp
     written nothing, and says why."""
     root = str(tmp_path / "ckpt")
     env = {**os.environ, "PREEMPTION_WINDOW": window}
-    proc = subprocess.Popen([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), "local"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = procs.popen([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), "local"], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
@@ -456,8 +457,8 @@ def test_ddp_a_notice_to_rank_1_only_makes_both_ranks_save_one_step_and_exit(tmp
         port = s.getsockname()[1]
     root = str(tmp_path / "ckpt")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), "ddp"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = procs.popen([sys.executable, str(CHILD), root, str(tmp_path / "out.pt"), "ddp"], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None
     pids: dict[int, int] = {}
     try:
@@ -497,8 +498,8 @@ def test_a_save_still_running_at_the_deadline_ends_the_process_with_124_and_comm
     """No earlier save to estimate from: the save starts, the store is slow, the deadline comes first."""
     with StoreProxy(s3_backend.endpoint, latency=0.4) as proxy:
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "AWS_ENDPOINT_URL": proxy.url, "PREEMPTION_DEADLINE": "1.5"}
-        proc = subprocess.Popen([sys.executable, str(CHILD), s3_backend.root, str(tmp_path / "out.pt"), "s3"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = procs.popen([sys.executable, str(CHILD), s3_backend.root, str(tmp_path / "out.pt"), "s3"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("BATCH 1"):

@@ -21,6 +21,7 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store import open_store
 from lightning_resilient.state.attempts import list_attempts, read_record
 from lightning_resilient.state.goodput import measure
+from tests import procs
 
 TESTS = Path(__file__).parent
 OPTIONS = {"max_steps": 16, "every": 2, "persist_every": 2, "slow": 0.08}
@@ -33,8 +34,8 @@ def torchrun(root: Path, out: Path, options: dict[str, Any], *, restarts: int) -
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                "--max-restarts", str(restarts), "--master-addr", "127.0.0.1", "--master-port", str(port),
                str(TESTS / "restart_child.py"), str(root), str(out), json.dumps(options)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(TESTS.parent), "OMP_NUM_THREADS": "1"})
+    proc = procs.run(command, capture_output=True, text=True, timeout=240,
+                     env={**os.environ, "PYTHONPATH": str(TESTS.parent), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 

@@ -18,6 +18,7 @@ from lightning.pytorch import Trainer
 
 from lightning_resilient import AtomicCheckpointIO
 from lightning_resilient.torchrun import attempt_prefix
+from tests import procs
 
 CHILD = Path(__file__).parent / "torchrun_child.py"
 ONE_AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "2"}
@@ -76,9 +77,9 @@ def test_a_restarted_rank_waits_for_its_peers_of_the_same_attempt_not_the_killed
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "WORLD_SIZE": "2"}
     for attempt, late in ((0, None), (1, 1), (2, 0)):
         env = {**base, "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-        ranks = [subprocess.Popen([sys.executable, str(CHILD), str(rank), "late" if rank == late else "early"],
-                                  env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, start_new_session=True) for rank in (0, 1)]
+        ranks = [procs.popen([sys.executable, str(CHILD), str(rank), "late" if rank == late else "early"],
+                             env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True) for rank in (0, 1)]
         try:
             outputs = [rank.communicate(timeout=120) for rank in ranks]
         finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store import open_store
 from lightning_resilient.state.attempts import list_attempts, read_record
 from lightning_resilient.watchdog import HANG_EXIT_CODE
+from tests import procs
 
 from .models import TinyModel, tiny_loader
 
@@ -129,9 +129,9 @@ def test_bad_settings_are_refused_at_construction(kwargs, message):
 def test_a_hang_ends_the_process_with_its_exit_status_and_the_ledger_records_it(tmp_path):
     root = tmp_path / "root"
     options = {"max_steps": 20, "every": 2, "hang_at": 5, "hang_timeout": 1.0}
-    proc = subprocess.run([sys.executable, str(TESTS / "restart_child.py"), str(root), str(tmp_path / "run"),
-                           json.dumps(options)], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
+    proc = procs.run([sys.executable, str(TESTS / "restart_child.py"), str(root), str(tmp_path / "run"),
+                      json.dumps(options)], capture_output=True, text=True, timeout=240,
+                     env={**os.environ, "PYTHONPATH": str(TESTS.parent)})
     assert proc.returncode == HANG_EXIT_CODE == 75, proc.stderr[-3000:]
     assert "HANGING at step 5" in proc.stdout
     err = proc.stderr

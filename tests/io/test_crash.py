@@ -21,6 +21,7 @@ import pytest
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.folders import commit_time
 from lightning_resilient.testing.lines import LineReader
+from tests import procs
 
 from .helpers import read_pointer
 
@@ -45,7 +46,7 @@ class Job:
 
     @classmethod
     def start(cls, args: list[str], env: dict[str, str]) -> Job:
-        return cls(subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE,
+        return cls(procs.popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE,
                                     stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True))
 
     @property

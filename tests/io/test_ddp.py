@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import procs
 
 from .helpers import read_pointer
 
@@ -22,9 +23,9 @@ CHILD = Path(__file__).with_name("ddp_child.py")
 
 
 def run(root: str, max_steps: int, io_options: dict | None = None, env: dict | None = None) -> str:
-    proc = subprocess.run([sys.executable, str(CHILD), root, str(max_steps), json.dumps(io_options or {})],
-                          capture_output=True, text=True, timeout=240, start_new_session=True,
-                          env={**os.environ, **(env or {})})
+    proc = procs.run([sys.executable, str(CHILD), root, str(max_steps), json.dumps(io_options or {})],
+                     capture_output=True, text=True, timeout=240, start_new_session=True,
+                     env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -81,8 +82,8 @@ def test_a_ddp_fit_that_resumes_nothing_over_a_run_stops_on_every_rank(local_bac
     root = local_backend.root
     run(root, 2)
     before = read_pointer(local_backend)
-    proc = subprocess.run([sys.executable, str(CHILD), root, "4", "{}"], capture_output=True, text=True, timeout=240,
-                          start_new_session=True, env={**os.environ, "FRESH": "1"})
+    proc = procs.run([sys.executable, str(CHILD), root, "4", "{}"], capture_output=True, text=True, timeout=240,
+                     start_new_session=True, env={**os.environ, "FRESH": "1"})
     assert proc.returncode != 0
     assert proc.stderr.count("RunExistsError: this fit loads no checkpoint") == 2, proc.stderr[-3000:]
     assert "START" not in proc.stdout and "SAVE" not in proc.stdout  # before the first step, nothing saved

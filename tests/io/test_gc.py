@@ -19,6 +19,7 @@ from lightning_resilient.cli import main
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME
 from lightning_resilient.testing import StoreProxy
+from tests import procs
 
 from .helpers import make_checkpoint, read_pointer
 from .test_crash import _env, commit_folders
@@ -152,9 +153,9 @@ def test_gc_and_readers_in_a_loop_beside_a_running_job(request, kind, make_io):
     verifies, and the rerun resumes the last step."""
     backend = request.getfixturevalue(f"{kind}_backend")
     env = _env(AWS_ENDPOINT_URL=backend.endpoint) if backend.endpoint else _env()
-    job = subprocess.Popen([sys.executable, str(CHILD), backend.root, json.dumps(backend.storage_options),
-                            "--max-steps", "25" if kind == "local" else "14", "--keep-last", "1"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    job = procs.popen([sys.executable, str(CHILD), backend.root, json.dumps(backend.storage_options),
+                       "--max-steps", "25" if kind == "local" else "14", "--keep-last", "1"],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     options = _options(backend)
     reader = make_io(backend)
     problems: list[str] = []

@@ -27,6 +27,7 @@ import torch
 
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.testing import StoreProxy
+from tests import procs
 
 from .helpers import read_pointer
 from .test_crash import _env
@@ -44,9 +45,9 @@ class Node:
     """One node's launcher process (it starts the node's second process); its output, read as it comes."""
 
     def __init__(self, rank: int, root: str, out: Path, options: dict, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), root, str(out), json.dumps(options)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True)
+        self.proc = procs.popen([sys.executable, str(CHILD), root, str(out), json.dumps(options)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
         self.lines: list[str] = []
         self.err = ""
         threading.Thread(target=self._read, daemon=True).start()

@@ -82,6 +82,7 @@ from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, RootSettings
 from lightning_resilient.io.store import open_store
 from lightning_resilient.io.tiered import TieredRoot, local_tier_url
+from tests import procs
 
 from .protocol_model import Commit, Job, RootModel
 from .protocol_worker import content
@@ -1234,7 +1235,7 @@ class Zygote:
     """protocol_worker.py, imported once; each writer is a fork of it (a real process, SIGKILLed for real)."""
 
     def __init__(self, env: dict[str, str], folder: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = procs.popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
         self.folder = folder
         self.spawned = 0

@@ -42,6 +42,7 @@ from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord
 from lightning_resilient.io.replicas import DURABLE, plan_sources
 from lightning_resilient.io.sharded import load_full
 from lightning_resilient.io.tiered import local_tier_url
+from tests import procs
 
 from .test_crash import _env
 from .test_sharded import BASE, uninterrupted
@@ -170,9 +171,9 @@ class Node:
     """One node's launcher process (it starts the node's other processes) and its output, read as it comes."""
 
     def __init__(self, rank: int, root: str, out: Path, options: dict[str, Any], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(CHILD), root, str(out), json.dumps(options)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True)
+        self.proc = procs.popen([sys.executable, str(CHILD), root, str(out), json.dumps(options)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
         self.lines: list[str] = []
         self.err = ""
         threading.Thread(target=self._read, daemon=True).start()

@@ -26,6 +26,7 @@ import torch
 from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, ShardedCheckpointError
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.sharded import AtomicStorageReader, load_full, load_sharded, root_and_name, save_sharded
+from tests import procs
 
 from ..conftest import Backend
 from .helpers import read_pointer
@@ -141,9 +142,9 @@ def launch(root: str, out: Path, options: dict[str, Any], *, kill_after: int | N
     """Run the child; with ``kill_after``, SIGKILL every process of the job once rank 0 saved that step.
 
     Returns its stdout, or with ``stderr`` its stderr (a run that is not killed)."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), root, str(out), json.dumps(options)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+    proc = procs.popen([sys.executable, str(CHILD), root, str(out), json.dumps(options)],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                       env={**os.environ, **(env or {})})
     with open(str(out) + ".losses", "a") as f:
         f.write("START\n")
     assert proc.stdout is not None

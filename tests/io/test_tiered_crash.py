@@ -19,6 +19,7 @@ from lightning.pytorch import seed_everything
 
 from lightning_resilient.io.catalog import reader
 from lightning_resilient.io.tiered import TierView, local_tier_url
+from tests import procs
 
 from . import tiered_child
 from .test_crash import Job, _env
@@ -29,10 +30,10 @@ MAX_STEPS = 36
 
 def start(backend, local: Path, out: Path, *extra: str) -> Job:
     # test_crash's child and its lines, around this test's own child script
-    return Job(subprocess.Popen([sys.executable, str(CHILD), backend.root, json.dumps(backend.storage_options),
-                                 str(local), str(out), "--max-steps", str(MAX_STEPS), *extra],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                env=_env(AWS_ENDPOINT_URL=backend.endpoint or ""), start_new_session=True))
+    return Job(procs.popen([sys.executable, str(CHILD), backend.root, json.dumps(backend.storage_options),
+                            str(local), str(out), "--max-steps", str(MAX_STEPS), *extra],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           env=_env(AWS_ENDPOINT_URL=backend.endpoint or ""), start_new_session=True))
 
 
 def started_at(job: Job) -> int:

@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests import procs
+
 CHILD = Path(__file__).with_name("elastic_child.py")
 SAMPLES = 64
 
@@ -42,7 +44,7 @@ def run(root: Path, out: Path, options: dict[str, Any]) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get(
         "PYTHONPATH", "")])}
     port = str(free_port())
-    procs = []
+    children = []
     for node in range(nodes):
         node_env = dict(env)
         if nodes > 1:
@@ -50,12 +52,12 @@ def run(root: Path, out: Path, options: dict[str, Any]) -> str:
             tmp.mkdir(exist_ok=True)
             node_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node), LOCAL_RANK="0",
                             TMPDIR=str(tmp))
-        procs.append(subprocess.Popen([sys.executable, str(CHILD), str(root), str(out), json.dumps(options)],
-                                      env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      start_new_session=True))
-    logs = [proc.communicate(timeout=240)[1] for proc in procs]
+        children.append(procs.popen([sys.executable, str(CHILD), str(root), str(out), json.dumps(options)],
+                                    env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True))
+    logs = [proc.communicate(timeout=240)[1] for proc in children]
     expected = -signal.SIGKILL if options.get("kill_at") is not None else 0
-    for proc, log in zip(procs, logs, strict=True):
+    for proc, log in zip(children, logs, strict=True):
         assert proc.returncode == expected, log[-4000:]
     return logs[0]
 

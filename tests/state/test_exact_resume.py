@@ -28,6 +28,7 @@ import torch
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store import open_store
 from lightning_resilient.state.attempts import list_attempts, read_record
+from tests import procs
 
 CHILD = Path(__file__).with_name("exact_child.py")
 
@@ -36,9 +37,9 @@ def launch(root: Path | str, out: Path, options: dict[str, Any], kill_after_save
            kill_at_step: int | None = None, env: dict[str, str] | None = None) -> str:
     """Run the child; kill it at the line ``SAVED kill_after_save`` (then, with ``kill_at_step``, at ``STEP
     kill_at_step``). Returns what a run that was not killed wrote to stderr (its log)."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), str(root), str(out), json.dumps(options)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if kill_after_save else subprocess.PIPE,
-                            text=True, start_new_session=True, env=env)
+    proc = procs.popen([sys.executable, str(CHILD), str(root), str(out), json.dumps(options)],
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if kill_after_save else subprocess.PIPE,
+                       text=True, start_new_session=True, env=env)
     with open(out.with_suffix(".losses"), "a") as f:
         f.write("START\n")
     assert proc.stdout is not None
