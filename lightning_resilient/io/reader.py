@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, as_completed
@@ -128,6 +129,27 @@ class RootReader:
     def __init__(self, store: Store, executor: Callable[[], Executor]) -> None:
         self.store = store
         self._executor = executor
+        self._held: dict[str, tuple[list[str], torch.Tensor]] = {}
+        self._held_lock = threading.Lock()
+
+    def hold_verified(self, obj: ObjectEntry, data: torch.Tensor) -> None:
+        """Keep ``data``, the bytes of ``obj`` this process has just checked against every one of ``obj``'s chunk
+        digests (a copy received from a peer, and written to this root), so that the next read of ``obj`` takes them
+        from memory instead of reading back and hashing again what was checked moments ago. Taken by one read, by a
+        manifest that lists the same digests; :meth:`drop_held` forgets what no read took."""
+        with self._held_lock:
+            self._held[obj.path] = (list(obj.chunks), data)
+
+    def drop_held(self) -> None:
+        with self._held_lock:
+            self._held.clear()
+
+    def _take_held(self, obj: ObjectEntry) -> torch.Tensor | None:
+        with self._held_lock:
+            held = self._held.pop(obj.path, None)
+        if held is None or held[0] != list(obj.chunks) or held[1].numel() != obj.size:
+            return None
+        return held[1]
 
     def read_manifest(self, folder: str) -> Manifest:
         where = self.store.url(f"{folder}/{MANIFEST_NAME}")
@@ -184,7 +206,8 @@ class RootReader:
         """
         obj = manifest.objects[index]
         url = self.store.url(obj.path)
-        direct = into is not None and self.store.supports_read_into
+        held = self._take_held(obj)
+        direct = into is not None and (self.store.supports_read_into or held is not None)
         wanted = [(j, a, b) for j, (a, b) in enumerate(manifest.chunk_ranges(index)) if only is None or only(a, b)]
         spans: list[list[tuple[int, int, int]]] = []
         for chunk in wanted:
@@ -193,6 +216,23 @@ class RootReader:
                 last.append(chunk)
             else:
                 spans.append([chunk])
+
+        def from_held(chunks: list[tuple[int, int, int]]) -> int:
+            assert held is not None
+            a, b = chunks[0][1], chunks[-1][2]
+            source = layout.raw_bytes(held)[a:b]
+            if not direct:
+                sink(a, source)
+                return b - a
+            assert into is not None
+            pos = 0
+            for view in into(a, b):
+                view[:] = source[pos : pos + len(view)]
+                pos += len(view)
+            return pos
+
+        if held is not None:
+            return [functools.partial(from_held, chunks) for chunks in spans]
 
         def job(chunks: list[tuple[int, int, int]]) -> int:
             a, b = chunks[0][1], chunks[-1][2]

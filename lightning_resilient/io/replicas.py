@@ -44,7 +44,7 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,30 +215,66 @@ def _write(local: CheckpointRoot, manifest: Manifest, index: int, data: torch.Te
     local.store.write_pieces(manifest.objects[index].path, [layout.raw_bytes(data)])
 
 
+# What a restore keeps in memory of the copies it received and checked, for the load that follows (it then reads
+# them from there, not back from disk and through the hash again): at most this many bytes, beyond which the load
+# reads the rest from the local tier as usual. A replaced node's part of a large checkpoint would otherwise be
+# held twice in host memory during the load (these bytes and the state built from them).
+HOLD_FOR_LOAD_BYTES = 1 << 30
+
+
 def send_objects(local: CheckpointRoot, manifest: Manifest, indices: list[int], dst: int, group: Any) -> None:
-    """Send objects ``indices`` of ``manifest`` from the local tier ``local`` to global rank ``dst``, in order."""
-    for index in indices:
-        _send(_read(local, manifest.objects[index].path), dst, group)
+    """Send objects ``indices`` of ``manifest`` from the local tier ``local`` to global rank ``dst``, in order, each
+    read from disk while the one before it is on the wire (two objects in memory at most)."""
+    if not indices:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="lightning_resilient-send") as pool:
+        ahead = pool.submit(_read, local, manifest.objects[indices[0]].path)
+        for i in range(len(indices)):
+            data = ahead.result()
+            if i + 1 < len(indices):
+                ahead = pool.submit(_read, local, manifest.objects[indices[i + 1]].path)
+            _send(data, dst, group)
+            data = None  # (freed before the next read completes)
 
 
 def receive_objects(local: CheckpointRoot | None, manifest: Manifest, indices: list[int], src: int,
-                    group: Any) -> str | None:
+                    group: Any, hold: bool = False) -> str | None:
     """Receive objects ``indices`` of ``manifest`` from global rank ``src`` and write each into the local tier
     ``local`` once every chunk checks against the manifest; returns why not all did (None: all did). Every object is
-    received whatever happened to the ones before it: the sender does not wait for a verdict. ``local`` None: receive
-    and drop (this node cannot use them)."""
+    received whatever happened to the ones before it: the sender does not wait for a verdict. Each object is checked
+    and written while the next one arrives (two in memory at most, besides what ``hold`` keeps). ``local`` None:
+    receive and drop (this node cannot use them). ``hold``: keep the checked bytes for the load that follows, up to
+    :data:`HOLD_FOR_LOAD_BYTES` (:meth:`RootReader.hold_verified`)."""
     problem: str | None = None if local is not None else "no local tier to write to"
-    for index in indices:
-        data = None  # (the previous object's buffer is freed before the next one arrives)
-        data = _recv(src, group)
-        if problem is None:
-            problem = _verified(manifest, index, data)
+    budget = [HOLD_FOR_LOAD_BYTES if hold else 0]
+
+    def check_and_write(index: int, data: torch.Tensor | None) -> str | None:
+        why = _verified(manifest, index, data)
+        if why is not None:
+            return why
+        assert data is not None and local is not None
+        try:
+            _write(local, manifest, index, data)
+        except OSError as exc:
+            return f"{manifest.objects[index].path}: {exc}"
+        if data.numel() <= budget[0]:
+            budget[0] -= data.numel()
+            local.reader.hold_verified(manifest.objects[index], data)
+        return None
+
+    # (named after the thread it works for: the background rounds' or the resume's)
+    with ThreadPoolExecutor(1, thread_name_prefix=f"{threading.current_thread().name}-receive") as pool:
+        pending: Future[str | None] | None = None
+        for index in indices:
+            data = _recv(src, group)
+            if pending is not None:
+                problem = problem or pending.result()
+                pending = None
             if problem is None:
-                assert data is not None and local is not None
-                try:
-                    _write(local, manifest, index, data)
-                except OSError as exc:
-                    problem = f"{manifest.objects[index].path}: {exc}"
+                pending = pool.submit(check_and_write, index, data)
+            data = None  # (the check holds it while it needs it)
+        if pending is not None:
+            problem = problem or pending.result()
     return problem
 
 
@@ -749,8 +785,11 @@ def load_across_nodes(url: str, *, shown: str, nodes: Nodes, local_tier: str,
     candidates = [found.entry, *(found.fallbacks if fallback else [])]
     first: str | None = None
     for candidate in candidates:
-        done = _load_candidate(candidate, reports, nodes=nodes, durable=durable, local=local, replicas=replicas,
-                               load=load)
+        try:
+            done = _load_candidate(candidate, reports, nodes=nodes, durable=durable, local=local, replicas=replicas,
+                                   load=load)
+        finally:
+            local.reader.drop_held()  # (what a restore kept for a load that did not take it)
         if done is not None:
             if first is not None:
                 message = (f"loaded the previous committed checkpoint {candidate.commit} (step {candidate.step}) of"
@@ -906,7 +945,7 @@ def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, l
         elif nodes.rank == nodes.leader(dst):
             if not received:
                 _adopt_for_restore(local, plan)  # before anything is written: it may set a foreign tier aside
-            problem = receive_objects(local, manifest, indices, nodes.leader(src), nodes.sync)
+            problem = receive_objects(local, manifest, indices, nodes.leader(src), nodes.sync, hold=True)
             if problem is None:
                 try:
                     parts.write_record(local, manifest, part)

@@ -123,7 +123,7 @@ def hold(where: str) -> None:
                 write(local, manifest, index, data)
                 # (a replica arrives in the background thread; the training thread writes the common objects of a
                 # sharded save the same way)
-                background = threading.current_thread().name == "lightning_resilient-replicas"
+                background = threading.current_thread().name.startswith("lightning_resilient-replicas")
                 if manifest.step == step and background and not held:
                     held.append(step)
                     say(f"RECEIVING {manifest.step}")
