@@ -229,13 +229,15 @@ def popen(args: list[str], **kwargs: Any) -> Any:
 
 
 def run(args: list[str], *, capture_output: bool = False, timeout: float | None = None, check: bool = False,
-        **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        input: Any = None, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
     """:func:`subprocess.run` over :func:`popen`."""
     if capture_output:
         kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if input is not None:
+        kwargs.update(stdin=subprocess.PIPE)
     proc = popen(args, **kwargs)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(input, timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -268,6 +270,27 @@ def _listen(name: str) -> socket.socket:
     return listener
 
 
+def _read_request(conn: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One request (its length, the three stream fds, then its JSON); None when the connection ends before it does."""
+    conn.setblocking(True)
+    head, fds, _, _ = socket.recv_fds(conn, 8, _STREAMS)
+    while 0 < len(head) < 8:
+        more = conn.recv(8 - len(head))
+        if not more:
+            break
+        head += more
+    if len(head) < 8:
+        return None, fds
+    (size,) = struct.unpack("!Q", head)
+    body = b""
+    while len(body) < size:
+        more = conn.recv(size - len(body))
+        if not more:
+            return None, fds
+        body += more
+    return json.loads(body), fds
+
+
 def _serve(listener: socket.socket, until: int, is_stdin: bool) -> dict[str, Any]:
     """Fork a child per request until ``until`` says to stop (stdin at its end, or the pidfd of the process this
     server works for: it ended); returns only in a child, with its request."""
@@ -282,15 +305,16 @@ def _serve(listener: socket.socket, until: int, is_stdin: bool) -> dict[str, Any
                     os._exit(0)
             elif key.data == "accept":
                 conn, _ = listener.accept()
-                conn.setblocking(True)
-                head, fds, _, _ = socket.recv_fds(conn, 8, _STREAMS)
-                (size,) = struct.unpack("!Q", head)
-                body = b""
-                while len(body) < size:
-                    body += conn.recv(size - len(body))
-                request = json.loads(body)
+                request, fds = _read_request(conn)
+                if request is None:  # the requester went away mid-request: nothing to start
+                    for fd in fds:
+                        os.close(fd)
+                    conn.close()
+                    continue
+                ready, ready_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
+                    os.close(ready)
                     selector.close()
                     listener.close()
                     if not is_stdin:
@@ -299,10 +323,14 @@ def _serve(listener: socket.socket, until: int, is_stdin: bool) -> dict[str, Any
                         os.close(pidfd)
                         other.close()
                     conn.close()
-                    request["fds"] = fds
+                    request["fds"], request["ready"] = fds, ready_w
                     return request  # type: ignore[no-any-return]
+                os.close(ready_w)
                 for fd in fds:
                     os.close(fd)
+                # As Popen returns once its child runs: the requester may signal the child's group at once.
+                os.read(ready, 1)  # (empty if the child died first)
+                os.close(ready)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 pidfd = os.pidfd_open(pid)
                 waiting[pidfd] = (pid, conn)
@@ -361,6 +389,8 @@ def _become(request: dict[str, Any], base_path: list[str]) -> None:
     for fd in set(request["fds"]):
         if fd > 2:
             os.close(fd)
+    os.write(request["ready"], b"1")  # session and streams are in place (see _serve)
+    os.close(request["ready"])
     env: dict[str, str] = request["env"]
     os.environ.clear()
     os.environ.update(env)
