@@ -13,7 +13,10 @@ Loops (the training thread):
   torch ops (GIL held between them, as a Python training step holds it). A background save that holds the GIL, or
   keeps both cores busy, shows here as a longer step;
 - ``cpu``: a CPU-bound step (matrix products on every core for ~50 ms): there the cores are the limit and any
-  background work shows, for completeness.
+  background work shows, for completeness;
+- ``cuda`` (only asked for by name, on a CUDA machine): the real thing: ``--ops`` small ops and as many 4096x4096
+  matrix products on the GPU as take ~50 ms idle, then a ``torch.cuda.synchronize()``; the checkpoint's tensors are
+  on the GPU too, so an async save copies them to its pinned snapshot first (async-save and persist only).
 
 Cases (each in a fresh process per loop; ``--runs`` times; in each run the loop's idle steps are measured first, then
 its steps while the background work runs, whose duration is recorded too):
@@ -56,6 +59,7 @@ from typing import Any
 MB = 2**20
 CASES = ["async-save", "persist", "replicate", "restore"]
 LOOPS = ["gpu", "cpu"]
+DEVICE_LOOPS = ["cuda"]  # not in the defaults: they need the device
 
 
 # -- the training loops ------------------------------------------------------------------------------------------
@@ -70,7 +74,18 @@ class Loop:
         self.x = torch.zeros(1024)
         self.a = torch.randn(384, 384)
         self.reps = 1
-        if kind == "cpu":  # as many products as take ~50 ms here, idle: counted over 1 s, after a warm-up
+        if kind == "cuda":
+            self.x, self.a = self.x.cuda(), torch.randn(4096, 4096, device="cuda")
+            for _ in range(10):
+                self.a @ self.a
+            torch.cuda.synchronize()
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 1.0:
+                self.a @ self.a
+                n += 1
+                torch.cuda.synchronize()
+            self.reps = max(1, round(0.05 * n / (time.perf_counter() - t0)))
+        elif kind == "cpu":  # as many products as take ~50 ms here, idle: counted over 1 s, after a warm-up
             for _ in range(10):
                 self.a @ self.a
             n, t0 = 0, time.perf_counter()
@@ -85,6 +100,15 @@ class Loop:
             y = self.x
             for _ in range(self.ops):  # the host-side dispatch of the step's small ops
                 y = y + 1.0
+        elif self.kind == "cuda":
+            import torch
+
+            for _ in range(self.reps):
+                self.a @ self.a
+            y = self.x
+            for _ in range(self.ops):
+                y = y + 1.0
+            torch.cuda.synchronize()  # the step's end: the host waits for the device (without the GIL)
         else:
             for _ in range(self.reps):
                 self.a @ self.a
@@ -140,6 +164,10 @@ def run_single(spec: dict[str, Any]) -> None:
 
     loop = Loop(spec["loop"], spec["ops"])
     ckpt = make_checkpoint(spec["size"])
+    if spec["loop"] == "cuda":
+        from torch.utils._pytree import tree_map
+
+        ckpt = tree_map(lambda v: v.cuda() if hasattr(v, "cuda") else v, ckpt)
     tmp = spec["tmp"]
     for run in range(spec["runs"]):
         idle = loop.steps(spec["idle_steps"])
@@ -409,7 +437,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--idle-steps", type=int, default=15, help="idle steps measured before each run's work")
     parser.add_argument("--ops", type=int, default=300, help="gpu loop: small torch ops dispatched per step")
     parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
-    parser.add_argument("--loops", nargs="+", default=LOOPS, choices=LOOPS)
+    parser.add_argument("--loops", nargs="+", default=LOOPS, choices=LOOPS + DEVICE_LOOPS)
     parser.add_argument("--latency", type=float, default=0.03, help="s3-latency: seconds added per request")
     parser.add_argument("--bandwidth", type=float, default=40e6, help="s3-latency: bytes/s per connection")
     parser.add_argument("--package", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -432,7 +460,8 @@ def main(argv: list[str] | None = None) -> str:
     procs: list[subprocess.Popen[str]] = []
     try:
         for case in args.cases:
-            for loop in args.loops if case != "restore" else ["gpu"]:
+            loops = [loop for loop in args.loops if loop not in DEVICE_LOOPS or case in ("async-save", "persist")]
+            for loop in loops if case != "restore" else ["gpu"]:
                 packages = [("", base["package"])]
                 if args.baseline and case in ("async-save", "persist"):
                     packages = [(" (baseline)", os.path.abspath(args.baseline)), *packages] * args.rounds
