@@ -21,9 +21,11 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-# The inner loop: everything but the tests that start processes (kills, DDP, FSDP, the demo, benchmark runs).
+# The inner loop: everything but the tests that start processes (kills, DDP, FSDP, the demo, benchmark runs) or run
+# tens of seconds, on local disk, memory:// and GCS; S3 (moto: 3-4x a GCS test's time) is left to `make test`.
+FAST_STORES ?= local,memory,gcs
 test-fast: install
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" --stores $(FAST_STORES) $(PYTEST_ARGS)
 
 # ruff over the whole tree, mypy --strict over the package (settings in pyproject.toml); zero findings expected.
 lint: install

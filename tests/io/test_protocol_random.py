@@ -1319,8 +1319,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     suite = KILL_SEEDS if metafunc.function is test_randomized_protocol_model_with_sigkills else SEEDS
     cases = [(kind, seed) for kind in ("local", "s3")
              for seed in ([replay] if replay is not None else [None] if soak else suite[kind])]
-    metafunc.parametrize(("kind", "seed"), cases,
-                         ids=[f"{kind}-{'soak' if seed is None else seed}" for kind, seed in cases])
+    # The S3 run is about 2000 requests through moto (20 s): left out of `make test-fast` with the other slow tests.
+    metafunc.parametrize(("kind", "seed"), [
+        pytest.param(kind, seed, id=f"{kind}-{'soak' if seed is None else seed}",
+                     marks=[pytest.mark.slow] if kind == "s3" else []) for kind, seed in cases])
 
 
 def _run(request: pytest.FixtureRequest, kind: str, seed: int | None, folder: Path, *, kills: bool = False) -> Run:
