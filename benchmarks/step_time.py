@@ -303,6 +303,7 @@ def _restore(rank: int, node: _Node, ckpt: Any, folder: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_resilient.io.replicas import load_across_nodes
+    from lightning_resilient.io.tiered import local_tier_url
 
     if rank == 0:
         node.tiers_for(node.durable).save(ckpt, "step=1.ckpt")
@@ -322,7 +323,9 @@ def _restore(rank: int, node: _Node, ckpt: Any, folder: str) -> dict[str, Any]:
                              root_for=fresh.root_for, replicas=2, fallback=True, load=load)
     took = time.perf_counter() - t0
     assert done is not None and done.sources.local is not None, "not restored from the peer"
-    return {"restore_s": took}
+    # The training can start here; the restored copy reaches the node's tier behind it (before its next change).
+    fresh.root_for(local_tier_url(fresh.local_tier, fresh.durable)).settle()
+    return {"restore_s": took, "durable_s": time.perf_counter() - t0}
 
 
 # -- the store for the restore comparison ------------------------------------------------------------------------
@@ -418,7 +421,9 @@ def summarize(case: str, loop: str, rows: list[dict[str, Any]]) -> dict[str, Any
                 "idle1_ms": 1000 * med("idle1"), "during1_ms": 1000 * med("during1"),
                 "ratio1": ratio("idle1", "during1"), "background_s": med("background_s0"),
                 "peak0_mb": med("peak_mb0"), "peak1_mb": med("peak_mb1"), "tier1_mb": med("tier_mb1")}
-    return {"restore_s": med("restore_s1" if case == "restore" else "restore_s")}
+    if case == "restore":
+        return {"restore_s": med("restore_s1"), "durable_s": med("durable_s1")}
+    return {"restore_s": med("restore_s")}
 
 
 def machine_description() -> str:
@@ -520,8 +525,10 @@ def report(summary: dict[str, Any], args: argparse.Namespace) -> str:
                      f" {s['background_s']:.2f} | {notes} |")
     if "restore/gpu" in summary and "store-restore" in summary:
         peer, store = summary["restore/gpu"]["restore_s"], summary["store-restore"]["restore_s"]
+        durable = summary["restore/gpu"].get("durable_s", float("nan"))
         lines += ["", (f"Restore of a replaced node: from a peer's replica {peer:.2f} s, from s3-latency"
-                       f" {store:.2f} s ({store / peer:.1f}x faster from the peer)."), "",
+                       f" {store:.2f} s ({store / peer:.1f}x faster from the peer); the restored copy was on the"
+                       f" node's disk {durable:.2f} s after the restore began (written behind training)."), "",
                   (f"s3-latency: moto behind a loopback proxy adding {args.latency * 1000:.0f} ms per request and"
                    f" capping each connection at {args.bandwidth / 1e6:.0f} MB/s.")]
     return "\n".join(lines) + "\n"

@@ -411,6 +411,7 @@ class AtomicCheckpointIO(CheckpointIO):
         return lambda commit, **kwargs: cache.load(root, commit, local_root, **kwargs)
 
     def _reopen(self, root: CheckpointRoot) -> CheckpointRoot:
+        root.settle()  # (the fresh one would not wait for what the old one still writes)
         fresh = CheckpointRoot(root.store, root.settings, self._executor)
         with self._lock:
             for key, value in self._roots.items():
@@ -676,6 +677,7 @@ class AtomicCheckpointIO(CheckpointIO):
         the fit retired since its last commit (Lightning's last top-k removal, the last ``keep_last`` drop), which
         otherwise waits for a later commit that this job will not make: the root then holds what Lightning kept
         (see ``Retention.end_of_writer`` for why readers stay safe)."""
+        self._settle_roots()
         try:
             self._each_tier(lambda tier: tier.close(), first=self._async.close if self._async is not None else None)
         finally:
@@ -694,6 +696,8 @@ class AtomicCheckpointIO(CheckpointIO):
         """Block until the async save in flight (if any) has committed and, with ``local_tier``, the persists
         queued so far are done (and, on global rank 0 of a job on several nodes, the copies of local commits to the
         other nodes); raise their error."""
+        self._settle_roots()
+
         def tier_wait(tier: TieredRoot) -> None:
             tier.wait()
             tier.raise_failure()
@@ -706,7 +710,16 @@ class AtomicCheckpointIO(CheckpointIO):
         """With ``local_tier``: wait for the save in flight, then persist the newest local checkpoint of every root
         (if it is not there yet) and wait until it is committed there. ``PreemptionCheckpoint`` calls it after an
         emergency save: the node may not come back. Without a local tier: :meth:`wait`."""
+        self._settle_roots()
         self._each_tier(lambda tier: tier.persist_latest(), first=self._wait_async)
+
+    def _settle_roots(self) -> None:
+        """Wait for what a resume left to finish in a root (a replaced node's copy restored from a peer, written to
+        its local tier behind training: ``CheckpointRoot.finish_later``)."""
+        with self._lock:
+            roots = list(self._roots.values())
+        for root in roots:
+            root.settle()
 
     def _wait_async(self) -> None:
         if self._async is not None:

@@ -135,8 +135,9 @@ class RootReader:
     def hold_verified(self, obj: ObjectEntry, data: torch.Tensor) -> None:
         """Keep ``data``, the bytes of ``obj`` this process has just checked against every one of ``obj``'s chunk
         digests (a copy received from a peer, and written to this root), so that the next read of ``obj`` takes them
-        from memory instead of reading back and hashing again what was checked moments ago. Taken by one read, by a
-        manifest that lists the same digests; :meth:`drop_held` forgets what no read took."""
+        from memory instead of reading back and hashing again what was checked moments ago (and, where the restore
+        writes them to disk only after the load, before they are there). They serve every read of ``obj`` by a
+        manifest that lists the same digests (a sharded load reads some objects twice) until :meth:`drop_held`."""
         with self._held_lock:
             self._held[obj.path] = (list(obj.chunks), data)
 
@@ -146,7 +147,7 @@ class RootReader:
 
     def _take_held(self, obj: ObjectEntry) -> torch.Tensor | None:
         with self._held_lock:
-            held = self._held.pop(obj.path, None)
+            held = self._held.get(obj.path)
         if held is None or held[0] != list(obj.chunks) or held[1].numel() != obj.size:
             return None
         return held[1]
@@ -424,13 +425,18 @@ class RootReader:
     def stored_sizes(self, paths: Iterable[str]) -> dict[str, int | None]:
         """The stored size of each object under the folders holding ``paths``: one listing per folder. An object
         absent from the result is missing. A listing without sizes (a static HTTP server's) costs one request per
-        object of ``paths`` for its size; None only where the store cannot tell it at all (unknown, never 0)."""
+        object of ``paths`` for its size; None only where the store cannot tell it at all (unknown, never 0). An
+        object held in memory (:meth:`hold_verified`) counts with the size of its held bytes: a restore may write it
+        to the store only after the load."""
         wanted = set(paths)
+        with self._held_lock:
+            held: dict[str, int | None] = {p: h[1].numel() for p, h in self._held.items() if p in wanted}
         out: dict[str, int | None] = {}
-        for folder in sorted({p.rsplit("/", 1)[0] for p in wanted}):
+        for folder in sorted({p.rsplit("/", 1)[0] for p in wanted - held.keys()}):
             for obj, info in self.store.list_detail(folder).items():
                 path = f"{folder}/{obj}"
                 out[path] = self.store.size(path) if info.size is None and path in wanted else info.size
+        out.update(held)
         return out
 
 

@@ -31,7 +31,11 @@ each; global rank 0 resolves the path over the durable root and all of them, and
 decides where each node gets each part it needs: its own tier, else a peer that holds it (the node that wrote it,
 then the replica holders by placement), else the durable root. Peers send the missing parts in the training
 thread's ``sync`` group, each checked chunk by chunk on arrival; a copy that fails moves that part to its next
-source. Every rank then loads the commit, each byte verified as it is read; a node whose own copy fails verification
+source. The checked bytes (up to :data:`HOLD_FOR_LOAD_BYTES`) stay in memory for the load, which reads them from
+there; they are written to the node's tier, recorded and listed there behind training once every rank has loaded
+(:meth:`CheckpointRoot.finish_later`: the tier's next change waits for it; a kill before leaves an unlisted folder,
+which the next restart restores again and gc removes). Every rank then loads the commit, each byte verified as it
+is read; a node whose own copy fails verification
 has that copy excluded and the job decides again (the next replica, then the durable root). Only when no source of
 some part is left does the whole job fall back, together, to the previous commit: never a wrong or partial state.
 """
@@ -39,6 +43,7 @@ some part is left does the whole job fall back, together, to the previous commit
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import threading
 import warnings
@@ -238,13 +243,15 @@ def send_objects(local: CheckpointRoot, manifest: Manifest, indices: list[int], 
 
 
 def receive_objects(local: CheckpointRoot | None, manifest: Manifest, indices: list[int], src: int,
-                    group: Any, hold: bool = False) -> str | None:
+                    group: Any, hold: bool = False,
+                    later: list[tuple[int, torch.Tensor]] | None = None) -> str | None:
     """Receive objects ``indices`` of ``manifest`` from global rank ``src`` and write each into the local tier
     ``local`` once every chunk checks against the manifest; returns why not all did (None: all did). Every object is
     received whatever happened to the ones before it: the sender does not wait for a verdict. Each object is checked
     and written while the next one arrives (two in memory at most, besides what ``hold`` keeps). ``local`` None:
     receive and drop (this node cannot use them). ``hold``: keep the checked bytes for the load that follows, up to
-    :data:`HOLD_FOR_LOAD_BYTES` (:meth:`RootReader.hold_verified`)."""
+    :data:`HOLD_FOR_LOAD_BYTES` (:meth:`RootReader.hold_verified`); with ``later``, those held are not written here
+    but appended to it as ``(index, bytes)``, for the caller to write once the load has taken them."""
     problem: str | None = None if local is not None else "no local tier to write to"
     budget = [HOLD_FOR_LOAD_BYTES if hold else 0]
 
@@ -253,6 +260,11 @@ def receive_objects(local: CheckpointRoot | None, manifest: Manifest, indices: l
         if why is not None:
             return why
         assert data is not None and local is not None
+        if later is not None and data.numel() <= budget[0]:
+            budget[0] -= data.numel()
+            local.reader.hold_verified(manifest.objects[index], data)
+            later.append((index, data))
+            return None
         try:
             _write(local, manifest, index, data)
         except OSError as exc:
@@ -758,6 +770,7 @@ def load_across_nodes(url: str, *, shown: str, nodes: Nodes, local_tier: str,
         return None
     durable = root_for(durable_url)
     local = root_for(local_tier_url(local_tier, durable_url))
+    local.settle()  # (a restore of an earlier load still writing into this tier)
     report: _Report | None = None
     if nodes.is_leader:
         try:
@@ -819,8 +832,10 @@ def _load_candidate(candidate: Entry, reports: list[_Report], *, nodes: Nodes, d
         if plan is None:
             log.warning("%s: some node has no source for a part of it", candidate.commit)
             return None
-        final = _restore(plan, nodes, local)
+        later = _Later()
+        final = _restore(plan, nodes, local, later)
         if final is None:
+            _make_durable_now(local, plan, later)  # (checked copies of parts this try cannot use: a later one can)
             return None
         mine = final[nodes.node]
         sources = Sources(local if any(s == nodes.node for s in mine.values()) else None,
@@ -834,7 +849,11 @@ def _load_candidate(candidate: Entry, reports: list[_Report], *, nodes: Nodes, d
         verdicts = nodes.all_gather((not isinstance(outcome, BaseException), local in failed, durable in failed))
         if all(ok for ok, _, _ in verdicts):
             assert not isinstance(outcome, BaseException)
+            if later:  # the load took the restored bytes from memory: the disk copy is made behind training
+                local.finish_later(functools.partial(_make_durable, local, plan, later),
+                                   f"the copy of {candidate.commit} restored from a peer")
             return sources, outcome
+        _make_durable_now(local, plan, later)  # before the next try, which may read them from the tier
         if isinstance(outcome, BaseException):
             where = ", ".join(sorted(root.store.url(candidate.commit) for root in failed)) or candidate.commit
             message = (f"checkpoint {where} is corrupted and was NOT loaded (rank {nodes.rank}: {outcome}); the job"
@@ -871,10 +890,48 @@ def _plan(candidate: Entry, reports: list[_Report], nodes: Nodes, durable: Check
     return plan
 
 
-def _restore(plan: Plan, nodes: Nodes, local: CheckpointRoot) -> list[dict[int, int]] | None:
+@dataclass
+class _Later:
+    """What a restore received and checked on this node but left for after the load (:func:`_make_durable`): the
+    objects held in memory for it, the parts received whole, and whether the commit is to be listed."""
+
+    objects: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    parts: list[int] = field(default_factory=list)
+    commit: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.objects or self.parts or self.commit)
+
+
+def _make_durable(local: CheckpointRoot, plan: Plan, later: _Later) -> None:
+    """Write what a restore held for the load into the local tier, then each part's record, then list the commit
+    (the order a copy is made in: objects, record, manifest; cut short, it counts for nothing)."""
+    while later.objects:
+        index, data = later.objects.pop(0)  # (each object's memory goes once it is written)
+        _write(local, plan.manifest, index, data)
+        del data
+    for part in later.parts:
+        parts.write_record(local, plan.manifest, part)
+    if later.commit:
+        _commit_restored(local, plan)
+    later.parts.clear()
+    later.commit = False
+
+
+def _make_durable_now(local: CheckpointRoot, plan: Plan, later: _Later) -> None:
+    try:
+        _make_durable(local, plan, later)
+    except Exception as exc:  # this node's tier then lacks the copy: the next try or restart restores it again
+        log.warning("the copy of %s restored from a peer could not be written to %s: %s", plan.commit, local.url,
+                    exc)
+    later.objects.clear()
+
+
+def _restore(plan: Plan, nodes: Nodes, local: CheckpointRoot, later: _Later) -> list[dict[int, int]] | None:
     """Copy from peers every part some node needs and lacks, each to its leader, trying the plan's sources in
     order; returns each node's final source of each part (its own tier, or :data:`DURABLE`), or None when some part
-    has no source left. Every rank calls it (only leaders move data)."""
+    has no source left. Every rank calls it (only leaders move data). What the load reads from memory is left in
+    ``later``."""
     chosen: list[dict[int, int]] = [{} for _ in range(nodes.count)]
     remaining = {(node, part): list(order) for node, mine in enumerate(plan.sources) for part, order in mine.items()}
     while remaining:
@@ -890,7 +947,7 @@ def _restore(plan: Plan, nodes: Nodes, local: CheckpointRoot) -> list[dict[int, 
             del remaining[(node, part)]
         if not transfers:
             break
-        outcomes = _transfer(plan, transfers, nodes, local)
+        outcomes = _transfer(plan, transfers, nodes, local, later)
         for (src, node, part), ok in zip(transfers, outcomes, strict=True):
             if ok:
                 chosen[node][part] = node
@@ -931,10 +988,12 @@ def _commit_restored(local: CheckpointRoot, plan: Plan) -> None:
         local.store.write(f"{manifest.commit}/{MANIFEST_NAME}", manifest.to_bytes())
 
 
-def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, local: CheckpointRoot) -> list[bool]:
-    """Run ``transfers`` (source node, target node, part) in order over the sync group; the targets write what
-    verifies, then the part's record, then commit the manifest in their local tier if it lacks it (the commit is then
-    loadable from there, and listed like any local commit). Returns each transfer's outcome, as every rank sees it."""
+def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, local: CheckpointRoot,
+              later: _Later) -> list[bool]:
+    """Run ``transfers`` (source node, target node, part) in order over the sync group; the targets check every
+    object, write those the load will not take from memory, and leave in ``later`` the held ones, the part's record
+    and the commit of the manifest in their local tier (then loadable from there, and listed like any local commit).
+    Returns each transfer's outcome, as every rank sees it."""
     manifest = plan.manifest
     mine: list[tuple[int, str | None]] = []
     received: set[int] = set()
@@ -945,18 +1004,17 @@ def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, l
         elif nodes.rank == nodes.leader(dst):
             if not received:
                 _adopt_for_restore(local, plan)  # before anything is written: it may set a foreign tier aside
-            problem = receive_objects(local, manifest, indices, nodes.leader(src), nodes.sync, hold=True)
+            held: list[tuple[int, torch.Tensor]] = []
+            problem = receive_objects(local, manifest, indices, nodes.leader(src), nodes.sync, hold=True, later=held)
             if problem is None:
-                try:
-                    parts.write_record(local, manifest, part)
-                    received.add(part)
-                except OSError as exc:
-                    problem = str(exc)
-            if problem is not None:
+                later.objects += held
+                later.parts.append(part)
+                received.add(part)
+            else:
                 log.warning("restoring part %d of %s from node %d failed: %s", part, manifest.commit, src, problem)
             mine.append((i, problem))
     if received:
-        _commit_restored(local, plan)
+        later.commit = True
     gathered = nodes.all_gather(mine)
     ok = [True] * len(transfers)
     for outcomes in gathered:

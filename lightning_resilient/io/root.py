@@ -18,6 +18,7 @@ latest of a lineage, fallbacks) is the catalog's job (``catalog.py``), not this 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -92,6 +93,34 @@ class CheckpointRoot:
         self.writer = RootWriter(store, chunk_size=settings.chunk_size, shard_size=settings.shard_size,
                                  max_concurrency=settings.max_concurrency, executor=executor, fence=self.fence,
                                  reader=self.reader, retention=self.retention, claim=self.claim)
+        self._later: threading.Thread | None = None
+
+    # -- work finished behind training (a restore's copies: io/replicas.py) ---------------------------------------
+    def finish_later(self, work: Callable[[], None], what: str) -> None:
+        """Run ``work`` (which writes into this root) in a thread of its own. Every later change to the root (a
+        claim, a commit, a removal, a collection: the methods below) and :meth:`settle` wait for it first, so
+        nothing this process does to the root overlaps it. Its error is logged, not raised: ``work`` may only make
+        durable what the process no longer needs (left undone, it is an unlisted folder that gc removes)."""
+        self.settle()
+
+        def run() -> None:
+            try:
+                work()
+            except Exception as exc:
+                log.warning("%s in %s did not finish (%s): a restart does it again", what, self.url, exc)
+
+        # Not a daemon: an interpreter that exits normally finishes it first.
+        self._later = threading.Thread(target=run, name=f"lightning_resilient-{what.replace(' ', '-')}")
+        self._later.start()
+
+    def settle(self) -> None:
+        """Wait for the work :meth:`finish_later` started (at once when there is none; in that work's own thread
+        too, where it changes the root itself)."""
+        later = self._later
+        if later is None or later is threading.current_thread():
+            return
+        later.join()
+        self._later = None
 
     @property
     def url(self) -> str:
@@ -114,12 +143,14 @@ class CheckpointRoot:
 
     def claim(self, *, resumed_from: Entry | None = None) -> int:
         """Become the writer of this root (:meth:`WriterFence.claim`), then collect the garbage of fenced writers."""
+        self.settle()
         epoch = self.fence.claim(resumed_from=resumed_from)
         self._collect_quietly()
         return epoch
 
     def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin]) -> None:
         """Write this root as writer epoch ``epoch`` of another root (:meth:`WriterFence.adopt`: a local tier)."""
+        self.settle()
         self.retention.delete_retired(self.fence.adopt(epoch, origin, origins))
         self._collect_quietly()
 
@@ -130,9 +161,11 @@ class CheckpointRoot:
 
     def hold(self, folders: Iterable[str], why: str) -> None:
         """Keep ``folders`` from retention until :meth:`release` (they are to be copied)."""
+        self.settle()
         self.fence.hold(folders, why)
 
     def release(self, folders: Iterable[str]) -> None:
+        self.settle()
         self.retention.delete_retired(self.fence.release(folders))
 
     def resumed(self, entry: Entry, *, elsewhere: bool = False) -> None:
@@ -164,20 +197,24 @@ class CheckpointRoot:
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Entry:
         """Upload a prepared checkpoint, write its manifest, then move the pointer to it (:meth:`RootWriter.commit`)."""
+        self.settle()
         return self.writer.commit(prepared, folder=folder, extra=extra, sharded=sharded)
 
     def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None) -> Entry:
         """Commit ``manifest``, whose objects are stored (:meth:`RootWriter.publish`; ``held``: those of them this
         root holds, when it holds one node's part of a sharded commit)."""
+        self.settle()
         return self.writer.publish(manifest, held=held)
 
     def remove(self, name: str) -> None:
         """Drop checkpoint ``name`` from the catalog (Lightning's ``remove_checkpoint``); retention deletes it."""
+        self.settle()
         self.writer.remove(name)
 
     def forget_stock(self, name: str) -> bool:
         """Delete ``name`` when it is a stock Lightning file or link, not a checkpoint of ours
         (:meth:`RootWriter.forget_stock`)."""
+        self.settle()
         return self.writer.forget_stock(name)
 
     # -- load (reader.py) ----------------------------------------------------------------------------------------
@@ -204,17 +241,21 @@ class CheckpointRoot:
     # -- retention and garbage (retention.py) --------------------------------------------------------------------
     def collect_garbage(self, *, dry_run: bool = False, abandoned: bool = False) -> list[tuple[str, str]]:
         """Delete what no committed checkpoint needs (:meth:`Retention.collect_garbage`); ``(url, why)`` each."""
+        self.settle()
         return self.retention.collect_garbage(dry_run=dry_run, abandoned=abandoned)
 
     def end_of_writer(self) -> list[str]:
         """This process's fit of the root ended: delete what it retired since its last commit
         (:meth:`Retention.end_of_writer`)."""
+        self.settle()
         return self.retention.end_of_writer()
 
     def retain(self, keep_last: int, *, dry_run: bool = False) -> list[Entry]:
+        self.settle()
         return self.retention.retain(keep_last, dry_run=dry_run)
 
     def drop(self, commits: set[str], *, dry_run: bool = False) -> list[Entry]:
+        self.settle()
         return self.retention.drop(commits, dry_run=dry_run)
 
 

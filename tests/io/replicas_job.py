@@ -1,6 +1,7 @@
 """Three "nodes" of one process each, on gloo, with the API of io/replicas.py alone (no Lightning, which costs seconds
 to import per process), for tests/io/test_replicas.py: sharded saves into every node's local tier with ``replicas=3``,
-then a new job resumes after a node was replaced, with the replicas it would restore from damaged one after the other.
+then a new job resumes after a node was replaced, with the replicas it would restore from damaged one after the other,
+and once with the replaced node killed between its load (from the restored bytes, in memory) and their disk copy.
 
 Each process asserts what it loads; rank 0 writes ``result.json`` (what each rank loaded, from where, and what it
 logged about restoring) into BASE.
@@ -12,6 +13,8 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +86,22 @@ def replica(job: Job, root: str, step: int, part: int) -> Path:
     return Path(local.store.path(manifest.objects[parts.part_objects(manifest, part)[0]].path))
 
 
+def listed(job: Job, root: str, settle: bool = False) -> list[int]:
+    """The steps this node's tier lists (after the copy a restore left to finish, with ``settle``)."""
+    from lightning_resilient.io.tiered import local_tier_url
+
+    local = job.root_for(local_tier_url(job.local_tier, root))
+    if settle:
+        local.settle()
+    pointer, _ = local.read_pointer()
+    return sorted(e.step for e in pointer.entries()) if pointer is not None else []
+
+
+def records(job: Job, root: str) -> list[str]:
+    """The part records in this node's tier."""
+    return sorted(p.name for p in Path(job.local_tier).rglob("part-*.json"))
+
+
 def damage(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
@@ -115,7 +134,7 @@ def job(rank: int, port: int, base: str) -> None:
     # That job ends here as a killed one would (no end-of-fit persist); a new one resumes, on the same nodes.
     resumed = Job(base, rank)
 
-    def resume() -> tuple[int, str]:
+    def resume(resumed: Job) -> tuple[int, str]:
         target = {"state_dict": {"w": distribute_tensor(torch.zeros(WORLD * 8, 4), mesh, [Shard(0)])}}
 
         def load(entry: Any, manifest: Any, sources: Any, failed: set[Any]) -> Any:
@@ -145,7 +164,42 @@ def job(rank: int, port: int, base: str) -> None:
         damage(replica(resumed, root, 3, 2))
     dist.barrier()
     messages.seen.clear()
-    outcomes["a"] = (*resume(), [m for m in messages.seen if "restor" in m])
+    outcomes["a"] = (*resume(resumed), [m for m in messages.seen if "restor" in m])
+    # The restored copy reaches node 2's tier behind the load; settled, the tier lists it like its own commits.
+    outcomes["a listed"] = listed(resumed, root, settle=True)
+    dist.barrier()
+    # (c) node 2 is replaced again, and dies after its load but before the restored copy is on its disk (its first
+    # object written, the rest stalled): its tier neither lists the commit nor records the part, and the next job
+    # restores it from a peer again.
+    if rank == 2:
+        shutil.rmtree(resumed.local_tier)
+    dist.barrier()
+    killed = Job(base, rank)
+    if rank == 2:
+        from lightning_resilient.io import replicas
+
+        write, written, never = replicas._write, [], threading.Event()
+
+        def stalled(*args: Any) -> None:
+            if written:
+                never.wait()  # (the process "dies" here: nothing more of this restore reaches the disk)
+            written.append(args[2])
+            write(*args)
+
+        replicas._write = stalled
+    messages.seen.clear()
+    outcomes["c killed"] = (*resume(killed), [m for m in messages.seen if "restor" in m])
+    if rank == 2:
+        while not written:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        outcomes["c at the kill"] = (listed(killed, root), records(killed, root), len(written))
+        replicas._write = write
+    dist.barrier()
+    again = Job(base, rank)
+    messages.seen.clear()
+    outcomes["c again"] = (*resume(again), [m for m in messages.seen if "restor" in m])
+    outcomes["c listed"] = listed(again, root, settle=True)
     dist.barrier()
     # (b) node 2 is replaced again; now every replica of its part is damaged, of step 3 and of step 2: step 3 has no
     # source left (it was never persisted), step 2 is read from the durable root where node 2 lacks it.
@@ -156,8 +210,8 @@ def job(rank: int, port: int, base: str) -> None:
             if rank == 1 or step == 2:  # (node 0's copy of step 3 is damaged already)
                 damage(replica(resumed, root, step, 2))
     dist.barrier()
-    outcomes["b"] = resume()
-    for ending in (first, resumed):
+    outcomes["b"] = resume(resumed)
+    for ending in (first, resumed, again):
         ending.replicator.stop()
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, outcomes)

@@ -6,7 +6,8 @@ restore tries and what a half-received replica counts for. Real processes (slow,
 folder, on loopback):
 
 - three gloo processes without Lightning: a replaced node restores its part from the next replica when the first is
-  damaged, and from the durable root when every replica is; a commit no source can give is never loaded;
+  damaged, and from the durable root when every replica is; a commit no source can give is never loaded; a node
+  killed after its load but before the restored copy was on its disk restores it again;
 - Lightning DDP on 2 nodes: SIGKILL while a node receives a commit and a persist is between its copy and its
   manifest; the restart resumes the newest commit on both nodes from their local tiers (the node that lacked it
   restores it from its peer), never a half-received copy, and the durable pointer never names the half-persisted one;
@@ -155,13 +156,22 @@ def test_a_replaced_node_restores_from_the_next_replica_then_from_the_durable_ro
 
     mp.start_processes(replicas_job.job, args=(free_port(), str(tmp_path)), nprocs=replicas_job.WORLD,
                        start_method="spawn")
-    a, b = zip(*[(rank["a"], rank["b"]) for rank in json.loads((tmp_path / "result.json").read_text())], strict=True)
-    # (a) the newest commit on every node, node 2's part restored from node 1 after node 0's copy failed.
+    ranks = json.loads((tmp_path / "result.json").read_text())
+    a, b = zip(*[(rank["a"], rank["b"]) for rank in ranks], strict=True)
+    # (a) the newest commit on every node, node 2's part restored from node 1 after node 0's copy failed; the load
+    # read it from memory, and the copy then reached node 2's tier (listed there once settled).
     assert [step for step, _, _ in a] == [3, 3, 3]
     assert [tier for _, tier, _ in a] == ["local", "local", "local"]
     restored = " ".join(a[2][2])
     assert "restoring part 2" in restored and "from node 0 failed" in restored and "fails its blake3" in restored
     assert "node 2 restored part 2" in restored and "from node 1" in restored
+    assert ranks[2]["a listed"] == [3]
+    # (c) node 2 killed between that load and the disk copy (one object written): its tier lists nothing and holds no
+    # part record, so the next job restores the part from a peer again, and that copy is listed once settled.
+    assert [rank["c killed"][:2] for rank in ranks] == [[3, "local"]] * 3
+    assert ranks[2]["c at the kill"] == [[], [], 1]
+    assert ranks[2]["c again"][:2] == [3, "local"] and "node 2 restored part 2" in " ".join(ranks[2]["c again"][2])
+    assert ranks[2]["c listed"] == [3]
     # (b) every replica damaged: step 3 (never persisted) has no source left; step 2 is loaded, node 2's part from
     # the durable root, the others from their own tiers.
     assert b == ([2, "local"], [2, "local"], [2, "durable"])

@@ -61,3 +61,37 @@ def test_the_serial_executor_completes_each_job_or_holds_its_error():
         failed = pool.submit(lambda: 1 / 0)
         assert isinstance(failed.exception(), ZeroDivisionError)
         assert list(pool.map(lambda x: x * 2, [1, 2])) == [2, 4]
+
+
+def test_work_finished_later_goes_before_every_change_to_the_root_and_its_error_is_only_logged(tmp_path, caplog):
+    """A restore's copy written behind training (``finish_later``): a claim, a save, a removal or a collection of
+    the root waits for it, the work itself may change the root, and its failure leaves the root usable."""
+    settings = RootSettings(keep_last=None, shard_size=1 << 20, orphan_grace_seconds=0.0,
+                            fallback_on_corruption=True)
+    root = open_root(str(tmp_path / "tier"), settings=settings)
+    go, order = threading.Event(), []
+
+    def work() -> None:
+        go.wait(timeout=30)
+        root.save(make_checkpoint(1), "step=1.ckpt")  # (in its own thread: settle does not wait for itself)
+        order.append("work")
+
+    root.finish_later(work, "a test copy")
+    saver = threading.Thread(target=lambda: (root.save(make_checkpoint(2), "step=2.ckpt"), order.append("save")))
+    saver.start()
+    saver.join(timeout=0.5)
+    assert saver.is_alive() and order == []  # the save waits for the work
+    go.set()
+    saver.join(timeout=30)
+    assert order == ["work", "save"]
+    pointer, _ = root.read_pointer()
+    assert pointer is not None and sorted(e.step for e in pointer.entries()) == [1, 2]
+
+    def fails() -> None:
+        raise OSError("disk full")
+
+    with caplog.at_level("WARNING", logger="lightning_resilient"):
+        root.finish_later(fails, "a test copy")
+        root.settle()
+    assert "a test copy in " in caplog.text and "did not finish (disk full): a restart does it again" in caplog.text
+    root.remove("step=1.ckpt")  # the root stays usable
