@@ -243,15 +243,15 @@ def send_objects(local: CheckpointRoot, manifest: Manifest, indices: list[int], 
 
 
 def receive_objects(local: CheckpointRoot | None, manifest: Manifest, indices: list[int], src: int,
-                    group: Any, hold: bool = False,
-                    later: list[tuple[int, torch.Tensor]] | None = None) -> str | None:
+                    group: Any, hold: bool = False, later: _Later | None = None) -> str | None:
     """Receive objects ``indices`` of ``manifest`` from global rank ``src`` and write each into the local tier
     ``local`` once every chunk checks against the manifest; returns why not all did (None: all did). Every object is
     received whatever happened to the ones before it: the sender does not wait for a verdict. Each object is checked
     and written while the next one arrives (two in memory at most, besides what ``hold`` keeps). ``local`` None:
     receive and drop (this node cannot use them). ``hold``: keep the checked bytes for the load that follows, up to
-    :data:`HOLD_FOR_LOAD_BYTES` (:meth:`RootReader.hold_verified`); with ``later``, those held are not written here
-    but appended to it as ``(index, bytes)``, for the caller to write once the load has taken them."""
+    :data:`HOLD_FOR_LOAD_BYTES` (:meth:`RootReader.hold_verified`). With ``later`` (a restore's, whose budget it
+    shares across transfers), the objects held are not written here but left in it, for the caller to write once
+    the load has taken them; an object it holds already (a common object an earlier transfer brought) is dropped."""
     problem: str | None = None if local is not None else "no local tier to write to"
     budget = [HOLD_FOR_LOAD_BYTES if hold else 0]
 
@@ -260,10 +260,13 @@ def receive_objects(local: CheckpointRoot | None, manifest: Manifest, indices: l
         if why is not None:
             return why
         assert data is not None and local is not None
-        if later is not None and data.numel() <= budget[0]:
-            budget[0] -= data.numel()
+        if later is not None and index in later.indices:
+            return None
+        if later is not None and data.numel() <= later.budget:
+            later.budget -= data.numel()
             local.reader.hold_verified(manifest.objects[index], data)
-            later.append((index, data))
+            later.objects.append((index, data))
+            later.indices.add(index)
             return None
         try:
             _write(local, manifest, index, data)
@@ -853,7 +856,7 @@ def _load_candidate(candidate: Entry, reports: list[_Report], *, nodes: Nodes, d
                 local.finish_later(functools.partial(_make_durable, local, plan, later),
                                    f"the copy of {candidate.commit} restored from a peer")
             return sources, outcome
-        _make_durable_now(local, plan, later)  # before the next try, which may read them from the tier
+        _make_durable_now(local, plan, later)  # (checked copies: on disk now rather than held through the next try)
         if isinstance(outcome, BaseException):
             where = ", ".join(sorted(root.store.url(candidate.commit) for root in failed)) or candidate.commit
             message = (f"checkpoint {where} is corrupted and was NOT loaded (rank {nodes.rank}: {outcome}); the job"
@@ -893,11 +896,15 @@ def _plan(candidate: Entry, reports: list[_Report], nodes: Nodes, durable: Check
 @dataclass
 class _Later:
     """What a restore received and checked on this node but left for after the load (:func:`_make_durable`): the
-    objects held in memory for it, the parts received whole, and whether the commit is to be listed."""
+    objects held in memory for it (and their indices: each once, however many transfers brought it), the parts
+    received whole, whether the commit is to be listed, and how many more bytes it may hold (one budget per
+    restore)."""
 
     objects: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    indices: set[int] = field(default_factory=set)
     parts: list[int] = field(default_factory=list)
     commit: bool = False
+    budget: int = field(default_factory=lambda: HOLD_FOR_LOAD_BYTES)
 
     def __bool__(self) -> bool:
         return bool(self.objects or self.parts or self.commit)
@@ -993,10 +1000,12 @@ def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, l
     """Run ``transfers`` (source node, target node, part) in order over the sync group; the targets check every
     object, write those the load will not take from memory, and leave in ``later`` the held ones, the part's record
     and the commit of the manifest in their local tier (then loadable from there, and listed like any local commit).
+    A node of several processes writes all of it now: its other processes read the tier, not the leader's memory.
     Returns each transfer's outcome, as every rank sees it."""
     manifest = plan.manifest
     mine: list[tuple[int, str | None]] = []
     received: set[int] = set()
+    deferred = len(nodes.layout[nodes.node]) == 1
     for i, (src, dst, part) in enumerate(transfers):
         indices = sorted({*parts.part_objects(manifest, part), *parts.common_objects(manifest)})
         if nodes.rank == nodes.leader(src):
@@ -1004,17 +1013,24 @@ def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, l
         elif nodes.rank == nodes.leader(dst):
             if not received:
                 _adopt_for_restore(local, plan)  # before anything is written: it may set a foreign tier aside
-            held: list[tuple[int, torch.Tensor]] = []
-            problem = receive_objects(local, manifest, indices, nodes.leader(src), nodes.sync, hold=True, later=held)
+            problem = receive_objects(local, manifest, indices, nodes.leader(src), nodes.sync, hold=True,
+                                      later=later if deferred else None)
+            if problem is None and not deferred:
+                try:
+                    parts.write_record(local, manifest, part)
+                except OSError as exc:
+                    problem = str(exc)
             if problem is None:
-                later.objects += held
-                later.parts.append(part)
+                if deferred:
+                    later.parts.append(part)
                 received.add(part)
             else:
                 log.warning("restoring part %d of %s from node %d failed: %s", part, manifest.commit, src, problem)
             mine.append((i, problem))
-    if received:
+    if received and deferred:
         later.commit = True
+    elif received:
+        _commit_restored(local, plan)
     gathered = nodes.all_gather(mine)
     ok = [True] * len(transfers)
     for outcomes in gathered:

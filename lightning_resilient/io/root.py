@@ -94,6 +94,7 @@ class CheckpointRoot:
                                  max_concurrency=settings.max_concurrency, executor=executor, fence=self.fence,
                                  reader=self.reader, retention=self.retention, claim=self.claim)
         self._later: threading.Thread | None = None
+        self._later_lock = threading.Lock()  # (the training, async-save, persist and replication threads settle)
 
     # -- work finished behind training (a restore's copies: io/replicas.py) ---------------------------------------
     def finish_later(self, work: Callable[[], None], what: str) -> None:
@@ -110,17 +111,22 @@ class CheckpointRoot:
                 log.warning("%s in %s did not finish (%s): a restart does it again", what, self.url, exc)
 
         # Not a daemon: an interpreter that exits normally finishes it first.
-        self._later = threading.Thread(target=run, name=f"lightning_resilient-{what.replace(' ', '-')}")
-        self._later.start()
+        thread = threading.Thread(target=run, name=f"lightning_resilient-{what.replace(' ', '-')[:60]}")
+        thread.start()  # (started before it is published: a settle in another thread joins a started thread)
+        with self._later_lock:
+            self._later = thread
 
     def settle(self) -> None:
         """Wait for the work :meth:`finish_later` started (at once when there is none; in that work's own thread
         too, where it changes the root itself)."""
-        later = self._later
+        with self._later_lock:
+            later = self._later
         if later is None or later is threading.current_thread():
             return
         later.join()
-        self._later = None
+        with self._later_lock:
+            if self._later is later:  # (not a newer one started meanwhile)
+                self._later = None
 
     @property
     def url(self) -> str:

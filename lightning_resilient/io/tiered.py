@@ -299,6 +299,7 @@ class TieredRoot:
     def remove(self, name: str) -> None:
         """Lightning's removal of a checkpoint name: from the local tier now, from the durable tier after the
         persists queued before it (so a persist never resurrects a name removed after it)."""
+        self.local.settle()  # (a restored commit is listed behind training: after it, not over this removal)
         pointer, _ = self.local.read_pointer()
         if pointer is not None and name in pointer.checkpoints:
             self.claim()
@@ -584,6 +585,7 @@ def adopt_claim(local: CheckpointRoot, claim: Claim) -> None:
     local tier aside first when it belongs to another incarnation of the durable root, or is damaged."""
     if local.writer_epoch == claim.writer_epoch:
         return
+    local.settle()  # (before the tier may be set aside: a restore's copy may still be written into it)
     set_aside_if_foreign(local, claim.durable, claim.root_id)
     # The record first: a local root holding commits always says which durable root it belongs to.
     _write_tier_record(local, claim.durable, claim.root_id)

@@ -22,11 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-WORLD = 3
+# The node of each global rank: one process per node, or two on node 2 (the node that is replaced), whose second
+# process reads the restored copy from the tier (not from the leader's memory).
+LAYOUTS = {"one process per node": [0, 1, 2], "two processes on node 2": [0, 1, 2, 2]}
 
 
-def value(step: int) -> torch.Tensor:
-    return torch.arange(WORLD * 8 * 4, dtype=torch.float32).reshape(WORLD * 8, 4) + 1000 * step
+def value(step: int, world: int) -> torch.Tensor:
+    return torch.arange(world * 8 * 4, dtype=torch.float32).reshape(world * 8, 4) + 1000 * step
 
 
 class Messages(logging.Handler):
@@ -42,13 +44,14 @@ class Job:
     """One job's view of the tiers on this node: the roots, the nodes, the copies between them (what the plugin
     wires up, see ``AtomicCheckpointIO.nodes_for``)."""
 
-    def __init__(self, base: str, rank: int) -> None:
+    def __init__(self, base: str, rank: int, node_of: list[int]) -> None:
         from lightning_resilient.io.parts import spans_nodes
         from lightning_resilient.io.replicas import Access, Nodes, Replicator
         from lightning_resilient.io.root import RootSettings, SerialExecutor, open_root
         from lightning_resilient.io.tiered import TieredRoot, local_tier_url, save_key
 
-        self.local_tier = os.path.join(base, f"nvme{rank}")
+        node = node_of[rank]
+        self.local_tier = os.path.join(base, f"nvme{node}")
         settings = RootSettings(keep_last=None, shard_size=256, chunk_size=64, orphan_grace_seconds=3600.0,
                                 fallback_on_corruption=True)
         roots: dict[str, Any] = {}
@@ -70,7 +73,7 @@ class Job:
             return tiers[url]
 
         self.root_for, self.tiers_for = root_for, tiers_for
-        self.nodes = Nodes.join(node_rank=rank, local_rank=0)
+        self.nodes = Nodes.join(node_rank=node, local_rank=node_of[:rank].count(node))
         self.replicator = Replicator(self.nodes, Access(tiers_for), replicas=3)
         self.replicator.start()
 
@@ -108,9 +111,11 @@ def damage(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def job(rank: int, port: int, base: str) -> None:
+def job(rank: int, port: int, base: str, layout: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    node_of = LAYOUTS[layout]
+    world, node, leader = len(node_of), node_of[rank], node_of.index(node_of[rank]) == rank
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -120,22 +125,22 @@ def job(rank: int, port: int, base: str) -> None:
     messages = Messages()
     logging.getLogger("lightning_resilient").addHandler(messages)
     logging.getLogger("lightning_resilient").setLevel(logging.INFO)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (world,))
     root = os.path.join(base, "root")
 
-    first = Job(base, rank)
+    first = Job(base, rank, node_of)
     for step in (1, 2, 3):  # the 2nd is persisted (persist_every=2)
-        state = {"state_dict": {"w": distribute_tensor(value(step), mesh, [Shard(0)])}}
+        state = {"state_dict": {"w": distribute_tensor(value(step, world), mesh, [Shard(0)])}}
         save_sharded_tiered(state, first.tiers_for(root), f"step={step}.ckpt",
                             {"global_step": step} if rank == 0 else None, first.nodes)
     first.tiers_for(root).wait()
     first.replicator.flush()  # rank 0: every copy between nodes queued so far is done, on every node
     dist.barrier()
     # That job ends here as a killed one would (no end-of-fit persist); a new one resumes, on the same nodes.
-    resumed = Job(base, rank)
+    resumed = Job(base, rank, node_of)
 
     def resume(resumed: Job) -> tuple[int, str]:
-        target = {"state_dict": {"w": distribute_tensor(torch.zeros(WORLD * 8, 4), mesh, [Shard(0)])}}
+        target = {"state_dict": {"w": distribute_tensor(torch.zeros(world * 8, 4), mesh, [Shard(0)])}}
 
         def load(entry: Any, manifest: Any, sources: Any, failed: set[Any]) -> Any:
             roots = sources.roots()
@@ -152,13 +157,13 @@ def job(rank: int, port: int, base: str) -> None:
                                  root_for=resumed.root_for, replicas=3, fallback=True, load=load)
         assert done is not None
         step = done.loaded.checkpoint["global_step"]
-        assert torch.equal(target["state_dict"]["w"].full_tensor(), value(step)), f"rank {rank}: wrong values"
+        assert torch.equal(target["state_dict"]["w"].full_tensor(), value(step, world)), f"rank {rank}: wrong values"
         return step, "local" if done.sources.local is not None else "durable"
 
     outcomes: dict[str, Any] = {}
     # (a) node 2 is replaced (its local tier is gone); node 0's replica of its part of step 3 is damaged: node 2
     # restores its part from node 1's replica.
-    if rank == 2:
+    if node == 2 and leader:
         shutil.rmtree(resumed.local_tier)
     if rank == 0:
         damage(replica(resumed, root, 3, 2))
@@ -170,11 +175,37 @@ def job(rank: int, port: int, base: str) -> None:
     dist.barrier()
     # (c) node 2 is replaced again, and dies after its load but before the restored copy is on its disk (its first
     # object written, the rest stalled): its tier neither lists the commit nor records the part, and the next job
-    # restores it from a peer again.
+    # restores it from a peer again. (A node of one process: one of several writes the copy before the load.)
+    again = None
+    if len(node_of) == 3:
+        again = _killed_after_the_load(base, rank, node_of, root, resumed, resume, messages, outcomes)
+    # (b) node 2 is replaced again; now every replica of its part is damaged, of step 3 and of step 2: step 3 has no
+    # source left (it was never persisted), step 2 is read from the durable root where node 2 lacks it.
+    if node == 2 and leader:
+        shutil.rmtree(resumed.local_tier)
+    if rank in (0, 1):
+        for step in (2, 3):
+            if rank == 1 or step == 2:  # (node 0's copy of step 3 is damaged already)
+                damage(replica(resumed, root, step, 2))
+    dist.barrier()
+    outcomes["b"] = resume(resumed)
+    for ending in (first, resumed, again):
+        if ending is not None:
+            ending.replicator.stop()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, outcomes)
+    if rank == 0:
+        Path(base, "result.json").write_text(json.dumps(gathered))
+    dist.barrier()
+    os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
+
+
+def _killed_after_the_load(base: str, rank: int, node_of: list[int], root: str, resumed: Job, resume: Any,
+                           messages: Messages, outcomes: dict[str, Any]) -> Job:
     if rank == 2:
         shutil.rmtree(resumed.local_tier)
     dist.barrier()
-    killed = Job(base, rank)
+    killed = Job(base, rank, node_of)
     if rank == 2:
         from lightning_resilient.io import replicas
 
@@ -196,26 +227,9 @@ def job(rank: int, port: int, base: str) -> None:
         outcomes["c at the kill"] = (listed(killed, root), records(killed, root), len(written))
         replicas._write = write
     dist.barrier()
-    again = Job(base, rank)
+    again = Job(base, rank, node_of)
     messages.seen.clear()
     outcomes["c again"] = (*resume(again), [m for m in messages.seen if "restor" in m])
     outcomes["c listed"] = listed(again, root, settle=True)
     dist.barrier()
-    # (b) node 2 is replaced again; now every replica of its part is damaged, of step 3 and of step 2: step 3 has no
-    # source left (it was never persisted), step 2 is read from the durable root where node 2 lacks it.
-    if rank == 2:
-        shutil.rmtree(resumed.local_tier)
-    if rank in (0, 1):
-        for step in (2, 3):
-            if rank == 1 or step == 2:  # (node 0's copy of step 3 is damaged already)
-                damage(replica(resumed, root, step, 2))
-    dist.barrier()
-    outcomes["b"] = resume(resumed)
-    for ending in (first, resumed, again):
-        ending.replicator.stop()
-    gathered: list[Any] = [None] * WORLD
-    dist.all_gather_object(gathered, outcomes)
-    if rank == 0:
-        Path(base, "result.json").write_text(json.dumps(gathered))
-    dist.barrier()
-    os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
+    return again

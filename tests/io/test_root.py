@@ -95,3 +95,25 @@ def test_work_finished_later_goes_before_every_change_to_the_root_and_its_error_
         root.settle()
     assert "a test copy in " in caplog.text and "did not finish (disk full): a restart does it again" in caplog.text
     root.remove("step=1.ckpt")  # the root stays usable
+
+
+@pytest.mark.parametrize("change", ["claim", "remove", "collect_garbage", "end_of_writer", "retain", "drop", "hold",
+                                    "release"])
+def test_every_change_to_a_root_waits_for_the_work_finished_later(tmp_path, change):
+    settings = RootSettings(keep_last=None, shard_size=1 << 20, orphan_grace_seconds=0.0,
+                            fallback_on_corruption=True)
+    root = open_root(str(tmp_path / "tier"), settings=settings)
+    root.save(make_checkpoint(1), "step=1.ckpt")
+    go, done = threading.Event(), []
+    root.finish_later(lambda: (go.wait(timeout=30), done.append("work")), "a test copy")
+    calls = {"claim": lambda: root.claim(), "remove": lambda: root.remove("step=1.ckpt"),
+             "collect_garbage": lambda: root.collect_garbage(), "end_of_writer": lambda: root.end_of_writer(),
+             "retain": lambda: root.retain(1), "drop": lambda: root.drop(set()),
+             "hold": lambda: root.hold([], "a test"), "release": lambda: root.release([])}
+    changer = threading.Thread(target=lambda: (calls[change](), done.append(change)))
+    changer.start()
+    changer.join(timeout=0.3)
+    assert changer.is_alive() and done == []  # (it cannot end before the work: with the wait it never does)
+    go.set()
+    changer.join(timeout=30)
+    assert done == ["work", change]
