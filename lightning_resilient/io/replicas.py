@@ -32,12 +32,13 @@ decides where each node gets each part it needs: its own tier, else a peer that 
 then the replica holders by placement), else the durable root. Peers send the missing parts in the training
 thread's ``sync`` group, each checked chunk by chunk on arrival; a copy that fails moves that part to its next
 source. The checked bytes (up to :data:`HOLD_FOR_LOAD_BYTES`) stay in memory for the load, which reads them from
-there; they are written to the node's tier, recorded and listed there behind training once every rank has loaded
-(:meth:`CheckpointRoot.finish_later`: the tier's next change waits for it; a kill before leaves an unlisted folder,
-which the next restart restores again and gc removes). Every rank then loads the commit, each byte verified as it
-is read; a node whose own copy fails verification
-has that copy excluded and the job decides again (the next replica, then the durable root). Only when no source of
-some part is left does the whole job fall back, together, to the previous commit: never a wrong or partial state.
+there; on a node of one process they are written to its tier, recorded and listed there behind training once every
+rank has loaded (:meth:`CheckpointRoot.finish_later`: the tier's next change waits for it; a kill before leaves the
+part without its record, which the next restart restores again), on a node of several processes before the load
+(its other processes read the tier). Every rank then loads the commit, each byte verified as it is read; a node
+whose own copy fails verification has that copy excluded and the job decides again (the next replica, then the
+durable root). Only when no source of some part is left does the whole job fall back, together, to the previous
+commit: never a wrong or partial state.
 """
 
 from __future__ import annotations

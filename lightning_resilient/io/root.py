@@ -101,7 +101,8 @@ class CheckpointRoot:
         """Run ``work`` (which writes into this root) in a thread of its own. Every later change to the root (a
         claim, a commit, a removal, a collection: the methods below) and :meth:`settle` wait for it first, so
         nothing this process does to the root overlaps it. Its error is logged, not raised: ``work`` may only make
-        durable what the process no longer needs (left undone, it is an unlisted folder that gc removes)."""
+        durable what the process no longer needs (a restore's copy: left undone, the part has no record and the next
+        restart restores it again)."""
         self.settle()
 
         def run() -> None:
