@@ -405,7 +405,8 @@ class WriterFence:
 def _prune_origins(p: Pointer) -> None:
     """Forget the origins of epochs older than every checkpoint the pointer still names: no lineage reaches them.
     Those of the current lineage's chain down to the epoch that resumed a protected checkpoint stay: they tell that
-    the checkpoint is in the lineage (see ``_strays_of_the_lineage``)."""
+    the checkpoint is in the lineage (see ``_strays_of_the_lineage``); so does the epoch of the current writer's
+    origin when only a local tier holds it."""
     epochs = [e.writer_epoch for e in p.entries()] + [p.writer_epoch]
     oldest = min(epochs)
     keep = {k for k in p.origins if k >= oldest}
@@ -420,6 +421,13 @@ def _prune_origins(p: Pointer) -> None:
     needed = [i for i, e in enumerate(chain) if p.origins[e].commit in p.protected]
     if needed:
         keep.update(chain[:needed[-1] + 1])
+    # The current writer's origin, when the pointer does not list it, is held elsewhere (a node's local tier, never
+    # persisted): its epoch stays too, or a restart before this writer's first commit would not count that tier's
+    # checkpoints as the lineage's (TierView.local_entries) and could resume nothing. (Only the head's: once this
+    # writer commits, the next claim prunes as before, and the pointer stays bounded.)
+    head = p.origins.get(p.writer_epoch)
+    if head is not None and head.here and head.commit not in {e.commit for e in p.entries()}:
+        keep.add(head.writer_epoch)
     p.origins = {k: v for k, v in p.origins.items() if k in keep}
 
 

@@ -6,8 +6,10 @@ folder; with ``devices`` > 1 Lightning starts the node's other processes itself.
 ("ddp", "model_parallel" for FSDP2, "fsdp" for FSDP1), ``nodes``, ``devices``, ``max_steps``, ``every`` (save
 interval), ``persist_every``, ``replicas``, ``hold`` (``"receive:<step>"``: a node receiving that step's commit from
 another stops after writing its first object, printing ``RECEIVING <step>``; ``"persist:<step>"``: global rank 0
-stops between that step's persist's copy and its manifest, printing ``COPIED <step>``; comma-separated: windows for
-the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run).
+stops between that step's persist's copy and its manifest, printing ``COPIED <step>``; ``"restored:<step>"``: a
+node that restored that step's commit from a peer for its resume stops after writing the first object of its copy
+behind training, printing ``RESTORED <step>``; comma-separated: windows for the parent's SIGKILL), ``tier``
+(false: no local tier, for a reference run).
 
 The job resumes from the root whenever any tier of any node may hold a checkpoint (``ckpt_path=ROOT``: the job's
 newest, one decision for every node), else starts fresh. It prints ``START rank=<r> step=<s> commit=<c> tier=<t>``,
@@ -111,7 +113,7 @@ def _announce_sharded(cls: type) -> type:
 
 def hold(where: str) -> None:
     """Stop at the instants a test kills the job in (see the module docstring): ``receive:<step>``,
-    ``persist:<step>``, comma-separated."""
+    ``persist:<step>``, ``restored:<step>``, comma-separated."""
     for what in where.split(","):
         kind, step = what.split(":")
         held: list[int] = []  # each window once (a copy writes several objects)
@@ -130,6 +132,20 @@ def hold(where: str) -> None:
                     time.sleep(60)
 
             replicas._write = write_then_hold
+        elif kind == "restored":
+            write = replicas._write
+
+            def write_behind_then_hold(local: Any, manifest: Any, index: int, data: Any, step: int = int(step),
+                                       write: Any = write, held: list[int] = held) -> None:
+                write(local, manifest, index, data)
+                # (the copy a resume restored, written behind training: CheckpointRoot.finish_later's thread)
+                behind = threading.current_thread().name.startswith("lightning_resilient-the-copy")
+                if manifest.step == step and behind and not held:
+                    held.append(step)
+                    say(f"RESTORED {manifest.step}")
+                    time.sleep(60)
+
+            replicas._write = write_behind_then_hold
         elif kind == "persist":
             copy = tiered.TieredRoot._copy
 

@@ -11,6 +11,7 @@ folder, on loopback):
 - Lightning DDP on 2 nodes: SIGKILL while a node receives a commit and a persist is between its copy and its
   manifest; the restart resumes the newest commit on both nodes from their local tiers (the node that lacked it
   restores it from its peer), never a half-received copy, and the durable pointer never names the half-persisted one;
+  SIGKILL again while that node writes the restored copy behind training: the next restart resumes locally again;
 - FSDP2 (``AtomicModelParallelStrategy``) on 2 nodes: killed, one node's tier wiped and the replica it would restore
   the newest commit from damaged: the job resumes the previous commit, restored from the intact replica;
 - FSDP1 (``AtomicFSDPStrategy``) on one node of 2 processes: killed and resumed from the local tier.
@@ -284,10 +285,17 @@ def test_ddp_on_two_nodes_every_node_holds_every_commit_through_kills_in_a_copy_
     assert durable_step(root) is None  # the half-persisted step 4 was never published
     assert local_steps(tmp_path, 0, root) == [2, 4]
     assert local_steps(tmp_path, 1, root) == [2]  # step 2 was sent to node 1; the half-received 4 is invisible
-    # The restart resumes step 4 on both nodes from their local tiers: node 1 restores it from node 0 first.
+    # The restart resumes step 4 on both nodes from their local tiers: node 1 restores it from node 0 first, loads
+    # it from memory and writes its copy behind training. Killed there (one object of the copy written): node 1's
+    # tier still does not list step 4.
+    job = Job(tmp_path, root, out, {**NODES_DDP, "persist_every": 2, "hold": "restored:4"})
+    job.kill_when(["RESTORED 4"])  # (printed by the thread that writes the copy after the load: see nodes_child.py)
+    assert 4 not in local_steps(tmp_path, 1, root)
+    # The next restart resumes the newest commit on both nodes from their local tiers (node 1 restores it again;
+    # node 0 may have saved step 6 before the kill).
     lines = Job(tmp_path, root, out, {**NODES_DDP, "persist_every": 2}).finish()
-    commit = starts(lines)["0"][1]
-    assert starts(lines) == {"0": (4, commit, "local"), "1": (4, commit, "local")}
+    step, commit, _ = starts(lines)["0"]
+    assert step in (4, 6) and starts(lines) == {"0": (step, commit, "local"), "1": (step, commit, "local")}
     assert same_weights(out, full), "not bit-identical"
     # Every local commit of the run that ended is in both nodes' local tiers; its last one is durable.
     assert local_steps(tmp_path, 0, root) == local_steps(tmp_path, 1, root) == [6, 8]

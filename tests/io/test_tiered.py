@@ -54,6 +54,11 @@ def save_steps(io: AtomicCheckpointIO, backend: Any, steps: range, *, last: bool
         io.wait()
 
 
+def durable_steps(backend: Any) -> list[int]:
+    pointer, _ = reader(backend.root, backend.storage_options).read_pointer()
+    return sorted(e.step for e in pointer.entries()) if pointer is not None else []
+
+
 def pointer_steps(root: str, options: dict[str, Any] | None = None) -> dict[str, int]:
     pointer, _ = reader(root, options).read_pointer()
     assert pointer is not None
@@ -190,6 +195,26 @@ def test_a_resume_from_a_local_only_checkpoint_records_it_as_the_origin(local_ba
     # The first save after a resume from a local-only checkpoint is persisted (the durable tier was behind), the
     # last of the job too; the durable step 4 stays in the lineage (a fallback).
     assert [e.step for e in pointer.candidates()] == [8, 7, 4]
+
+
+def test_a_job_killed_after_resuming_a_local_only_checkpoint_before_saving_resumes_it_again(local_backend, tmp_path,
+                                                                                              plugin, plugins):
+    """Nothing was ever persisted (the durable root holds only the first job's claim); the second job resumes the
+    local-only step 4, claims the durable root with it as origin, and is killed before its first save. The third
+    must resume step 4 again: the claim once pruned the first job's epoch from the durable pointer's origins, after
+    which no local checkpoint counted as the lineage's and the restart failed ("has a pointer but no committed
+    checkpoint of its current run yet")."""
+    nvme = tmp_path / "nvme"
+    first = plugin(nvme, local_backend, persist_every=100)
+    plugins.abandoned(first)  # killed: nothing persisted
+    save_steps(first, local_backend, range(1, 5), last=False)
+    assert durable_steps(local_backend) == []
+    for _ in range(2):  # the second job, killed right after its resume (and its claim); then the third
+        job = plugin(nvme, local_backend, persist_every=100, claim_on_load=True)
+        plugins.abandoned(job)
+        assert job.load_checkpoint(local_backend.root)["global_step"] == 4
+    pointer, _ = reader(local_backend.root).read_pointer()
+    assert pointer is not None and pointer.writer_epoch == 3 and 1 in pointer.origins
 
 
 def test_a_top_k_save_and_last_at_one_step_share_their_bytes_in_both_tiers(local_backend, tmp_path, plugin):
