@@ -676,17 +676,21 @@ class TierView:
         return self.durable_pointer.lineage() if self.durable_pointer is not None else Lineage({}, 0)
 
     def local_entries(self) -> list[Entry]:
-        """This node's local commits that may be resumed: under a writer epoch whose origin the durable root still
-        records (an epoch older than what the durable pointer keeps of its lineage may be a fenced job's, past its
-        fork)."""
-        origins = self.durable_pointer.origins if self.durable_pointer is not None else {}
+        """This node's local commits that may be resumed: under a writer epoch the durable root still knows
+        (:meth:`_known_epoch`; any other may be a fenced job's, past its fork)."""
         return [e for e in (self.local_pointer.entries() if self.local_pointer is not None else [])
-                if e.writer_epoch in origins]
+                if self._known_epoch(e.writer_epoch)]
+
+    def _known_epoch(self, epoch: int) -> bool:
+        """An epoch whose origin the durable pointer records, or one its current lineage reaches through an origin
+        it records (bounded there by that origin's step: a chain of resumes of local-only checkpoints, whose older
+        epochs the pointer's pruning forgot)."""
+        origins = self.durable_pointer.origins if self.durable_pointer is not None else {}
+        return epoch in origins or epoch in self.lineage.bounds
 
     def _entries(self) -> list[Entry]:
         durable = self.durable_pointer.entries() if self.durable_pointer is not None else []
-        origins = self.durable_pointer.origins if self.durable_pointer is not None else {}
-        others = [e for e in self.others if e.writer_epoch in origins]
+        others = [e for e in self.others if self._known_epoch(e.writer_epoch)]
         seen: dict[str, Entry] = {}
         for entry in [*self.local_entries(), *others, *durable]:
             seen.setdefault(entry.commit, entry)

@@ -24,7 +24,7 @@ from lightning_resilient import (
 from lightning_resilient.cli import main
 from lightning_resilient.io.catalog import reader
 from lightning_resilient.io.manifest import MANIFEST_NAME
-from lightning_resilient.io.tiered import TierView, local_tier_url
+from lightning_resilient.io.tiered import TierView, local_tier_url, resolve_tiered
 
 from ..conftest import Plugins
 from .helpers import assert_same, make_checkpoint
@@ -215,6 +215,29 @@ def test_a_job_killed_after_resuming_a_local_only_checkpoint_before_saving_resum
         assert job.load_checkpoint(local_backend.root)["global_step"] == 4
     pointer, _ = reader(local_backend.root).read_pointer()
     assert pointer is not None and pointer.writer_epoch == 3 and 1 in pointer.origins
+
+
+def test_a_chain_of_resumes_of_local_only_checkpoints_keeps_every_older_one_as_a_fallback(local_backend, tmp_path,
+                                                                                          plugin, plugins):
+    """Nothing is ever persisted: job 1 saves steps 1-4, job 2 resumes 4 and saves 5-6, job 3 resumes 6 and saves 7;
+    each is killed. The durable pointer's pruning keeps only the newest epochs' origins, but every local step stays
+    a candidate of the lineage (newest first), and gc of the local tier deletes none of them."""
+    nvme = tmp_path / "nvme"
+    for steps in (range(1, 5), range(5, 7), range(7, 8)):
+        job = plugin(nvme, local_backend, persist_every=100, local_keep=10, claim_on_load=True)
+        plugins.abandoned(job)
+        if steps.start > 1:
+            assert job.load_checkpoint(local_backend.root)["global_step"] == steps.start - 1
+        save_steps(job, local_backend, steps, last=False)
+    pointer, _ = reader(local_backend.root).read_pointer()
+    assert pointer is not None and 1 not in pointer.origins  # (pruned: the case this test is about)
+    found = resolve_tiered(local_backend.root, str(nvme), lambda url: reader(url))
+    assert found is not None
+    assert [found.entry.step, *(e.step for e in found.fallbacks)] == [7, 6, 5, 4, 3, 2, 1]
+    lroot = Path(local_root(nvme, local_backend))
+    folders = sorted(p.name for p in lroot.iterdir() if p.name.startswith("step="))
+    assert main(["gc", local_backend.root, "--local-tier", str(nvme), "--grace", "0"]) == 0
+    assert sorted(p.name for p in lroot.iterdir() if p.name.startswith("step=")) == folders
 
 
 def test_a_top_k_save_and_last_at_one_step_share_their_bytes_in_both_tiers(local_backend, tmp_path, plugin):
