@@ -111,41 +111,34 @@ def _announce_sharded(cls: type) -> type:
     return Announced
 
 
+def _hold_after_write(step: int, thread: str, label: str, held: list[int]) -> None:
+    """Once a thread named ``thread...`` has written the first object of ``step``'s commit into a local tier: print
+    ``<label> <step>`` and stop there (the window of the parent's SIGKILL)."""
+    write = replicas._write
+
+    def write_then_hold(local: Any, manifest: Any, index: int, data: Any) -> None:
+        write(local, manifest, index, data)
+        if manifest.step == step and threading.current_thread().name.startswith(thread) and not held:
+            held.append(step)
+            say(f"{label} {manifest.step}")
+            time.sleep(60)
+
+    replicas._write = write_then_hold
+
+
 def hold(where: str) -> None:
     """Stop at the instants a test kills the job in (see the module docstring): ``receive:<step>``,
     ``persist:<step>``, ``restored:<step>``, comma-separated."""
     for what in where.split(","):
         kind, step = what.split(":")
         held: list[int] = []  # each window once (a copy writes several objects)
-        if kind == "receive":
-            write = replicas._write
-
-            def write_then_hold(local: Any, manifest: Any, index: int, data: Any, step: int = int(step),
-                                write: Any = write, held: list[int] = held) -> None:
-                write(local, manifest, index, data)
-                # (a replica arrives in the background thread; the training thread writes the common objects of a
-                # sharded save the same way)
-                background = threading.current_thread().name.startswith("lightning_resilient-replicas")
-                if manifest.step == step and background and not held:
-                    held.append(step)
-                    say(f"RECEIVING {manifest.step}")
-                    time.sleep(60)
-
-            replicas._write = write_then_hold
-        elif kind == "restored":
-            write = replicas._write
-
-            def write_behind_then_hold(local: Any, manifest: Any, index: int, data: Any, step: int = int(step),
-                                       write: Any = write, held: list[int] = held) -> None:
-                write(local, manifest, index, data)
-                # (the copy a resume restored, written behind training: CheckpointRoot.finish_later's thread)
-                behind = threading.current_thread().name.startswith("lightning_resilient-the-copy")
-                if manifest.step == step and behind and not held:
-                    held.append(step)
-                    say(f"RESTORED {manifest.step}")
-                    time.sleep(60)
-
-            replicas._write = write_behind_then_hold
+        if kind in ("receive", "restored"):
+            # receive: a replica arrives in the background rounds' thread (the training thread writes the common
+            # objects of a sharded save the same way); restored: the copy a resume restored, written behind training
+            # (CheckpointRoot.finish_later's thread).
+            thread, label = {"receive": ("lightning_resilient-replicas", "RECEIVING"),
+                             "restored": ("lightning_resilient-the-copy", "RESTORED")}[kind]
+            _hold_after_write(int(step), thread, label, held)
         elif kind == "persist":
             copy = tiered.TieredRoot._copy
 
