@@ -237,3 +237,48 @@ def test_a_one_slash_url_made_a_local_path_is_refused_too():
     with pytest.raises(StoreURLError, match="Did you mean 's3://bucket/run'"):
         check_url("/home/me/s3:/bucket/run")
     check_url("/home/me/run:1/ckpt")  # a colon in a folder name that is no protocol: a path like any other
+
+
+def test_a_process_forked_while_a_thread_holds_a_file_lock_does_not_keep_it(tmp_path):
+    """A DataLoader's workers forked while the persist thread writes the local tier's pointer: an flock belongs to the
+    open file, so the workers held it until they exited and the next save waited for them (a hang mid-epoch)."""
+    import fcntl
+    import os
+    import threading
+
+    from lightning_resilient.io.store.local import file_lock
+
+    path = str(tmp_path / "latest.json.lock")
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with file_lock(path):
+            taken.set()
+            release.wait(timeout=30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert taken.wait(timeout=30)
+    child = os.fork()
+    if child == 0:  # the forked worker lives on (10 s) while the parent saves again
+        threading.Event().wait(10)
+        os._exit(0)
+    try:
+        release.set()
+        holder.join(timeout=30)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            # (the child closes its copy as it starts: a moment after the fork returned here)
+            for _attempt in range(50):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    threading.Event().wait(0.1)
+            else:
+                raise AssertionError("the forked process still holds the lock 5 s after the fork")
+        finally:
+            os.close(fd)
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)

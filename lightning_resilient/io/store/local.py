@@ -20,16 +20,42 @@ __all__ = ["LocalStore", "file_lock"]
 _IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
 
 
+# The descriptors of the flocks this process holds. A fork (a DataLoader's workers, started while a background thread
+# holds one) copies them, and an flock belongs to the open file, not to a process: the children would hold it until
+# they exit, and the parent's next write of that pointer would wait for them (a training that hangs mid-epoch). The
+# child closes its copies at once.
+_HELD: set[int] = set()
+_HELD_LOCK = threading.Lock()
+
+
+def _close_inherited_locks() -> None:
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()  # (another thread may have held it at the fork: the child's copy stays taken)
+    for fd in list(_HELD):
+        with suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 @contextmanager
 def file_lock(path: str, mode: int = fcntl.LOCK_EX, *, private: bool = False) -> Iterator[None]:
     """Hold an ``flock`` on the file ``path`` (created if missing) for the block: processes on one host (or one
-    POSIX shared filesystem) serialize on it. ``private``: created mode 0600, never opened through a symlink."""
+    POSIX shared filesystem) serialize on it; a process forked meanwhile does not hold it. ``private``: created mode
+    0600, never opened through a symlink."""
     flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_NOFOLLOW", 0) if private else 0)
     fd = os.open(path, flags, 0o600 if private else 0o644)
+    with _HELD_LOCK:
+        _HELD.add(fd)
     try:
         fcntl.flock(fd, mode)
         yield
     finally:
+        with _HELD_LOCK:
+            _HELD.discard(fd)
         os.close(fd)  # closing releases the lock
 
 
