@@ -390,9 +390,10 @@ class Servers:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-        self.procs.append(subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.DEVNULL, start_new_session=True))
+        # (``-m``: moto may be importable without its script on PATH, e.g. installed with pip --target)
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                            str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           start_new_session=True))
         self.s3 = f"http://127.0.0.1:{port}"
         _wait_http(self.s3)
         import boto3

@@ -274,9 +274,9 @@ def _aws_env() -> Iterator[None]:
 def _moto() -> Iterator[str]:
     """moto's S3 server in its own process (so its work does not share the proxies' interpreter), on loopback."""
     port = _free_port()
-    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    # (``-m``: moto may be importable without its script on PATH, e.g. installed with pip --target)
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_http(url)

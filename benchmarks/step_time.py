@@ -354,9 +354,9 @@ def _servers(latency: float, bandwidth: float) -> tuple[list[subprocess.Popen[st
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
-    procs = [subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True, text=True)]
+    # (``-m``: moto may be importable without its script on PATH, e.g. installed with pip --target)
+    procs = [subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, text=True)]
     s3 = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:

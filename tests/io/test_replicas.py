@@ -142,6 +142,87 @@ def test_a_half_received_replica_counts_for_nothing(tmp_path):
     assert root.store.exists(part_record(manifest.commit, 1))  # (the record alone never makes a part held)
 
 
+def _stored_objects(tmp_path: Path, count: int) -> tuple[Any, Manifest, dict[str, bytes]]:
+    """A local tier holding the objects of a sharded commit of two nodes, of different bytes, each smaller than the
+    one before (so two reused buffers never need to grow)."""
+    from lightning_resilient.io.root import open_root
+
+    names = [f"r{r:05d}-{kind}-00000.bin" for r in range(2) for kind in ("shard", "whole-shard")]
+    names += ["dcp.metadata", "skeleton.pt", "shard-00000.bin"]
+    data = {name: bytes([i + 1]) * (1000 - 97 * i) for i, name in enumerate(names[:count])}
+    manifest = sharded_manifest([[0], [1]], data)
+    root = open_root(str(tmp_path / "tier"))
+    for obj in manifest.objects:
+        root.store.write(obj.path, data.get(obj.path.rsplit("/", 1)[1], obj.path.rsplit("/", 1)[1].encode()))
+    return root, manifest, data
+
+
+def test_a_sender_reads_each_object_into_one_of_two_buffers_never_one_still_being_sent(tmp_path, monkeypatch):
+    """Objects in transit reuse two buffers (no fresh memory per object); the next object is read into the other one
+    while one is on the wire, so every object leaves whole (a slow send would show the read-ahead's overwrite)."""
+    from lightning_resilient.io import replicas
+
+    root, manifest, _ = _stored_objects(tmp_path, 7)
+    sent: list[bytes] = []
+    buffers: set[int] = set()
+
+    def slow_send(data: torch.Tensor | None, dst: int, group: Any) -> None:
+        assert data is not None
+        buffers.add(data.untyped_storage().data_ptr())
+        time.sleep(0.02)  # the read of the next object runs meanwhile
+        sent.append(bytes(data.numpy()))
+
+    monkeypatch.setattr(replicas, "_send", slow_send)
+    indices = list(range(len(manifest.objects)))
+    replicas.send_objects(root, manifest, indices, dst=1, group=None)
+    assert sent == [root.store.read(manifest.objects[i].path) for i in indices]
+    assert len(buffers) == 2
+
+
+def test_a_receiver_checks_each_object_while_the_next_arrives_and_keeps_only_what_it_holds(tmp_path, monkeypatch):
+    """Objects written and dropped arrive in two reused buffers, each checked (slowly here) while the next one
+    arrives in the other; held ones get memory of their own, since the load reads them after the transfer."""
+    from lightning_resilient.io import replicas
+    from lightning_resilient.io.root import open_root
+
+    source, manifest, _ = _stored_objects(tmp_path, 7)
+    indices = list(range(len(manifest.objects)))
+    queue = [source.store.read(manifest.objects[i].path) for i in indices]
+    buffers: list[int] = []
+
+    def recv(src: int, group: Any, into: Any = None) -> torch.Tensor:
+        raw = queue.pop(0)
+        data = into(len(raw)) if into is not None else torch.empty(len(raw), dtype=torch.uint8)
+        data.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        buffers.append(data.untyped_storage().data_ptr() if into is not None else -1)
+        return data
+
+    checked = replicas._verified
+
+    def slow_check(manifest: Manifest, index: int, data: torch.Tensor | None) -> str | None:
+        time.sleep(0.02)  # the next object arrives meanwhile
+        return checked(manifest, index, data)
+
+    monkeypatch.setattr(replicas, "_recv", recv)
+    monkeypatch.setattr(replicas, "_verified", slow_check)
+    target = open_root(str(tmp_path / "target"))
+    assert replicas.receive_objects(target, manifest, indices, src=0, group=None) is None
+    assert [target.store.read(manifest.objects[i].path) for i in indices] == \
+        [source.store.read(manifest.objects[i].path) for i in indices]
+    assert len(set(buffers)) == 2
+
+    # Held for the load (a budget for the first three objects): those three have their own memory, the rest reuse.
+    monkeypatch.setattr(replicas, "HOLD_FOR_LOAD_BYTES", sum(manifest.objects[i].size for i in indices[:3]))
+    queue[:] = [source.store.read(manifest.objects[i].path) for i in indices]
+    buffers.clear()
+    again = open_root(str(tmp_path / "again"))
+    assert replicas.receive_objects(again, manifest, indices, src=0, group=None, hold=True) is None
+    assert buffers[:3] == [-1, -1, -1] and len(set(buffers[3:])) == 2
+    for i in indices[:3]:
+        held = again.reader._take_held(manifest.objects[i])
+        assert held is not None and bytes(held.numpy()) == source.store.read(manifest.objects[i].path)
+
+
 # -- real processes ----------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
