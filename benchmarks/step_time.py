@@ -207,6 +207,8 @@ class _Node:
     over the same folders)."""
 
     def __init__(self, rank: int, folder: str, nodes: Any = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         from lightning_resilient.io.replicas import Access, Nodes, Replicator
         from lightning_resilient.io.root import RootSettings, SerialExecutor, open_root
         from lightning_resilient.io.tiered import TieredRoot, local_tier_url, save_key
@@ -219,8 +221,9 @@ class _Node:
         tiers: dict[str, TieredRoot] = {}
 
         def root_for(url: str) -> Any:
-            if url not in roots:
-                roots[url] = open_root(url, settings=settings)
+            if url not in roots:  # (a thread pool per load or save, as AtomicCheckpointIO opens its roots)
+                roots[url] = open_root(url, settings=settings, executor=lambda: ThreadPoolExecutor(
+                    settings.max_concurrency, thread_name_prefix="lightning_resilient-io"))
             return roots[url]
 
         def tiers_for(url: str) -> TieredRoot:

@@ -221,16 +221,18 @@ class RootReader:
         def from_held(chunks: list[tuple[int, int, int]]) -> int:
             assert held is not None
             a, b = chunks[0][1], chunks[-1][2]
-            source = layout.raw_bytes(held)[a:b]
             if not direct:
-                sink(a, source)
+                sink(a, layout.raw_bytes(held)[a:b])
                 return b - a
             assert into is not None
-            pos = 0
+            pos = a
             for view in into(a, b):
-                view[:] = source[pos : pos + len(view)]
+                # torch's copy lets go of the GIL (a memoryview assignment holds it), so the load's threads copy
+                # side by side, and beside the training thread
+                if len(view):
+                    torch.frombuffer(view, dtype=torch.uint8).copy_(held[pos : pos + len(view)])
                 pos += len(view)
-            return pos
+            return pos - a
 
         if held is not None:
             return [functools.partial(from_held, chunks) for chunks in spans]
