@@ -251,6 +251,23 @@ def test_save_last_resumes_by_last_by_its_path_and_by_find_latest(tmp_path, save
         assert load_checkpoint(f"{root}/last.ckpt")["global_step"] == resumed.global_step, ckpt_path
 
 
+def test_a_pathlib_path_works_wherever_lightning_takes_one(tmp_path):
+    """Lightning's paths are ``str | Path``: a dirpath, a ckpt_path, a local tier, find_latest_checkpoint and
+    collect_garbage take a ``pathlib.Path`` as its string (find_latest_checkpoint raised TypeError)."""
+    root = tmp_path / "ckpt"
+    io = lambda: AtomicCheckpointIO(local_tier=tmp_path / "nvme", persist_every=1)  # noqa: E731
+    fit(root, ours=True, io=io(), max_steps=4, every_n_train_steps=2, save_top_k=-1)  # type: ignore[arg-type]
+    latest = find_latest_checkpoint(root)
+    assert latest is not None and latest == io().find_latest_checkpoint(root)
+    assert "step=4" in latest and find_latest_checkpoint(str(root)) == latest
+    resumed = fit(root, ours=True, io=io(), max_steps=6, every_n_train_steps=2,  # type: ignore[arg-type]
+                  save_top_k=-1, ckpt_path=Path(latest))
+    assert resumed.global_step == 6
+    assert io().collect_garbage(root, dry_run=True) == []
+    with pytest.raises(TypeError, match=r"must be a str or a pathlib\.Path, got 3"):
+        find_latest_checkpoint(3)  # type: ignore[arg-type]
+
+
 def test_save_last_on_s3_resumes_by_its_url_and_find_latest(s3_backend, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_backend.endpoint)  # ModelCheckpoint lists dirpath with its own client
     root = s3_backend.root

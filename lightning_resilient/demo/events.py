@@ -50,7 +50,7 @@ class AnnouncingCheckpointIO(AtomicCheckpointIO):
     """
 
     @override
-    def root(self, url: str, storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
+    def root(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
         root = super().root(url, storage_options)
         if root not in _ANNOUNCING:
             store, write_pieces, commit = root.store, root.store.write_pieces, root.commit

@@ -24,7 +24,7 @@ from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.root import INSPECTING, CheckpointRoot, Loaded, open_root
 from lightning_resilient.io.store import Store, check_url
 
-__all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "check_bucket", "check_not_a_file", "latest_in_root",
+__all__ = ["ALONE", "NOT_FOUND", "Resolved", "Together", "as_str", "check_bucket", "check_not_a_file", "latest_in_root",
            "load_resolved", "normalize", "reader", "repair_pointer", "resolve", "stock_checkpoints", "was_retired"]
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,20 @@ _T = TypeVar("_T")
 _RESOLVE_ATTEMPTS = 5
 
 
-def normalize(url: str) -> str:
+def as_str(url: str | os.PathLike[str]) -> str:
+    """A checkpoint path or URL as a string (a ``pathlib.Path`` as its path); anything else is a ``TypeError``."""
+    text = os.fspath(url) if isinstance(url, (str, os.PathLike)) else url
+    if not isinstance(text, str):
+        raise TypeError(f"a checkpoint path or URL must be a str or a pathlib.Path, got {url!r}")
+    return text
+
+
+def normalize(url: str | os.PathLike[str]) -> str:
     """A local path made absolute (``~`` expanded); any other URL without its trailing slash. A URL no store would
     read as meant (``s3:/bucket`` with one slash, ``S3://``, ``s4://``) raises ``StoreURLError`` naming the one
-    most likely meant (``check_url``)."""
+    most likely meant (``check_url``). A ``pathlib.Path`` is taken as its path (Lightning's paths are ``str |
+    Path``)."""
+    url = as_str(url)
     check_url(url)
     protocol, rest = _paths.split_protocol(url)
     if protocol in (None, "file", "local"):
@@ -93,7 +103,7 @@ def check_not_a_file(store: Store, shown: str) -> None:
                                  " load_checkpoint(path)")
 
 
-def reader(root: str, storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
+def reader(root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
     """A root opened outside any plugin (find_latest_checkpoint, repair_pointer): default retries, serial I/O."""
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(f"storage_options must be a dict of fsspec options or None, got {storage_options!r}")

@@ -276,7 +276,7 @@ class AtomicCheckpointIO(CheckpointIO):
         extra = _check_storage_options(storage_options, "save_checkpoint(storage_options=...)")
         return {**self.storage_options, **extra}
 
-    def root(self, url: str, storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
+    def root(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> CheckpointRoot:
         """The protocol object of the checkpoint root ``url`` (one per root, shared by saves and loads)."""
         options = self._options(storage_options)
         url = normalize(url)
@@ -816,11 +816,12 @@ class AtomicCheckpointIO(CheckpointIO):
         latest = self.find_latest_checkpoint(root)
         return latest if latest is not None and writer_epoch_of(_paths.basename(latest)) is not None else None
 
-    def find_latest_checkpoint(self, root: str) -> str | None:
+    def find_latest_checkpoint(self, root: str | os.PathLike[str]) -> str | None:
         """Like :func:`find_latest_checkpoint`, with this plugin's storage options and local tier."""
         return find_latest_checkpoint(root, self.storage_options, local_tier=self.local_tier)
 
-    def collect_garbage(self, root: str, *, dry_run: bool = False, abandoned: bool = False) -> list[str]:
+    def collect_garbage(self, root: str | os.PathLike[str], *, dry_run: bool = False,
+                        abandoned: bool = False) -> list[str]:
         """Delete (or, with ``dry_run``, list) what no committed checkpoint under ``root`` needs: folders of crashed
         saves of fenced writers, retired folders whose time has come and, with ``abandoned``, checkpoints of
         branches a rollback left behind. Returns the URLs."""

@@ -7,16 +7,17 @@ neither imports the other back.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from lightning_resilient.io.catalog import check_not_a_file, latest_in_root, reader
+from lightning_resilient.io.catalog import as_str, check_not_a_file, latest_in_root, reader
 from lightning_resilient.io.tiered import find_latest_tiered, local_tier_url
 
 __all__ = ["find_latest_checkpoint"]
 
 
-def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = None, *,
-                           local_tier: str | None = None) -> str | None:
+def find_latest_checkpoint(root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
+                           local_tier: str | os.PathLike[str] | None = None) -> str | None:
     """The newest committed checkpoint of the current run under ``root``, for ``trainer.fit(ckpt_path=...)``.
 
     With ``local_tier`` (the plugin's ``local_tier`` folder), the newest of the root's lineage in either tier: a
@@ -32,10 +33,11 @@ def find_latest_checkpoint(root: str, storage_options: dict[str, Any] | None = N
     :class:`~lightning_resilient.CheckpointCorruptedError`, rather than returning None: either would otherwise
     silently restart training from scratch.
     """
+    root = as_str(root)
     checkpoint_root = reader(root, storage_options)
     if local_tier is not None:
         check_not_a_file(checkpoint_root.store, root)  # the tiers' view reads the root's folders whatever it holds
-        local = reader(local_tier_url(local_tier, checkpoint_root.url))
+        local = reader(local_tier_url(as_str(local_tier), checkpoint_root.url))
         found_tiered = find_latest_tiered(checkpoint_root, local)
         if found_tiered is not None:
             return found_tiered
