@@ -244,6 +244,8 @@ def warmup_schedule(
             ``"constant"``, from OneCycleLR's ``max_lr / 25`` for ``"onecycle"``). With 0 the first step trains at
             the peak (for ``"onecycle"``, one step into its decay: OneCycleLR's ``pct_start=0``).
         min_lr_ratio: final LR as a fraction of the peak.
+        frequency: change the LR once every this many optimizer steps (the schedule is sized in those changes,
+            so it still ends at the last step); see :class:`AccumulationAwareScheduler` for the rest.
 
     The schedule reaches its end value exactly at the last optimizer step. Example::
 
@@ -267,6 +269,7 @@ def warmup_schedule(
             warnings.warn(f"training ends after {planned} optimizer steps, far before the LR schedule's"
                           f" {total_steps}: it will never decay fully", RuntimeWarning, stacklevel=2)
     assert total_steps is not None
+    frequency = check_int("frequency", frequency, minimum=1, hint="optimizer steps")
     steps = check_number("warmup_steps", warmup_steps, minimum=0,
                          hint="a number of steps, or a fraction of them below 1")
     # Below 1, a fraction of the schedule (0.05; 0 is no warmup either way); from 1 on, a number of steps (5, 5.0).
@@ -275,6 +278,16 @@ def warmup_schedule(
         raise ValueError(f"warmup_steps ({warmup}) must be shorter than the schedule ({total_steps} steps)")
     if not 0.0 <= check_number("min_lr_ratio", min_lr_ratio) <= 1.0:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
+    # The inner schedule moves once per `frequency` optimizer steps, so it is sized in those advances: the end after
+    # total_steps optimizer steps (the floor: steps past the last advance keep the final LR), the peak once at least
+    # warmup_steps steps trained below it (a warmup rounds up to whole advances).
+    if total_steps < frequency:
+        raise ValueError(f"frequency ({frequency}) must be at most the schedule's {total_steps} optimizer steps:"
+                         " the schedule would never advance")
+    total_advances, warmup = total_steps // frequency, -(-warmup // frequency)
+    if warmup >= total_advances and kind != "constant":
+        raise ValueError(f"warmup_steps ({warmup_steps}) leave no decay at frequency={frequency}: the schedule has"
+                         f" {total_advances} advances and the warmup takes {warmup} of them")
 
     inner: LRScheduler
     if kind == "onecycle":
@@ -282,10 +295,10 @@ def warmup_schedule(
         # OneCycleLR rises until position pct_start * (total_steps + 1) - 1, which is `warmup` here: the step after
         # the warmup trains at the peak, as for the other kinds. A rise that ends at position 0 would divide by
         # zero in torch, so no warmup is pct_start=0 (torch's "no rise": the decay starts at once).
-        inner = OneCycleLR(optimizer, max_lr=peak, total_steps=total_steps + 1,
-                           pct_start=(warmup + 1) / (total_steps + 1) if warmup else 0.0, anneal_strategy="cos")
+        inner = OneCycleLR(optimizer, max_lr=peak, total_steps=total_advances + 1,
+                           pct_start=(warmup + 1) / (total_advances + 1) if warmup else 0.0, anneal_strategy="cos")
     else:
-        inner = LambdaLR(optimizer, _lambda(kind, total_steps, warmup, min_lr_ratio))
+        inner = LambdaLR(optimizer, _lambda(kind, total_advances, warmup, min_lr_ratio))
     return AccumulationAwareScheduler(inner, frequency=frequency, count_skipped_steps=count_skipped_steps,
                                       scaler=scaler, total_steps=total_steps)
 

@@ -377,6 +377,27 @@ def test_warmup_steps_count_the_same_for_every_kind(kind):
     assert max(seen) == seen[3] == pytest.approx(1.0) and seen[2] < seen[3]  # three steps below the peak
 
 
+@pytest.mark.parametrize("kind", ["linear", "cosine", "onecycle"])
+@pytest.mark.parametrize("frequency", [2, 3])
+def test_a_schedule_changing_every_few_steps_still_ends_at_the_last_step(kind, frequency):
+    # It was sized in optimizer steps but advanced once per `frequency` of them: frequency=2 ended halfway.
+    opt = _momentum_opt()
+    reference = _momentum_opt()
+    sched = warmup_schedule(opt, kind, total_steps=12, warmup_steps=3, min_lr_ratio=0.1, frequency=frequency)
+    ends = warmup_schedule(reference, kind, total_steps=12, warmup_steps=3, min_lr_ratio=0.1)
+    seen = _lrs(opt, sched, 12)
+    _lrs(reference, ends, 12)
+    assert opt.param_groups[0]["lr"] == pytest.approx(reference.param_groups[0]["lr"])  # the end, after the last
+    assert all(seen[i] == seen[i - i % frequency] for i in range(12))  # a change every `frequency` steps
+    peak = next(i for i, lr in enumerate(seen) if lr == pytest.approx(1.0))
+    assert peak == -(-3 // frequency) * frequency and max(seen[:peak]) < 1.0  # at least 3 steps below the peak
+    assert seen[peak:] == sorted(seen[peak:], reverse=True) and seen[-1] > opt.param_groups[0]["lr"]
+    with pytest.raises(ValueError, match=r"frequency \(13\) must be at most the schedule's 12 optimizer steps"):
+        warmup_schedule(_momentum_opt(), kind, total_steps=12, frequency=13)
+    with pytest.raises(ValueError, match="leave no decay at frequency=5"):
+        warmup_schedule(_momentum_opt(), kind, total_steps=12, warmup_steps=9, frequency=5)
+
+
 def test_a_onecycle_run_past_its_end_keeps_the_final_lr_and_warns_once():
     opt = _momentum_opt()
     sched = warmup_schedule(opt, "onecycle", total_steps=4, warmup_steps=1)
