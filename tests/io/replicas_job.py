@@ -1,7 +1,8 @@
 """Three "nodes" of one process each, on gloo, with the API of io/replicas.py alone (no Lightning, which costs seconds
 to import per process), for tests/io/test_replicas.py: sharded saves into every node's local tier with ``replicas=3``,
 then a new job resumes after a node was replaced, with the replicas it would restore from damaged one after the other,
-and once with the replaced node killed between its load (from the restored bytes, in memory) and their disk copy.
+and once with the replaced node killed between its load (from the restored bytes, in memory) and their disk copy, once
+with a ``gc --grace 0`` on its tier while that copy is written.
 
 Each process asserts what it loads; rank 0 writes ``result.json`` (what each rank loaded, from where, and what it
 logged about restoring) into BASE.
@@ -176,9 +177,15 @@ def job(rank: int, port: int, base: str, layout: str) -> None:
     # (c) node 2 is replaced again, and dies after its load but before the restored copy is on its disk (its first
     # object written, the rest stalled): its tier neither lists the commit nor records the part, and the next job
     # restores it from a peer again. (A node of one process: one of several writes the copy before the load.)
-    again = None
+    again = collected = None
     if len(node_of) == 3:
         again = _killed_after_the_load(base, rank, node_of, root, resumed, resume, messages, outcomes)
+        # (d) node 2 replaced again; while its restored copy is written behind training (first object written, the
+        # rest stalled), an operator runs `gc --grace 0` on its tier from another process: the folder is an
+        # unfinished save of the tier's current writer (the restore adopted the commit's writer epoch before
+        # writing), which no grace setting lets gc take; the copy is listed once written, its part verifies, and
+        # the next job resumes it locally without restoring.
+        collected = _collected_while_written(base, rank, node_of, root, resume, messages, outcomes)
     # (b) node 2 is replaced again; now every replica of its part is damaged, of step 3 and of step 2: step 3 has no
     # source left (it was never persisted), step 2 is read from the durable root where node 2 lacks it.
     if node == 2 and leader:
@@ -193,7 +200,7 @@ def job(rank: int, port: int, base: str, layout: str) -> None:
                     damage(copy)
     dist.barrier()
     outcomes["b"] = resume(resumed)
-    for ending in (first, resumed, again):
+    for ending in (first, resumed, again, collected):
         if ending is not None:
             ending.replicator.stop()
     gathered: list[Any] = [None] * world
@@ -202,6 +209,60 @@ def job(rank: int, port: int, base: str, layout: str) -> None:
         Path(base, "result.json").write_text(json.dumps(gathered))
     dist.barrier()
     os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
+
+
+def _collected_while_written(base: str, rank: int, node_of: list[int], root: str, resume: Any, messages: Messages,
+                             outcomes: dict[str, Any]) -> Job:
+    from lightning_resilient.io import parts, replicas
+    from lightning_resilient.io.root import INSPECTING, open_root
+    from lightning_resilient.io.tiered import local_tier_url
+
+    if rank == 2:
+        shutil.rmtree(Path(base, "nvme2"))
+    dist.barrier()
+    job = Job(base, rank, node_of)
+    if rank == 2:
+        write, written, go = replicas._write, [], threading.Event()
+
+        def stalled(*args: Any) -> None:
+            if written:
+                go.wait()
+            written.append(args[2])
+            write(*args)
+
+        replicas._write = stalled
+    messages.seen.clear()
+    outcomes["d loaded"] = resume(job)
+    if rank == 2:
+        while not written:
+            time.sleep(0.01)
+        # (another process's view of the tier: a root of its own, as `lightning-resilient gc` opens it)
+        try:
+            gc = open_root(local_tier_url(job.local_tier, root),
+                           settings=replace(INSPECTING, orphan_grace_seconds=0.0))
+            outcomes["d collected"] = [url.rsplit("/", 1)[-1] for url, _ in gc.collect_garbage()]
+        finally:
+            go.set()
+        local = job.root_for(local_tier_url(job.local_tier, root))
+        outcomes["d listed"] = listed(job, root, settle=True)
+        # what the tier lists of its part and the common objects verifies
+        pointer, _ = local.read_pointer()
+        outcomes["d verified"] = []
+        for entry in pointer.entries() if pointer is not None else []:
+            manifest = local.read_manifest(entry.commit)
+            mine = sorted({*parts.part_objects(manifest, 2), *parts.common_objects(manifest)})
+            held = sorted(parts.held(local, manifest))
+            local.reader.verify(entry.commit, only=mine)
+            outcomes["d verified"].append((entry.step, held))
+        replicas._write = write
+    dist.barrier()
+    after = Job(base, rank, node_of)
+    messages.seen.clear()
+    outcomes["d again"] = (*resume(after), [m for m in messages.seen if "restor" in m])
+    outcomes["d again listed"] = listed(after, root, settle=True)
+    dist.barrier()
+    job.replicator.stop()
+    return after
 
 
 def _killed_after_the_load(base: str, rank: int, node_of: list[int], root: str, resumed: Job, resume: Any,

@@ -7,7 +7,8 @@ folder, on loopback):
 
 - three gloo processes without Lightning: a replaced node restores its part from the next replica when the first is
   damaged, and from the durable root when every replica is; a commit no source can give is never loaded; a node
-  killed after its load but before the restored copy was on its disk restores it again;
+  killed after its load but before the restored copy was on its disk restores it again; a ``gc --grace 0`` from
+  another process while that copy is written takes nothing of it;
 - Lightning DDP on 2 nodes: SIGKILL while a node receives a commit and a persist is between its copy and its
   manifest; the restart resumes the newest commit on both nodes from their local tiers (the node that lacked it
   restores it from its peer), never a half-received copy, and the durable pointer never names the half-persisted one;
@@ -262,6 +263,11 @@ def test_a_replaced_node_restores_from_the_next_replica_then_from_the_durable_ro
         assert ranks[2]["c again"][:2] == [3, "local"]
         assert "node 2 restored part 2" in " ".join(ranks[2]["c again"][2])
         assert ranks[2]["c listed"] == [3]
+        # (d) a `gc --grace 0` from another process while that copy is written takes nothing of it.
+        assert [rank["d loaded"] for rank in ranks] == [[3, "local"]] * 3
+        assert ranks[2]["d collected"] == [] and ranks[2]["d listed"] == [3]
+        assert ranks[2]["d verified"] == [[3, [2]]]  # listed: node 2's part and the common objects verify
+        assert [rank["d again"] for rank in ranks] == [[3, "local", []]] * 3  # nothing restored again
 
 
 class Node:
