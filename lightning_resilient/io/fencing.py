@@ -237,6 +237,7 @@ class WriterFence:
             raise self._origin_gone(resumed_from)
 
         fresh_over: list[Entry] = []
+        recorded = [origin]
 
         def bump(p: Pointer) -> Pointer:
             if resumed_from is not None and not elsewhere and resumed_from.commit in p.retired:
@@ -244,7 +245,8 @@ class WriterFence:
             fresh_over[:] = p.candidates()[:1] if resumed_from is None else []
             p.writer_epoch += 1
             p.writer = self.writer
-            p.origins[p.writer_epoch] = origin
+            # With the chain it continues, from the origins known now: pruned later (here, by gc), they stay known.
+            recorded[0] = p.origins[p.writer_epoch] = origin.with_ancestors(p.origins)
             # The newest checkpoint of the new lineage: what a restart of this job resumes until it saves (with an
             # origin held elsewhere, this root's newest checkpoint of the lineage it continues).
             p.latest = resumed_from if not elsewhere else next(iter(p.lineage().members(p.entries())), None)
@@ -261,7 +263,7 @@ class WriterFence:
         if self.store.exists(LEGACY_POINTER_NAME):  # a migration that died before deleting it
             self._drop_legacy_pointer()
         self.writer_epoch, self.root_id = new.writer_epoch, new.root_id
-        self.origin = origin
+        origin = self.origin = recorded[0]
         self._resumed_entry = resumed_from if not elsewhere else None
         # After the swap (a record is only ever written for an epoch that was claimed): a crash between the two loses
         # nothing while the pointer lives (it holds the origin too); only a pointer lost as well makes a rebuild guess.

@@ -15,15 +15,22 @@ A job may also start from a checkpoint of *another* root (a fork: ``fit(ckpt_pat
 ``ModelCheckpoint(dirpath=Y)``). Its origin then names that root too (:attr:`Origin.root`); within Y the lineage ends
 there, as at a fresh start, and X is never written (only a fit that writes a root claims it).
 
-Roots written before lineage was recorded have no origins: an epoch whose origin is unknown is taken to continue
-every older epoch (the old order by step), so such roots keep resuming as they did.
+Each origin of a resume also lists the whole chain it continues (:attr:`Origin.ancestors`: every writer epoch below
+it with its highest step in the lineage, down to a fresh start or a fork), so the lineage stays exact when the
+origins of old epochs are gone: the pointer prunes those no cataloged checkpoint needs, and ``gc`` their records.
+Without it, a pointer rebuilt from the manifests after a loss, with an old job's stray manifest back in view, would
+find an epoch of the chain without an origin and fall back to the rule below.
+
+Roots written before lineage was recorded have no origins: an epoch whose origin is unknown (and that no origin
+above it lists among its ancestors) is taken to continue every older epoch (the old order by step), so such roots
+keep resuming as they did.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from lightning_resilient.errors import CheckpointCorruptedError
@@ -50,6 +57,11 @@ class Origin:
     writer_epoch: int = 0  # the writer epoch that committed ``commit``
     step: int = 0
     root: str | None = None  # the URL of the root holding ``commit``, when it is not this root (a fork)
+    #: the chain this origin continues, newest first: each writer epoch from ``writer_epoch`` down to the chain's fresh
+    #: start (or fork) with the highest step of it in the lineage; ``()`` for a fresh start or a fork, None when
+    #: unknown (recorded before origins listed it, or a chain that reaches a root from before lineage). Derived
+    #: from the origins below it, so two origins of the same checkpoint are equal whatever they know of it.
+    ancestors: tuple[tuple[int, int], ...] | None = field(default=None, compare=False)
 
     @property
     def here(self) -> bool:
@@ -60,15 +72,33 @@ class Origin:
         out: dict[str, Any] = {"commit": self.commit, "writer_epoch": self.writer_epoch, "step": self.step}
         if self.root is not None:  # only a fork has it: every other origin is stored as before
             out["root"] = self.root
+        if self.ancestors is not None:  # (older readers ignore it: they fall back to the rule for older roots)
+            # "epoch:step epoch:step ...": one string, about 10 bytes a resume (an indented JSON list takes 38)
+            out["ancestors"] = " ".join(f"{epoch}:{step}" for epoch, step in self.ancestors)
         return out
 
     @classmethod
     def from_json(cls, raw: Any) -> Origin:
         if not isinstance(raw, dict):
             raise TypeError(f"an origin must be an object, got {raw!r}")
-        commit, root = raw["commit"], raw.get("root")
+        commit, root, ancestors = raw["commit"], raw.get("root"), raw.get("ancestors")
+        if ancestors is not None and not isinstance(ancestors, str):
+            raise TypeError(f"an origin's ancestors must be a string of epoch:step pairs, got {ancestors!r}")
         return cls(commit=None if commit is None else str(commit), writer_epoch=int(raw["writer_epoch"]),
-                   step=int(raw["step"]), root=None if root is None else str(root))
+                   step=int(raw["step"]), root=None if root is None else str(root),
+                   ancestors=None if ancestors is None else _pairs(ancestors))
+
+    def with_ancestors(self, origins: Mapping[int, Origin]) -> Origin:
+        """This origin with the chain it continues, as ``origins`` (a pointer's, the claim's view) tell it: ``()``
+        for a fresh start or a fork; for a resume, the lineage below the resumed checkpoint when every epoch of it
+        is known (else None: the rule for older roots then still applies below it)."""
+        if not self.here:
+            return replace(self, ancestors=())
+        below = Lineage(origins, self.writer_epoch, self.step)
+        if below.legacy_below is not None:
+            return replace(self, ancestors=None)
+        chain = sorted(((e, int(b)) for e, b in below.bounds.items()), reverse=True)
+        return replace(self, ancestors=tuple(chain))
 
     def record(self, writer_epoch: int, writer: str, root_id: str = "") -> bytes:
         """The sealed record of writer epoch ``writer_epoch``'s origin (stored at :func:`origin_record_name`), with
@@ -86,6 +116,17 @@ class Origin:
             return int(raw["writer_epoch"]), cls.from_json(raw["origin"]), str(raw.get("root_id", ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptedError(f"origin record {where} is malformed ({exc})", object=where) from exc
+
+
+def _pairs(text: str) -> tuple[tuple[int, int], ...]:
+    """The ``epoch:step`` pairs of an origin's ancestors (ValueError when one is not two integers)."""
+    pairs = []
+    for pair in text.split():
+        epoch, sep, step = pair.partition(":")
+        if not sep:
+            raise ValueError(f"an origin's ancestor {pair!r} is not epoch:step")
+        pairs.append((int(epoch), int(step)))
+    return tuple(pairs)
 
 
 class Ordered(Protocol):
@@ -119,12 +160,20 @@ class Lineage:
         self.legacy_below: int | None = None
         self.legacy_bound = math.inf
         epoch = head
+        listed: tuple[tuple[int, int], ...] | None = None  # the chain below, as the first origin that lists it says
+        cap = bound  # (the bound where that origin was met: its ancestors' bounds are no higher)
         while True:
             self.bounds[epoch] = bound
             origin = origins.get(epoch)
             if origin is None:
-                self.legacy_below, self.legacy_bound = epoch, bound
+                if listed is not None:  # pruned, but an origin above listed it: the chain is known to its start
+                    for e, b in listed:
+                        self.bounds.setdefault(e, min(b, cap))
+                else:
+                    self.legacy_below, self.legacy_bound = epoch, bound
                 break
+            if listed is None and origin.ancestors is not None:
+                listed, cap = origin.ancestors, bound
             if not origin.here or origin.writer_epoch >= epoch:  # a fresh start, a fork (or a looping record)
                 break
             bound = min(bound, origin.step)

@@ -42,6 +42,27 @@ def test_lineage_follows_origins_and_bounds_each_epoch_at_its_resume_step():
                                                      key=lambda e: (e.writer_epoch, e.step), reverse=True)
 
 
+def test_an_origin_lists_the_chain_it_continues_so_pruned_origins_stay_known():
+    # 2 started fresh; 3 resumed 2 at step 30 and was abandoned by 4, which resumed 2 at step 20; 5 resumed 4 at 40.
+    full = {1: Origin(None), 2: Origin(None), 3: Origin("b/c", 2, 30), 4: Origin("b/d", 2, 20)}
+    fifth = Origin("d/c", 4, 40).with_ancestors(full)
+    assert fifth.ancestors == ((4, 40), (2, 20))
+    assert Origin(None).with_ancestors(full).ancestors == ()  # a fresh start (or a fork) continues nothing
+    assert Origin("b/c", 2, 30).with_ancestors({}).ancestors is None  # an epoch without origin: unknown below
+    assert Origin.from_json(json.loads(json.dumps(fifth.to_json()))).ancestors == fifth.ancestors
+    assert Origin.from_json({"commit": None, "writer_epoch": 0, "step": 0}).ancestors is None  # an older record
+    # The origins of epochs 1..4 pruned (no cataloged checkpoint of theirs left): the chain is still exact.
+    lineage = Lineage({5: fifth}, 5)
+    assert lineage.legacy_below is None and lineage.bounds == {5: float("inf"), 4: 40, 2: 20}
+    assert lineage.holds(2, 20) and not lineage.holds(2, 25)
+    assert not lineage.holds(3, 10) and not lineage.holds(1, 5)  # the abandoned epoch 3 and the older fresh start
+    # A resume below it caps the chain's bounds where it resumed.
+    assert Lineage({6: Origin("d/b", 5, 50), 5: fifth}, 6, 15).bounds == {6: 15, 5: 15, 4: 15, 2: 15}
+    # Origins recorded before they listed their chain: the rule for older roots (every older epoch) still applies.
+    older = Lineage({5: Origin("d/c", 4, 40)}, 5)
+    assert older.legacy_below == 4 and older.holds(3, 10) and older.holds(1, 5)
+
+
 def _rollback(make_io, backend, *, keep_last=None):
     """Run A saves steps 100..300; run B resumes A's step 250 and saves 260, 270. Returns the commits by label."""
     a = make_io(backend)

@@ -75,7 +75,7 @@ from lightning_resilient import (
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.catalog import normalize, reader
 from lightning_resilient.io.folders import writer_epoch_of
-from lightning_resilient.io.lineage import ORIGINS_DIR, Lineage
+from lightning_resilient.io.lineage import ORIGINS_DIR
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
@@ -102,11 +102,8 @@ SETTINGS: dict[str, Any] = {"shard_size": 4096, "chunk_size": 2048, "orphan_grac
                             "fallback_on_corruption": True}
 WAIT = 60.0  # seconds a paused or saving job may take to reach its next instant (a hang fails the run)
 
-# Protocol gaps the model found, each reproduced on its own by a strict xfail test at the end of this module (and
-# tolerated, or not generated, by the randomized run where marked KNOWN): once one is fixed, its test fails: remove
-# the mark, and the tolerance.
-BUG_PRUNED_ORIGINS = ("origins pruned before a rebuild let an abandoned branch's stray into the lineage (the rule for"
-                      " roots from before lineage was recorded)")
+# A protocol gap the model finds gets a directed test at the end of this module; while it is open, a strict xfail
+# naming it (and a tolerance in the randomized run, marked KNOWN), both removed with the fix. None is open.
 
 
 class Died(BaseException):
@@ -397,9 +394,6 @@ class Run:
         # (1) nothing that must be kept is gone
         names = {e.commit for e in pointer.entries()} if pointer is not None else None
         for commit in model.must_keep():
-            if self.legacy_confused(model, pointer, commit):
-                commit.may_go = True  # KNOWN BUG: retention may take it for an old checkpoint of the lineage
-                continue
             if names is not None and commit.cataloged and not commit.may_go:
                 self.expect(commit.folder in names,
                             f"{model.label}: {commit} left the catalog, and no rule drops it", model)
@@ -436,32 +430,8 @@ class Run:
                         f"{model.label}: find_latest_checkpoint raised {exc!r}, expected {readable[:1]}", model)
             return None
         want = f"{model.url}/{readable[0].folder}" if readable else None
-        if got != want and got is not None:
-            found = model.commits.get(got[len(model.url) + 1:])
-            if found is not None and self.legacy_confused(model, self.pointer_or_scan(model), found):
-                return got  # KNOWN BUG: the pointer's lineage lost an origin (see legacy_confused)
         self.expect(got == want, f"{model.label}: find_latest_checkpoint gave {got}, expected {want}", model)
         return got
-
-    def legacy_confused(self, model: RootModel, pointer: Pointer | None, commit: Commit,
-                        below: Commit | None = None) -> bool:
-        """KNOWN BUG (``test_a_rebuilt_pointer_never_takes_an_abandoned_branch_for_the_lineage``): origins of epochs
-        older than every cataloged checkpoint are pruned; a rebuild that brings back an old epoch's stray then finds
-        an epoch of the chain without an origin, and takes every older epoch up to that step for the lineage (the
-        rule for roots written before lineage was recorded). Whether ``commit`` is outside the lineage (of the
-        writing job, or the one ``below`` continues) but inside the lineage the pointer derives that way."""
-        if pointer is None or not commit.durable or commit.job.epoch is None:
-            return False
-        if below is None:
-            lineage, inside = pointer.lineage(), model.in_lineage(commit)
-        else:
-            origins = dict(pointer.origins)
-            if below.origin_record is not None:
-                origins.setdefault(below.epoch, below.origin_record)
-            lineage = Lineage(origins, below.epoch, below.step)
-            inside = commit in model.below(below) or commit is below
-        return (not inside and lineage.legacy_below is not None and commit.epoch < lineage.legacy_below
-                and commit.step <= lineage.legacy_bound)
 
     def check_load(self, model: RootModel, target: Commit | None) -> Commit | None:
         """Load the root URL (``target`` None) or ``target``'s commit URL read-only, as a resume or an evaluation
@@ -502,10 +472,6 @@ class Run:
         assert self.reader_io.last_load is not None
         folder = self.reader_io.last_load.commit
         got = model.commits.get(folder)
-        if got is not None and got is not want and self.legacy_confused(model, pointer, got, below=target):
-            self.note(f"  KNOWN BUG: loading {url} fell back to {got}, outside the lineage (legacy_confused)")
-            self.check_bits(loaded, got)
-            return got
         self.expect(error is None and got is want,
                     f"{model.label}: loading {url} loaded {got or folder}, expected {want or error}; candidates"
                     f" {candidates}", model)
@@ -555,9 +521,6 @@ class Run:
         if not readable:
             return  # falls back to the durable tier's answer (checked by check_latest)
         want = f"{model.url}/{readable[0].folder}"
-        found = model.commits.get(got[len(model.url) + 1:]) if got is not None else None
-        if got != want and found is not None and self.legacy_confused(model, pointer, found):
-            return  # KNOWN BUG (see legacy_confused)
         self.expect(got == want, f"tiered find_latest_checkpoint gave {got}, expected {want} of {candidates}", model)
 
     def check_paused(self, model: RootModel, job: Job) -> None:
@@ -639,8 +602,7 @@ class Run:
                 return None, False
         assert self.tier_io.last_load is not None
         commit = model.commits.get(self.tier_io.last_load.commit)
-        self.expect(commit is not None and (model.in_lineage(commit) or self.legacy_confused(
-                    model, self.pointer_or_scan(model), commit)),
+        self.expect(commit is not None and model.in_lineage(commit),
                     f"a tiered resume loaded {self.tier_io.last_load.commit}, outside the lineage", model)
         assert commit is not None
         self.check_bits(loaded, commit)
@@ -1006,8 +968,7 @@ class Run:
                 return
         assert self.tier_io.last_load is not None
         commit = model.commits.get(self.tier_io.last_load.commit)
-        self.expect(commit is not None and (model.in_lineage(commit) or self.legacy_confused(
-                    model, self.pointer_or_scan(model), commit)),
+        self.expect(commit is not None and model.in_lineage(commit),
                     f"a tiered load of the root gave {self.tier_io.last_load.commit}, outside the lineage", model)
         assert commit is not None
         self.check_bits(loaded, commit)
@@ -1427,13 +1388,13 @@ def test_a_resumed_stray_is_kept_in_the_lineage(local_backend):
         thread.join(WAIT)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=BUG_PRUNED_ORIGINS)
 def test_a_rebuilt_pointer_never_takes_an_abandoned_branch_for_the_lineage(local_backend):
     """A started fresh is abandoned by B; C resumes B, D resumes C, E resumes D: B's checkpoints are retired and the
     origins of epochs before C's are pruned (in the pointer by E's claim, their records by gc). Then the pointer is
     lost while A (stale, still running) saves: refused, its manifest stays. The rebuilt pointer knows no origin for
-    B's epoch, so it takes every older epoch (A's) for the lineage: with the lineage's checkpoints damaged, a load of
-    the root loads A's abandoned branch instead of failing."""
+    B's epoch; before origins listed their ancestors it took every older epoch (A's) for the lineage, and with the
+    lineage's checkpoints damaged a load of the root loaded A's abandoned branch instead of failing. Now C's origin
+    (and D's, E's) says B started fresh: A's stray stays outside."""
     from lightning_resilient import repair_pointer
 
     url = normalize(local_backend.root)
