@@ -1,4 +1,4 @@
-"""Nine one-line breakages of the storage protocol's safety rules, and which tests catch each.
+"""Ten one-line breakages of the storage protocol's safety rules, and which tests catch each.
 
 Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 
@@ -83,6 +83,10 @@ MUTATIONS = [
              "if abandoned:\n            dropped = self.drop_abandoned(dry_run=dry_run)",
              "if True:\n            dropped = self.drop_abandoned(dry_run=dry_run)",
              related=("tests/io/test_gc.py", "tests/io/test_lineage.py")),
+    Mutation("origin-chain", "a claim's origin not listing the chain it continues", "lightning_resilient/io/fencing.py",
+             "recorded[0] = p.origins[p.writer_epoch] = origin.with_ancestors(p.origins)",
+             "recorded[0] = p.origins[p.writer_epoch] = origin",
+             related=("tests/io/test_lineage.py",)),
 ]
 
 
