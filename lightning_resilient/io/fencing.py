@@ -55,6 +55,9 @@ class WriterFence:
         #: and written again under the same URL starts its writer epochs over, so an epoch alone cannot tell a
         #: writer of the old incarnation from the new one's.
         self.root_id: str | None = None
+        #: The incarnation this writer's commits name in their manifests: ``root_id`` for a root it claimed, the
+        #: durable root's for a local tier it adopted (whose own pointer has a ``root_id`` of its own)
+        self.lineage_id: str | None = None
         self.origin: Origin | None = None  # where this writer's training came from, once it claimed
         self.resumed_from: str | None = None
         #: What this process last loaded from the root: a fit that resumed from it claims the root with it as
@@ -263,6 +266,7 @@ class WriterFence:
         if self.store.exists(LEGACY_POINTER_NAME):  # a migration that died before deleting it
             self._drop_legacy_pointer()
         self.writer_epoch, self.root_id = new.writer_epoch, new.root_id
+        self.lineage_id = new.root_id
         origin = self.origin = recorded[0]
         self._resumed_entry = resumed_from if not elsewhere else None
         # After the swap (a record is only ever written for an epoch that was claimed): a crash between the two loses
@@ -340,10 +344,11 @@ class WriterFence:
                 " allow_unfenced_store=True. Checkpoints stay atomic and verified; make sure only one job writes the"
                 " root (stop the old one before starting its replacement).", RuntimeWarning, stacklevel=5)
 
-    def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin]) -> Pointer:
+    def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin], lineage_id: str = "") -> Pointer:
         """Write this root as writer epoch ``epoch`` of another root: the node-local tier of a durable root whose
-        claim gave ``epoch`` and ``origin`` (``origins``: that root's lineage). Commits here then carry the durable
-        writer epoch and lineage, so the two tiers order and compare their checkpoints alike.
+        claim gave ``epoch`` and ``origin`` (``origins``: that root's lineage; ``lineage_id``: its incarnation).
+        Commits here then carry the durable writer epoch, lineage and incarnation, so the two tiers order and compare
+        their checkpoints alike, and a commit persisted from here belongs to the durable root's incarnation.
 
         A newer epoch already adopted here (a newer job on this node) makes this writer stale. Local checkpoints
         outside the adopted lineage can never be resumed again (a lineage only grows): they are dropped.
@@ -353,6 +358,8 @@ class WriterFence:
                 raise StaleWriterError(self.url, epoch, p.writer_epoch, p.writer)
             p.writer_epoch = epoch
             p.writer = self.writer
+            if lineage_id:  # the tier's incarnation is the durable root's: what its commits' manifests name
+                p.root_id = lineage_id
             p.origins.update(origins)
             p.origins[epoch] = origin
             p.protected = {}
@@ -364,6 +371,7 @@ class WriterFence:
 
         new, _ = self.update(bump, fenced=False)
         self.writer_epoch, self.origin, self.root_id = epoch, origin, new.root_id
+        self.lineage_id = lineage_id
         return new
 
     def hold(self, folders: Iterable[str], why: str) -> None:

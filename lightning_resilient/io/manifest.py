@@ -130,6 +130,10 @@ class Manifest:
     # that a root whose pointer is lost still knows which branch is current). None: written before lineage was
     # recorded.
     origin: Origin | None = None
+    # The incarnation of the root whose lineage this is (its pointer's ``root_id``; a local tier's commits carry the
+    # durable root's): a pointer rebuilt after a loss ignores the commits of a deleted incarnation that a job of it
+    # wrote into the recreated root. "": written before manifests carried it.
+    root_id: str = ""
 
     def rank_offsets(self, rank: int) -> list[int]:
         """Where each object of rank ``rank``'s stream starts in that stream (sharded saves)."""
@@ -234,7 +238,8 @@ def _parse(raw: dict[str, Any], where: str) -> Manifest:
     origin = raw.get("origin")
     return Manifest(**_header(raw, where), chunk_size=chunk_size, hash=algorithm,
                     stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors, sharded=sharded,
-                    origin=Origin.from_json(origin) if origin is not None else None)
+                    origin=Origin.from_json(origin) if origin is not None else None,
+                    root_id=str(raw.get("root_id", "")))
 
 
 def _check_consistent(manifest: Manifest, where: str) -> None:

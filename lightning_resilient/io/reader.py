@@ -70,6 +70,8 @@ class Scan:
     origins: dict[int, Origin] = field(default_factory=dict)  # from the origin records of the writer epochs
     #: The root's incarnation as the newest origin record that carries one has it ("" if none does)
     root_id: str = ""
+    #: commit folders whose manifest names another incarnation than ``root_id`` (left out of everything above)
+    foreign: list[str] = field(default_factory=list)
 
     def pointer(self) -> Pointer:
         return Pointer.rebuilt(self.manifests, self.max_epoch, self.origins, root_id=self.root_id)
@@ -413,15 +415,24 @@ class RootReader:
                 written_by = writer_epoch_of(child)
                 if written_by is None:
                     continue
-                scan.max_epoch = max(scan.max_epoch, written_by)
                 folder = f"{name}/{child}"
                 try:
-                    scan.manifests.append(self.read_manifest(folder))
+                    manifest = self.read_manifest(folder)
                 except (CheckpointCorruptedError, UnsupportedFormatError) as exc:
                     if self.store.exists(f"{folder}/{MANIFEST_NAME}"):
                         scan.unreadable[folder] = str(exc)
                     else:
                         scan.uncommitted.append(folder)
+                    scan.max_epoch = max(scan.max_epoch, written_by)
+                    continue
+                if scan.root_id and manifest.root_id and manifest.root_id != scan.root_id:
+                    # A commit of a deleted incarnation of this root, written into the recreated one by a job of the
+                    # old one (it was refused at its pointer move, or died before it): neither a checkpoint of this
+                    # root nor a writer epoch of it, whose number it may share.
+                    scan.foreign.append(folder)
+                    continue
+                scan.max_epoch = max(scan.max_epoch, written_by)
+                scan.manifests.append(manifest)
         return scan
 
     def stored_sizes(self, paths: Iterable[str]) -> dict[str, int | None]:

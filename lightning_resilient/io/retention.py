@@ -264,7 +264,7 @@ class Retention:
                 if MANIFEST_NAME not in objects:
                     partial.append(folder)
                     doomed.append((self.store.url(folder), f"no manifest, written by fenced writer epoch {epoch}"))
-                elif self._outside(lineage, folder):
+                elif self._outside(lineage, folder, pointer.root_id):
                     # Its writer died (or was fenced) between the manifest and the pointer update: never visible,
                     # and outside the lineage, so no resume can ever pick it. One inside the lineage is kept.
                     committed.append(folder)
@@ -298,9 +298,14 @@ class Retention:
             if match and int(match.group(1)) < oldest and int(match.group(1)) not in pointer.origins:
                 self.discard(f"{ORIGINS_DIR}/{record}")
 
-    def _outside(self, lineage: Lineage, folder: str) -> bool:
+    def _outside(self, lineage: Lineage, folder: str, root_id: str) -> bool:
+        """Whether the unreferenced commit ``folder`` is no checkpoint of this root's current run: outside its
+        lineage, or of another incarnation of the root (a job of a deleted one wrote it into the recreated root;
+        its writer epoch may well fall inside this lineage's)."""
         try:
-            return not lineage.contains(self.reader.read_manifest(folder))
+            manifest = self.reader.read_manifest(folder)
+            return (bool(manifest.root_id and root_id and manifest.root_id != root_id)
+                    or not lineage.contains(manifest))
         except CheckpointCorruptedError:
             return True  # a manifest that does not load makes nothing loadable
         except UnsupportedFormatError:

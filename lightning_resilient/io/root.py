@@ -155,10 +155,10 @@ class CheckpointRoot:
         self._collect_quietly()
         return epoch
 
-    def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin]) -> None:
+    def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin], lineage_id: str = "") -> None:
         """Write this root as writer epoch ``epoch`` of another root (:meth:`WriterFence.adopt`: a local tier)."""
         self.settle()
-        self.retention.delete_retired(self.fence.adopt(epoch, origin, origins))
+        self.retention.delete_retired(self.fence.adopt(epoch, origin, origins, lineage_id))
         self._collect_quietly()
 
     def check_fencing(self) -> None:

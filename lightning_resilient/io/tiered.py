@@ -589,7 +589,7 @@ def adopt_claim(local: CheckpointRoot, claim: Claim) -> None:
     set_aside_if_foreign(local, claim.durable, claim.root_id)
     # The record first: a local root holding commits always says which durable root it belongs to.
     _write_tier_record(local, claim.durable, claim.root_id)
-    local.adopt(claim.writer_epoch, claim.origin, claim.origins)
+    local.adopt(claim.writer_epoch, claim.origin, claim.origins, claim.root_id)
 
 
 def set_aside_if_foreign(local: CheckpointRoot, durable_url: str, root_id: str) -> None:
@@ -615,7 +615,7 @@ def set_aside_if_foreign(local: CheckpointRoot, durable_url: str, root_id: str) 
     # fails, or, onto an empty one, replaces it).
     aside = f"{path}.set-aside-{int(time.time())}-{uuid.uuid4().hex[:8]}"
     os.rename(path, aside)
-    local.fence.writer_epoch = local.fence.root_id = None  # set aside: the next save adopts again
+    local.fence.writer_epoch = local.fence.root_id = local.fence.lineage_id = None  # set aside: the next save adopts
     warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
                   " you no longer need it.", RuntimeWarning, stacklevel=5)
 

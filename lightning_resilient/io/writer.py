@@ -312,7 +312,8 @@ class RootWriter:
         return Manifest(name=name, commit=folder, step=step, epoch=prepared.epoch, created=prepared.created,
                         writer_epoch=epoch, chunk_size=self.chunk_size, skeleton=skeleton,
                         stream=stream, objects=objects, tensors=prepared.tensors,
-                        sharded=sharded(objects) if sharded is not None else None, origin=origin)
+                        sharded=sharded(objects) if sharded is not None else None, origin=origin,
+                        root_id=self.fence.lineage_id or "")
 
     def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None) -> Entry:
         """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer.

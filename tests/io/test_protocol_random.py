@@ -1547,6 +1547,53 @@ def test_a_recreated_root_refuses_the_old_job_after_its_pointer_is_lost(local_ba
     assert find_latest_checkpoint(url) != f"{url}/{mine.commit}"
 
 
+def test_a_rebuilt_pointer_of_a_recreated_root_never_takes_the_old_jobs_stray(local_backend):
+    """A double fault: job A (writer epoch 2 of a deleted incarnation) is saving while the root is deleted and a new
+    run C starts on it (writer epoch 1); A's save writes its manifest into the recreated root and A dies before its
+    pointer move; then C's pointer is lost. The rebuild finds A's manifest, of a higher writer epoch: unless manifests
+    name their incarnation, it takes A's run for the newest lineage, and a resume loads the deleted incarnation's
+    checkpoint."""
+    url = normalize(local_backend.root)
+    first = _job(url)
+    first.claim()
+    first.save(content("a", 1), "step=1.ckpt")
+    a = _job(url)
+    pointer, _ = a.read_pointer()
+    assert pointer is not None and pointer.latest is not None
+    a.claim(resumed_from=pointer.latest)
+    a.save(content("a", 2), "step=2.ckpt")
+    gate, thread, _ = _paused_save(a, 3, "step=3.ckpt", "object:0")  # A's save is under way
+    try:
+        shutil.rmtree(local_backend.root)
+        c = _job(url)
+        c.claim()
+        mine = c.save(content("c", 1), "step=1.ckpt")
+        with gate.cond:
+            gate.points = ["written"]  # A dies after its manifest, at its pointer read
+        gate.release()
+        with gate.cond:
+            assert gate.cond.wait_for(lambda: gate.at == "written", timeout=WAIT)
+        stray = gate.folders[-1]
+        assert c.store.exists(f"{stray}/{MANIFEST_NAME}")
+        c.store.remove_object(POINTER_NAME)
+        assert find_latest_checkpoint(url) == f"{url}/{mine.commit}"
+        loaded = AtomicCheckpointIO(claim_on_load=False, node_cache=False).load_checkpoint(url)
+        assert loaded["job"] == "c"  # (a load of the root: C's, rebuilt without A's manifest)
+        c.save(content("c", 2), "step=2.ckpt")  # the new run goes on, fenced by nothing of A's
+        pointer, _ = c.read_pointer()
+        assert pointer is not None and stray not in {e.commit for e in pointer.lineage().members(pointer.entries())}
+        for tag, step in (("d", 3), ("e", 4)):  # writer epochs 2 and 3: A's stray (epoch 2, step 3) is in their range
+            job = _job(url)
+            job.claim(resumed_from=job.read_pointer()[0].latest)
+            job.save(content(tag, step), f"step={step}.ckpt")
+        reader(url).collect_garbage()  # (a claim collects the garbage of fenced writers too)
+        assert not c.store.list_dir(stray)  # another incarnation's commit: garbage, whatever its epoch and step
+        assert find_latest_checkpoint(url).startswith(f"{url}/step=4.ckpt/")
+    finally:
+        gate.kill()
+        thread.join(WAIT)
+
+
 def test_a_recreated_root_refuses_a_tier_job_that_had_not_saved_yet(local_backend, tmp_path):
     """Tier job A claims the root as writer epoch 3 and has not saved yet when the root is deleted; tier job C starts
     on the new incarnation (writer epoch 1) on the same node and saves. A's first save must be refused before it

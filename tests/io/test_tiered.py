@@ -334,6 +334,11 @@ def test_a_durable_pointer_lost_and_rebuilt_keeps_the_local_tier(local_backend, 
     os.remove(os.path.join(local_backend.root, POINTER_NAME))
     repair_pointer(local_backend.root)
     assert reader(local_backend.root).read_pointer()[0].root_id == root_id
+    # Step 4 was committed in the local tier (whose own pointer has another root_id) and persisted: its manifest
+    # names the durable root's incarnation, so the rebuild, which ignores commits of other incarnations, keeps it.
+    assert 4 in durable_steps(local_backend)
+    durable = reader(local_backend.root)
+    assert {durable.read_manifest(e.commit).root_id for e in durable.read_pointer()[0].entries()} == {root_id}
     url = find_latest_checkpoint(local_backend.root, local_tier=str(nvme))
     again = plugin(nvme, local_backend, persist_every=4, claim_on_load=True)
     assert again.load_checkpoint(url)["global_step"] == 6
