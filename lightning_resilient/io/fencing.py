@@ -358,8 +358,6 @@ class WriterFence:
                 raise StaleWriterError(self.url, epoch, p.writer_epoch, p.writer)
             p.writer_epoch = epoch
             p.writer = self.writer
-            if lineage_id:  # the tier's incarnation is the durable root's: what its commits' manifests name
-                p.root_id = lineage_id
             p.origins.update(origins)
             p.origins[epoch] = origin
             p.protected = {}

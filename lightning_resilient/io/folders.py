@@ -12,7 +12,7 @@ import re
 import socket
 import uuid
 
-__all__ = ["ATTEMPTS_DIR", "REPLACED_DIR", "SKELETON_NAME", "WHOLE", "commit_time", "is_whole_object",
+__all__ = ["ATTEMPTS_DIR", "REPLACED_DIR", "SKELETON_NAME", "TIER_RECORD", "WHOLE", "commit_time", "is_whole_object",
            "new_commit_folder", "part_record", "writer_epoch_of", "writer_identity"]
 
 _COMMIT_RE = re.compile(r"^c(\d{13})-e(\d+)-[0-9a-f]{8}$")
@@ -23,6 +23,8 @@ REPLACED_DIR = ".lightning_resilient/replaced"
 # One record per attempt of a training run and per rank (lightning_resilient/state/attempts.py): what each step
 # consumed, for the resume audit. Nothing of the protocol reads it; retention and gc never list it.
 ATTEMPTS_DIR = ".lightning_resilient/attempts"
+# In a node-local tier root: which durable root it belongs to, and that root's incarnation (io/tiered.py).
+TIER_RECORD = ".lightning_resilient/tier.json"
 # In a sharded commit, the objects holding a rank's whole items (not its shards of sharded tensors):
 # ``r<rank>-whole-shard-NNNNN.bin`` beside its ``r<rank>-shard-NNNNN.bin`` (io/sharded.py).
 WHOLE = "whole-"

@@ -408,6 +408,7 @@ class RootReader:
             scan.max_epoch = max(scan.max_epoch, epoch)
             if root_id and epoch >= newest:
                 scan.root_id, newest = root_id, epoch
+        recorded = bool(scan.root_id)  # (an origin record's word on the incarnation: only then is a commit foreign)
         for name in self.store.list_dir(""):
             if name in LEGACY_NAMES or name.startswith("."):
                 continue
@@ -425,7 +426,7 @@ class RootReader:
                         scan.uncommitted.append(folder)
                     scan.max_epoch = max(scan.max_epoch, written_by)
                     continue
-                if scan.root_id and manifest.root_id and manifest.root_id != scan.root_id:
+                if recorded and manifest.root_id and manifest.root_id != scan.root_id:
                     # A commit of a deleted incarnation of this root, written into the recreated one by a job of the
                     # old one (it was refused at its pointer move, or died before it): neither a checkpoint of this
                     # root nor a writer epoch of it, whose number it may share.
@@ -433,6 +434,14 @@ class RootReader:
                     continue
                 scan.max_epoch = max(scan.max_epoch, written_by)
                 scan.manifests.append(manifest)
+        if not recorded:
+            # No origin record names the incarnation (their writes are best effort; roots from before they did):
+            # the newest commit that names one keeps it, rather than the rebuilt pointer getting a new one, which
+            # would make this run's own commits look like another incarnation's after the next loss. Nothing is
+            # left out as foreign on this guess.
+            named = [m for m in scan.manifests if m.root_id]
+            if named:
+                scan.root_id = max(named, key=lambda m: (m.writer_epoch, m.step, m.created)).root_id
         return scan
 
     def stored_sizes(self, paths: Iterable[str]) -> dict[str, int | None]:

@@ -24,6 +24,7 @@ resumed from are never dropped.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -32,7 +33,7 @@ from collections.abc import Callable
 
 from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError, UnsupportedFormatError
 from lightning_resilient.io.fencing import WriterFence, is_resumed
-from lightning_resilient.io.folders import writer_epoch_of
+from lightning_resilient.io.folders import TIER_RECORD, writer_epoch_of
 from lightning_resilient.io.lineage import ORIGINS_DIR, Lineage
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
@@ -243,6 +244,11 @@ class Retention:
             due = set(pointer.retired)  # the job that retired them has not committed for the grace period
         partial: list[str] = []
         committed: list[str] = []
+        # The incarnation this root's commits name: a local tier's are the durable root's (its record says which;
+        # the tier's own pointer has an id of its own), any other root's its pointer's
+        incarnation = pointer.root_id
+        with contextlib.suppress(FileNotFoundError, KeyError, ValueError, TypeError):
+            incarnation = str(json.loads(self.store.read(TIER_RECORD))["root_id"])
         for name in self.store.list_dir(""):
             if name in LEGACY_NAMES or name.startswith("."):
                 continue
@@ -264,7 +270,7 @@ class Retention:
                 if MANIFEST_NAME not in objects:
                     partial.append(folder)
                     doomed.append((self.store.url(folder), f"no manifest, written by fenced writer epoch {epoch}"))
-                elif self._outside(lineage, folder, pointer.root_id):
+                elif self._outside(lineage, folder, incarnation):
                     # Its writer died (or was fenced) between the manifest and the pointer update: never visible,
                     # and outside the lineage, so no resume can ever pick it. One inside the lineage is kept.
                     committed.append(folder)

@@ -49,7 +49,7 @@ from lightning_resilient.io import _paths, layout
 from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.async_save import raise_from_background
 from lightning_resilient.io.catalog import NOT_FOUND, Together
-from lightning_resilient.io.folders import writer_epoch_of
+from lightning_resilient.io.folders import TIER_RECORD, writer_epoch_of
 from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
 from lightning_resilient.io.pointer import Entry, Pointer
@@ -61,7 +61,6 @@ __all__ = ["Claim", "PERSIST_STATUS", "TIER_RECORD", "TierSettings", "TierView",
 
 log = logging.getLogger(__name__)
 
-TIER_RECORD = ".lightning_resilient/tier.json"  # in a local tier root: which durable root it belongs to
 _PERSISTING = "being persisted to the durable tier"
 
 

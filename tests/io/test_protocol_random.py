@@ -1594,6 +1594,33 @@ def test_a_rebuilt_pointer_of_a_recreated_root_never_takes_the_old_jobs_stray(lo
         thread.join(WAIT)
 
 
+def test_a_pointer_rebuilt_without_origin_records_keeps_the_incarnation_its_commits_name(local_backend):
+    """Job J's origin record never landed (its write is best effort) and the pointer is lost; job K resumes J's step
+    2, its claim rebuilding the pointer; the pointer is lost again. Had the first rebuild given the root a new
+    incarnation (K's record names it), J's commits would look like another incarnation's at the second: left out of
+    the rebuild, and collected by gc."""
+    url = normalize(local_backend.root)
+    j = _job(url)
+    j.claim()
+    j.save(content("j", 1), "step=1.ckpt")
+    second = j.save(content("j", 2), "step=2.ckpt")
+    incarnation = j.fence.root_id
+    for record in j.store.list_dir(ORIGINS_DIR):
+        j.store.remove_object(f"{ORIGINS_DIR}/{record}")
+    j.store.remove_object(POINTER_NAME)
+    k = _job(url)
+    k.claim(resumed_from=second)
+    assert k.fence.root_id == incarnation
+    k.store.remove_object(POINTER_NAME)
+    assert find_latest_checkpoint(url) == f"{url}/{second.commit}"
+    k.save(content("k", 3), "step=3.ckpt")
+    reader(url).collect_garbage()
+    pointer, _ = k.read_pointer()
+    assert pointer is not None and [e.step for e in pointer.lineage().members(pointer.entries())] == [3, 2, 1]
+    for entry in pointer.entries():
+        reader(url).reader.verify(entry.commit)
+
+
 def test_a_recreated_root_refuses_a_tier_job_that_had_not_saved_yet(local_backend, tmp_path):
     """Tier job A claims the root as writer epoch 3 and has not saved yet when the root is deleted; tier job C starts
     on the new incarnation (writer epoch 1) on the same node and saves. A's first save must be refused before it
