@@ -33,12 +33,13 @@ the store that
 
 The directed tests at the end each reproduce one rule the random run reaches only rarely (or one protocol gap it
 found: a fixed one as a plain test, the one left as a strict xfail). ``tests/io/mutations.py`` shows which of these
-tests catch nine one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
+tests catch ten one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
 
 Seeds in the suite: ``SEEDS`` per store (and ``KILL_SEEDS`` for the variant with SIGKILLs), each its own test item,
 sized so that the randomized items together cost about a minute of one core. ``pytest --soak`` runs
 ``SOAK_OPERATIONS`` operations per store with a new seed; ``--protocol-seed N`` replays seed N. A failure names the
-seed, the replay command and the last operations. An in-process run replays exactly (no choice depends on a folder
+seed, the replay command and the last 25 operations (``PROTOCOL_TAIL=N`` in the environment: the last N). An
+in-process run replays exactly (no choice depends on a folder
 name, which holds a time and a random id, or on a timing); one with SIGKILLs kills at other instants each time.
 """
 
@@ -1163,7 +1164,7 @@ class Run:
                 op()
                 self.check()
         except BaseException as exc:
-            tail = "\n  ".join(self.log[-25:])
+            tail = "\n  ".join(self.log[-int(os.environ.get("PROTOCOL_TAIL", "25")):])
             raise RunFailed(
                 f"seed {self.seed} on {self.backend.kind} failed at operation {len(self.log)}: {exc}\n"
                 f"replay: {self.replay}\nlast operations:\n  {tail}") from exc
