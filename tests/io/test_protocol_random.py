@@ -39,8 +39,8 @@ Seeds in the suite: ``SEEDS`` per store (and ``KILL_SEEDS`` for the variant with
 sized so that the randomized items together cost about a minute of one core. ``pytest --soak`` runs
 ``SOAK_OPERATIONS`` operations per store with a new seed; ``--protocol-seed N`` replays seed N. A failure names the
 seed, the replay command and the last 25 operations (``PROTOCOL_TAIL=N`` in the environment: the last N). An
-in-process run replays exactly (no choice depends on a folder
-name, which holds a time and a random id, or on a timing); one with SIGKILLs kills at other instants each time.
+in-process run replays exactly (no choice depends on a folder name, which holds a time and a random id, or on a
+timing); one with SIGKILLs kills at other instants each time.
 """
 
 from __future__ import annotations
