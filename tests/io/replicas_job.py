@@ -211,6 +211,23 @@ def job(rank: int, port: int, base: str, layout: str) -> None:
     os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
 
 
+def _stall_writes_after_the_first() -> tuple[Any, list[int], threading.Event]:
+    """From now on, a restore's object writes into this node's tier stop after the first one until the event is set
+    (never, for a process that "dies" there): the original write, the indices written, the event."""
+    from lightning_resilient.io import replicas
+
+    write, written, go = replicas._write, [], threading.Event()
+
+    def stalled(*args: Any) -> None:
+        if written:
+            go.wait()
+        written.append(args[2])
+        write(*args)
+
+    replicas._write = stalled
+    return write, written, go
+
+
 def _collected_while_written(base: str, rank: int, node_of: list[int], root: str, resume: Any, messages: Messages,
                              outcomes: dict[str, Any]) -> Job:
     from lightning_resilient.io import parts, replicas
@@ -222,15 +239,7 @@ def _collected_while_written(base: str, rank: int, node_of: list[int], root: str
     dist.barrier()
     job = Job(base, rank, node_of)
     if rank == 2:
-        write, written, go = replicas._write, [], threading.Event()
-
-        def stalled(*args: Any) -> None:
-            if written:
-                go.wait()
-            written.append(args[2])
-            write(*args)
-
-        replicas._write = stalled
+        write, written, go = _stall_writes_after_the_first()
     messages.seen.clear()
     outcomes["d loaded"] = resume(job)
     if rank == 2:
@@ -274,15 +283,7 @@ def _killed_after_the_load(base: str, rank: int, node_of: list[int], root: str, 
     if rank == 2:
         from lightning_resilient.io import replicas
 
-        write, written, never = replicas._write, [], threading.Event()
-
-        def stalled(*args: Any) -> None:
-            if written:
-                never.wait()  # (the process "dies" here: nothing more of this restore reaches the disk)
-            written.append(args[2])
-            write(*args)
-
-        replicas._write = stalled
+        write, written, _ = _stall_writes_after_the_first()  # never released: the process "dies" there
     messages.seen.clear()
     outcomes["c killed"] = (*resume(killed), [m for m in messages.seen if "restor" in m])
     if rank == 2:

@@ -1497,10 +1497,8 @@ def test_a_manifest_never_names_an_object_gc_collected(local_backend):
     assert [m.commit for m in reader(url).scan().manifests] == [pointer.latest.commit]
 
 
-def test_a_recreated_root_refuses_the_old_job(local_backend):
-    """Job A writes root R as writer epoch 2; R is deleted and job C starts on it (writer epoch 1). A's next save
-    must be refused and leave C's pointer as it was; a restart resumes C's checkpoint, never A's."""
-    url = normalize(local_backend.root)
+def _second_job(url: str) -> CheckpointRoot:
+    """Job A of the root ``url``, writer epoch 2 (it resumed the first job's step 1), having saved step 2."""
     first = _job(url)
     first.claim()
     first.save(content("a", 1), "step=1.ckpt")
@@ -1509,6 +1507,14 @@ def test_a_recreated_root_refuses_the_old_job(local_backend):
     assert pointer is not None and pointer.latest is not None
     a.claim(resumed_from=pointer.latest)
     a.save(content("a", 2), "step=2.ckpt")
+    return a
+
+
+def test_a_recreated_root_refuses_the_old_job(local_backend):
+    """Job A writes root R as writer epoch 2; R is deleted and job C starts on it (writer epoch 1). A's next save
+    must be refused and leave C's pointer as it was; a restart resumes C's checkpoint, never A's."""
+    url = normalize(local_backend.root)
+    a = _second_job(url)
     shutil.rmtree(local_backend.root)
     c = _job(url)
     c.claim()
@@ -1525,14 +1531,7 @@ def test_a_recreated_root_refuses_the_old_job_after_its_pointer_is_lost(local_ba
     incarnation) must still be refused (the rebuilt pointer keeps the incarnation the origin records name), and its
     refused save must leave nothing that a rebuild would take for the newest writer epoch: C goes on."""
     url = normalize(local_backend.root)
-    first = _job(url)
-    first.claim()
-    first.save(content("a", 1), "step=1.ckpt")
-    a = _job(url)
-    pointer, _ = a.read_pointer()
-    assert pointer is not None and pointer.latest is not None
-    a.claim(resumed_from=pointer.latest)
-    a.save(content("a", 2), "step=2.ckpt")
+    a = _second_job(url)
     shutil.rmtree(local_backend.root)
     c = _job(url)
     c.claim()
@@ -1555,14 +1554,7 @@ def test_a_rebuilt_pointer_of_a_recreated_root_never_takes_the_old_jobs_stray(lo
     name their incarnation, it takes A's run for the newest lineage, and a resume loads the deleted incarnation's
     checkpoint."""
     url = normalize(local_backend.root)
-    first = _job(url)
-    first.claim()
-    first.save(content("a", 1), "step=1.ckpt")
-    a = _job(url)
-    pointer, _ = a.read_pointer()
-    assert pointer is not None and pointer.latest is not None
-    a.claim(resumed_from=pointer.latest)
-    a.save(content("a", 2), "step=2.ckpt")
+    a = _second_job(url)
     gate, thread, _ = _paused_save(a, 3, "step=3.ckpt", "object:0")  # A's save is under way
     try:
         shutil.rmtree(local_backend.root)
