@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from lightning_resilient.errors import CheckpointError, StaleWriterError, UnfencedStoreError
 from lightning_resilient.io.folders import writer_identity
 from lightning_resilient.io.lineage import ORIGINS_DIR, Origin, origin_record_name
-from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
 from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.reader import RootReader
 from lightning_resilient.io.store import Store
@@ -135,6 +135,7 @@ class WriterFence:
                                 self.store.url(POINTER_NAME), len(scan.manifests), self.url)
                 if self._resumed_entry is not None and self.writer_epoch == base.writer_epoch:
                     protect(base, self._resumed_entry, self.writer)  # this writer's own protection, lost with it
+                _protect_resumed_strays(base, scan.manifests)
             else:
                 base = current
             if fenced:
@@ -468,6 +469,26 @@ def _strays_of_the_lineage(p: Pointer) -> dict[str, str]:
         kept[commit] = f"{_IN_LINEAGE} (resumed by {writer})"
         kept.update((f, other) for f, other in p.protected.items() if other == _data_reason(writer) and f not in kept)
     return kept
+
+
+def _protect_resumed_strays(p: Pointer, manifests: list[Manifest]) -> None:
+    """In a pointer rebuilt after a loss (its protections lost with it): keep, as the lost pointer's protections
+    did (``_strays_of_the_lineage``), each commit an epoch of the lineage resumed from that no name catalogs (its
+    name went to a newer commit, or its writer died before its pointer move), with the folders its data lies in.
+    Otherwise retention takes the folder of data it shares with a cataloged checkpoint of its step when it drops
+    that one, and the commit a later resume may still read is left without its data."""
+    cataloged = {e.commit for e in p.entries()}
+    found = {m.commit: m for m in manifests}
+    lineage = p.lineage()
+    for epoch, origin in sorted(p.origins.items()):
+        manifest = found.get(origin.commit or "")
+        if (manifest is None or not origin.here or origin.commit in cataloged or epoch not in lineage.bounds
+                or not lineage.holds(origin.writer_epoch, origin.step)):
+            continue
+        writer = f"writer epoch {epoch}"
+        for folder in manifest.folders:
+            p.protected.setdefault(folder, _data_reason(writer))
+        p.protected[manifest.commit] = f"{_IN_LINEAGE} (resumed by {writer})"
 
 
 def protect(p: Pointer, resumed: Entry, writer: str) -> None:

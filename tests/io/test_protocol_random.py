@@ -1614,6 +1614,33 @@ def test_a_pointer_rebuilt_without_origin_records_keeps_the_incarnation_its_comm
         reader(url).reader.verify(entry.commit)
 
 
+def test_a_rebuilt_pointer_keeps_the_data_of_a_resumed_commit_no_name_catalogs(local_backend):
+    """A saves step 6 as step=6.ckpt and last.ckpt (one data folder); B resumes last.ckpt@6 and saves step 7 under
+    both names, so last.ckpt@6 is named by nothing and kept only by its protection (B resumed it; C, resuming B,
+    keeps it: it is in C's lineage). The pointer is lost and rebuilt at C's next save, its protections with it;
+    keep_last then drops step=6.ckpt. Found by a soak of the model test (seed 687715158): the rebuilt pointer did
+    not protect last.ckpt@6, so retention deleted the data it shares with step=6.ckpt, leaving a commit of the
+    lineage without its data."""
+    url = normalize(local_backend.root)
+    a = _job(url)
+    a.claim()
+    sixth = [a.save(content("a", 6), name) for name in ("step=6.ckpt", "last.ckpt")][-1]
+    b = _job(url, keep=2)
+    b.claim(resumed_from=sixth)
+    seventh = [b.save(content("b", 7), name) for name in ("step=7.ckpt", "last.ckpt")][-1]
+    c = _job(url, keep=2)
+    c.claim(resumed_from=seventh)
+    pointer, _ = c.read_pointer()
+    assert pointer is not None and sixth.commit in pointer.protected  # a stray of C's lineage
+    c.store.remove_object(POINTER_NAME)
+    for step in (8, 9, 10):
+        c.save(content("c", step), f"step={step}.ckpt")
+    reader(url).collect_garbage()
+    pointer, _ = c.read_pointer()
+    assert pointer is not None and "step=6.ckpt" not in pointer.checkpoints  # dropped by keep_last
+    reader(url).reader.verify(sixth.commit)  # its data is all there
+
+
 def test_a_recreated_root_refuses_a_tier_job_that_had_not_saved_yet(local_backend, tmp_path):
     """Tier job A claims the root as writer epoch 3 and has not saved yet when the root is deleted; tier job C starts
     on the new incarnation (writer epoch 1) on the same node and saves. A's first save must be refused before it
