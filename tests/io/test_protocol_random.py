@@ -1117,6 +1117,14 @@ class Run:
             folder = f"{name}/{child}"
             if writer_epoch_of(child) == job.epoch and job.epoch is not None and self.has_manifest(model, folder):
                 named = pointer is not None and folder in {e.commit for e in pointer.entries()}
+                if not named:
+                    try:
+                        self.observer[model.label].read_manifest(folder)
+                    except CheckpointCorruptedError:
+                        # Killed while writing its manifest (local disk writes it in place): a torn manifest, never
+                        # referenced, which scans report as unreadable and gc collects. No commit.
+                        self.note(f"{job} left a torn manifest in {folder}")
+                        continue
                 self.register(model, job, folder, stray=not named)
                 if named:
                     job.step = step
