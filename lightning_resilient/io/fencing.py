@@ -488,7 +488,8 @@ def _protect_resumed_strays(p: Pointer, manifests: list[Manifest]) -> None:
         writer = f"writer epoch {epoch}"
         for folder in manifest.folders:
             p.protected.setdefault(folder, _data_reason(writer))
-        p.protected[manifest.commit] = f"{_IN_LINEAGE} (resumed by {writer})"
+        # (setdefault: what this writer itself resumed from keeps its own reason, which says so: ``is_resumed``)
+        p.protected.setdefault(manifest.commit, f"{_IN_LINEAGE} (resumed by {writer})")
 
 
 def protect(p: Pointer, resumed: Entry, writer: str) -> None:
