@@ -14,7 +14,9 @@ __all__ = [
     "BucketNotFoundError",
     "CheckpointCorruptedError",
     "CheckpointError",
+    "CollectiveError",
     "PersistFailedError",
+    "ResumeMismatchError",
     "RunExistsError",
     "SettingTypeError",
     "ShardedCheckpointError",
@@ -94,6 +96,18 @@ class PersistFailedError(CheckpointError):
     """With a local tier: persists to the durable tier kept failing past the bound the plugin sets
     (``max_persist_failures`` in a row, or ``max_seconds_without_durable``). Raised by the save after the bound
     was passed (that save is committed to the local tier first); the last failure is its ``__cause__``."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective this package runs between the processes of a job (the resume decision, a sharded save across the
+    nodes' local tiers, the copies between nodes) failed or timed out: another process took another path, ended or
+    hangs. The message names this rank, the operation and the bound (``AtomicCheckpointIO(collective_timeout=...)``
+    or the job's process-group timeout)."""
+
+
+class ResumeMismatchError(ValueError):
+    """The ranks of one job were given checkpoints of different roots (or a plain file beside a root): no single
+    decision resumes them all. Raised on every rank, naming what each was given and the fix."""
 
 
 class UnsupportedFormatError(CheckpointError):

@@ -282,7 +282,7 @@ class PreemptionCheckpoint(Callback):
             rank_zero_warn("PreemptionCheckpoint: no dirpath and no ModelCheckpoint with a dirpath: nothing saved")
             self._exit(trainer, self.unsaved_exit_code)
         path = f"{root.rstrip('/')}/{self.filename}"
-        io = trainer.strategy.checkpoint_io
+        io = _checkpoint_plugin(trainer)
         estimate = _estimate_save_seconds(io)  # rank 0 saves, so rank 0 knows; every rank follows its decision
         if trainer.world_size > 1:
             estimate, left = trainer.strategy.broadcast((estimate, left), src=0)
@@ -347,6 +347,17 @@ class _Watchdog:
 
     def cancel(self) -> None:
         self._timer.cancel()
+
+
+def _checkpoint_plugin(trainer: Trainer) -> Any:
+    """The Trainer's checkpoint plugin: ours also behind Lightning's ``AsyncCheckpointIO``, whose worker thread runs the
+    saves (the plugin's ``wait`` waits for that worker too, and its ``save_stats`` time the saves there)."""
+    io = trainer.strategy.checkpoint_io
+    for _ in range(4):  # wrappers hold the plugin they wrap as ``checkpoint_io``
+        if hasattr(io, "wait") or not hasattr(io, "checkpoint_io"):
+            break
+        io = io.checkpoint_io
+    return io
 
 
 def _settle(io: Any) -> BaseException | None:

@@ -4,7 +4,7 @@
 A hung job (a collective one rank never joins, a data loader worker deadlocked, a stuck filesystem) burns its
 allocation until NCCL's timeout, if any, ends it (10 to 30 minutes by default, without saying where it stood). Here a
 daemon thread in each process (each rank has its own) watches the time since the training loop last made progress
-(the end of a training batch) and, past the timeout:
+(the end of a training batch) and, past the timeout (the step timeout; between epochs, a bound of their own):
 
 1. logs, at ERROR, what it saw (no progress for so long, at which global step, on which rank, the timeout and where
    it came from) and the stack of every thread of its own process. "Every local rank": each rank's watchdog dumps
@@ -25,7 +25,18 @@ min_timeout_seconds)``, so it follows the job's own pace. What must not look lik
 - saves (from ``on_save_checkpoint`` to the next training batch) and validation (``on_validation_start`` to
   ``on_validation_end``) pause the clock, and their time is not taken for a step's: a long synchronous upload is the
   plugin's business (its retries and deadlines), and validation may run as long as it needs;
-- the time to fetch a batch counts (a deadlocked loader is a hang), the start of an epoch's workers included.
+- between epochs, from the end of an epoch's last training batch (the loader exhausted, ``limit_train_batches`` or
+  ``max_steps`` reached, a stop requested; at the latest, this callback's own ``on_train_epoch_end``) until the next
+  training batch starts (and from ``on_train_start`` to the first one), the bound is
+  ``epoch_boundary_timeout_seconds`` (30 minutes by default, never less than the step timeout; None: not watched).
+  That phase is not a step: every callback's and the module's ``on_train_epoch_end`` and ``on_train_epoch_start``
+  (a metric over the epoch, artifacts logged; in whatever order the callbacks are listed), the epoch's scheduler
+  step, the loggers, a dataloader reload, the sampler's ``set_epoch``, the next epoch's workers starting and its
+  first batch, and the ``on_train_end`` hooks that run before this callback's (its own pauses the clock until the
+  fit ends, as the plugin's teardown waits for saves in flight). Hung there (a collective one rank never joins in an
+  epoch-end metric, a loader whose workers deadlock at start, an upload that never returns), the job is still
+  reported, past that bound; validation and saves in it pause the clock as anywhere;
+- within an epoch, the time to fetch a batch counts against the step timeout (a deadlocked loader is a hang).
 
 Limits: a thread that holds the GIL forever (a C extension stuck without releasing it) stops this thread too, and
 then nothing is reported; torch's collectives and device waits, the data loader's queues, sleeps and I/O all release
@@ -85,12 +96,18 @@ class HangWatchdog(Callback):
             training.
         startup_timeout_seconds: if set, the warm-up steps must complete within this many seconds from the start of
             training (a hang in the first collective); None: not watched.
+        epoch_boundary_timeout_seconds: seconds without progress that make a hang between epochs, from the end of an
+            epoch's last training batch until the next training batch starts (epoch-end and epoch-start hooks,
+            loggers, the next epoch's workers and first batch), and from the start of training to its first batch;
+            never less than the step timeout. Default 1800 (Lightning's default process group timeout); None: not
+            watched.
         exit_code: the process's exit status after a hang (default :data:`HANG_EXIT_CODE`, 75); None: only report.
     """
 
     def __init__(self, *, timeout_seconds: float | None = None, factor: float = 10.0,
                  min_timeout_seconds: float = 300.0, window: int = 100, warmup_steps: int = 5,
-                 startup_timeout_seconds: float | None = None, exit_code: int | None = HANG_EXIT_CODE) -> None:
+                 startup_timeout_seconds: float | None = None, epoch_boundary_timeout_seconds: float | None = 1800.0,
+                 exit_code: int | None = HANG_EXIT_CODE) -> None:
         super().__init__()
         self.timeout_seconds = (None if timeout_seconds is None else
                                 check_number("timeout_seconds", timeout_seconds, above=0,
@@ -102,6 +119,10 @@ class HangWatchdog(Callback):
         self.startup_timeout_seconds = (None if startup_timeout_seconds is None else
                                         check_number("startup_timeout_seconds", startup_timeout_seconds, above=0,
                                                      hint="seconds; None: the warm-up is not watched"))
+        self.epoch_boundary_timeout_seconds = (
+            None if epoch_boundary_timeout_seconds is None else
+            check_number("epoch_boundary_timeout_seconds", epoch_boundary_timeout_seconds, above=0,
+                         hint="seconds between an epoch's last training batch and the next one; None: not watched"))
         self.exit_code = (None if exit_code is None else
                           check_int("exit_code", exit_code, minimum=1, maximum=255, what="an exit status"))
         #: The reports made in this process: (global step, seconds without progress, timeout), oldest first.
@@ -120,6 +141,7 @@ class HangWatchdog(Callback):
         self._step_mark: float | None = None  # the last optimizer step's end; None after a pause
         self._durations: deque[float] = deque(maxlen=self.window)
         self._paused = True
+        self._between_epochs = False  # from an epoch's last training batch to the next batch's start
         self._fired = False  # reported the present stall (exit_code None): wait for progress before another
 
     # -- what the training loop does ---------------------------------------------------------------------------------
@@ -132,6 +154,7 @@ class HangWatchdog(Callback):
             self._rank = trainer.global_rank
             self._step = trainer.global_step
             self._paused = False
+            self._between_epochs = True  # the epoch's start hooks, workers and first batch: as between two epochs
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._watch, name="lightning_resilient-watchdog", daemon=True)
@@ -142,8 +165,8 @@ class HangWatchdog(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         with self._lock:
-            if self._paused:  # after a save (or a validation): the clock starts again here
-                self._paused = False
+            if self._paused or self._between_epochs:  # after a save or between epochs: the step clock starts here
+                self._paused = self._between_epochs = False
                 self._progress(None)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -157,6 +180,14 @@ class HangWatchdog(Callback):
                 self._step = trainer.global_step
                 self._step_mark = now
             self._progress(now)
+            if _ends_epoch(trainer):
+                self._end_epoch()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Where the last batch's end could not tell (an epoch that on_train_batch_start ended with -1, a stop that a
+        # callback after this one requested): between epochs from here at the latest, the clock not restarted.
+        with self._lock:
+            self._end_epoch()
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pause()
@@ -165,7 +196,7 @@ class HangWatchdog(Callback):
         self._pause()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        with self._lock:
+        with self._lock:  # back to the step clock, or to the epoch boundary's after the epoch's last batch
             self._paused = False
             self._progress(None)
 
@@ -182,6 +213,10 @@ class HangWatchdog(Callback):
         with self._lock:
             self._paused = True
             self._step_mark = None  # the time until the next batch is not a step's
+
+    def _end_epoch(self) -> None:
+        self._between_epochs = True
+        self._step_mark = None  # the time until the next epoch's first step is not a step's
 
     def _progress(self, now: float | None) -> None:
         self._last = time.monotonic() if now is None else now
@@ -205,9 +240,19 @@ class HangWatchdog(Callback):
 
     # -- the timeout -------------------------------------------------------------------------------------------------
     def timeout(self) -> float | None:
-        """The present timeout in seconds (None: not watched now: warm-up without ``startup_timeout_seconds``)."""
+        """The present timeout in seconds (None: not watched now: warm-up without ``startup_timeout_seconds``, or
+        between epochs without ``epoch_boundary_timeout_seconds``)."""
         if self._steps < self.warmup_steps:
             return self.startup_timeout_seconds
+        step = self._step_timeout()
+        if not self._between_epochs:
+            return step
+        if self.epoch_boundary_timeout_seconds is None:
+            return None
+        # Never below the step timeout: the phase holds at least a batch's fetch, which the step timeout allows.
+        return max(self.epoch_boundary_timeout_seconds, step)
+
+    def _step_timeout(self) -> float:
         if self.timeout_seconds is not None:
             return self.timeout_seconds
         if not self._durations:
@@ -223,18 +268,27 @@ class HangWatchdog(Callback):
         warmup = (f" after {self.warmup_steps} warm-up step(s)" if self.warmup_steps else "") + (
             f" (those within {self.startup_timeout_seconds:g} s)" if self.startup_timeout_seconds is not None
             and self.warmup_steps else "")
-        return f"a hang is {rule}{warmup}, saves and validation excepted"
+        boundary = ("not watched (epoch_boundary_timeout_seconds=None)" if self.epoch_boundary_timeout_seconds is None
+                    else f"at least {self.epoch_boundary_timeout_seconds:g} s (epoch_boundary_timeout_seconds)")
+        return f"a hang is {rule}{warmup}, saves and validation excepted; between epochs {boundary}"
 
     def _why(self, timeout: float) -> str:
         if self._steps < self.warmup_steps:
             return f"startup_timeout_seconds, {self._steps} of {self.warmup_steps} warm-up step(s) done"
         if self.timeout_seconds is not None:
-            return "timeout_seconds"
-        if not self._durations:
-            return "min_timeout_seconds (no step timed yet)"
-        median = statistics.median(self._durations)
-        return (f"max({self.factor:g} x median step {median:.3g} s over {len(self._durations)} steps,"
-                f" {self.min_timeout_seconds:g} s)")
+            step = "timeout_seconds"
+        elif not self._durations:
+            step = "min_timeout_seconds (no step timed yet)"
+        else:
+            median = statistics.median(self._durations)
+            step = (f"max({self.factor:g} x median step {median:.3g} s over {len(self._durations)} steps,"
+                    f" {self.min_timeout_seconds:g} s)")
+        if not self._between_epochs or self.epoch_boundary_timeout_seconds is None:
+            return step
+        where = "between epochs (after an epoch's last training batch, before the next batch)"
+        if self.epoch_boundary_timeout_seconds >= timeout:
+            return f"epoch_boundary_timeout_seconds, {where}"
+        return f"{step}, above epoch_boundary_timeout_seconds {self.epoch_boundary_timeout_seconds:g} s, {where}"
 
     # -- the thread ----------------------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -268,6 +322,16 @@ class HangWatchdog(Callback):
                 stream.flush()
         logging.shutdown()
         os._exit(self.exit_code)
+
+
+def _ends_epoch(trainer: Trainer) -> bool:
+    """Whether the training batch that just ended is the epoch's last, from the public state Lightning's epoch loop
+    decides it by: the loader exhausted (known a batch ahead, as Lightning prefetches one), ``limit_train_batches`` or
+    ``max_steps`` reached, or a stop requested (a stop that ``min_epochs`` overrides only lets the next batch's fetch
+    run under the epoch boundary's bound)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return (progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
+            or 0 <= trainer.max_steps <= trainer.global_step or trainer.should_stop)
 
 
 def _stacks() -> str:

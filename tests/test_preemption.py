@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_resilient import AtomicCheckpointIO, PreemptionCheckpoint, ResumeStateCallback, find_latest_checkpoint
@@ -137,6 +139,38 @@ def test_an_async_save_in_flight_is_committed_before_the_emergency_one(tmp_path)
     assert [(s.name, s.step, s.committed) for s in io.save_stats] == [("epoch=0-step=4.ckpt", 4, True),
                                                                         ("preemption.ckpt", 5, True)]
     assert pointer(root).latest.name == "preemption.ckpt"
+
+
+class SlowEmergencyIO(AtomicCheckpointIO):
+    """The emergency save starts late on the wrapper's worker: a PreemptionCheckpoint that does not wait for it lets
+    the process go with it not yet committed."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if str(path).endswith("preemption.ckpt"):
+            time.sleep(0.5)  # (a slow store; nothing here asserts a time)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_behind_lightnings_async_wrapper_the_emergency_save_is_committed_before_exit(tmp_path, plugins):
+    """``AsyncCheckpointIO(AtomicCheckpointIO())``: the emergency save runs on the wrapper's worker thread; the callback
+    finds the plugin through the wrapper and waits for it (and estimates from the plugin's save timings)."""
+    root = str(tmp_path / "ckpt")
+    io = plugins.track(SlowEmergencyIO())
+    at_exit: list[str] = []
+
+    class Latest(Callback):  # before any teardown (which would wait for the wrapper's worker)
+        def on_exception(self, *args: Any) -> None:
+            at_exit.append(pointer(root).latest.name)
+
+    seed_everything(0)
+    trainer = Trainer(max_steps=20, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[AsyncCheckpointIO(io)],
+                      callbacks=[PreemptionCheckpoint(), SignalAt(6), Latest(),
+                                 ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1)])
+    with pytest.raises(PreemptedExit):
+        trainer.fit(DropoutModel(), loader())
+    assert at_exit == ["preemption.ckpt"]  # committed when the callback let the process go
+    assert [(s.name, s.committed) for s in io.save_stats] == [("epoch=0-step=4.ckpt", True), ("preemption.ckpt", True)]
 
 
 

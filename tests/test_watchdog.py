@@ -1,6 +1,7 @@
 """HangWatchdog: a step that stops making progress is reported with every thread's stack (in-process, with
-``exit_code=None``); warm-up steps, saves and validation never look like a hang; and, in a training subprocess, the
-process ends with its own exit status and the goodput ledger records the hang as the attempt's end."""
+``exit_code=None``); warm-up steps, saves, validation and slow hooks between epochs never look like a hang, while a
+hang between epochs is still reported past its own bound; and, in a training subprocess, the process ends with its own
+exit status and the goodput ledger records the hang as the attempt's end."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilient import AtomicCheckpointIO, HangWatchdog
@@ -67,6 +68,53 @@ class SlowSaveIO(AtomicCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
+class SlowHooks(Callback):
+    """Sleeps ``seconds`` in each hook of ``hooks`` once, the first time it runs past the first (warm-up) step: the
+    work a job legitimately does between two training batches (a metric over the epoch, artifacts logged, a dataset
+    rebuilt), which is not a hang. With ``until_reported``, waits instead until the watchdog has reported (a hook
+    that hangs, but comes back so that the fit ends)."""
+
+    def __init__(self, hooks: tuple[str, ...], seconds: float, *, until_reported: HangWatchdog | None = None) -> None:
+        self.pending, self.seconds, self.until_reported = set(hooks), seconds, until_reported
+
+    def sleep(self, hook: str, trainer: Trainer) -> None:
+        if hook not in self.pending or trainer.global_step == 0:
+            return
+        self.pending.discard(hook)
+        if self.until_reported is None:
+            time.sleep(self.seconds)
+            return
+        deadline = time.monotonic() + 60
+        while not self.until_reported.hangs and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.sleep("on_train_epoch_start", trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.sleep("on_train_epoch_end", trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.sleep("on_train_end", trainer)
+
+
+class SlowHooksModel(Stalling):
+    """A :class:`Stalling` whose own epoch and end hooks run ``slow``'s."""
+
+    def __init__(self, watchdog: HangWatchdog, slow: SlowHooks, **kwargs: Any) -> None:
+        super().__init__(watchdog, **kwargs)
+        self.slow_hooks = slow
+
+    def on_train_epoch_start(self) -> None:
+        self.slow_hooks.sleep("on_train_epoch_start", self.trainer)
+
+    def on_train_epoch_end(self) -> None:
+        self.slow_hooks.sleep("on_train_epoch_end", self.trainer)
+
+    def on_train_end(self) -> None:
+        self.slow_hooks.sleep("on_train_end", self.trainer)
+
+
 def fit(tmp_path: Path, model: Stalling, watchdog: HangWatchdog, *, io: AtomicCheckpointIO | None = None,
         val: Any = None, **trainer: Any) -> None:
     callbacks = [watchdog, ModelCheckpoint(dirpath=tmp_path / "root", every_n_train_steps=3, save_top_k=-1)]
@@ -100,6 +148,76 @@ def test_warm_up_steps_saves_and_validation_never_look_like_a_hang(tmp_path, cap
     assert [step for step, _, _ in watchdog.hangs] == [8]
 
 
+@pytest.mark.parametrize("where", ["module", "callback before the watchdog", "callback after the watchdog"])
+@pytest.mark.parametrize("hook", ["on_train_epoch_end", "on_train_epoch_start", "on_train_end"])
+def test_slow_hooks_between_epochs_and_at_the_end_never_look_like_a_hang(tmp_path, where, hook):
+    # 4 batches an epoch, 10 steps: epoch 0's end (step 4), epoch 1's start, a real hang at step 6 (which must still
+    # be caught), the end of training mid-epoch 2 (max_steps). The hook takes three timeouts, once. No save at an
+    # epoch's end (a save pauses the clock by itself, which would hide the point).
+    watchdog = HangWatchdog(timeout_seconds=0.5, warmup_steps=1, exit_code=None)
+    slow = SlowHooks((hook,), 1.5)
+    model = SlowHooksModel(watchdog, slow if where == "module" else SlowHooks((), 0), hang_at=6)
+    callbacks: list[Callback] = {"module": [watchdog], "callback before the watchdog": [slow, watchdog],
+                                 "callback after the watchdog": [watchdog, slow]}[where]
+    Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, callbacks=callbacks, max_steps=10).fit(model, tiny_loader(n=32))
+    assert not slow.pending  # it did sleep
+    assert [step for step, _, _ in watchdog.hangs] == [6]
+
+
+def test_validation_at_an_epochs_end_does_not_restart_the_step_clock(tmp_path):
+    # Validation ends before the epoch-end hooks run: the slow hook after it is still between epochs (placed before the
+    # watchdog, whose own on_train_epoch_end would otherwise say so).
+    watchdog = HangWatchdog(timeout_seconds=0.5, warmup_steps=1, exit_code=None)
+    slow = SlowHooks(("on_train_epoch_end",), 1.5)
+    Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=1, callbacks=[slow, watchdog],
+            max_steps=10).fit(Stalling(watchdog, hang_at=6), tiny_loader(n=32), tiny_loader(n=8))
+    assert not slow.pending
+    assert [step for step, _, _ in watchdog.hangs] == [6]
+
+
+class EndsEpochEarly(Stalling):
+    """Ends epoch 0 at its third batch from ``on_train_batch_start`` (-1: no ``on_train_batch_end`` for it)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if self.current_epoch == 0 and batch_idx == 2 else None
+
+
+def test_an_epoch_ended_by_on_train_batch_start_is_between_epochs_from_the_watchdogs_epoch_end(tmp_path):
+    # The last batch's end cannot tell: the watchdog's own on_train_epoch_end does (the callbacks after it are safe).
+    watchdog = HangWatchdog(timeout_seconds=0.5, warmup_steps=1, exit_code=None)
+    slow = SlowHooks(("on_train_epoch_end",), 1.5)
+    Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, callbacks=[watchdog, slow], max_steps=8).fit(
+        EndsEpochEarly(watchdog, hang_at=4), tiny_loader(n=32))
+    assert not slow.pending
+    assert [step for step, _, _ in watchdog.hangs] == [4]
+
+
+@pytest.mark.parametrize(("step_timeout", "boundary_timeout", "why"), [
+    (0.2, 0.6, "from epoch_boundary_timeout_seconds, between epochs"),
+    (0.6, 0.2, "from timeout_seconds, above epoch_boundary_timeout_seconds 0.2 s, between epochs"),
+])
+def test_a_hang_between_epochs_is_reported_past_its_own_bound(tmp_path, caplog, step_timeout, boundary_timeout,
+                                                              why):
+    # A hook that never returns (a collective one rank never joins, a stuck upload) is a hang too: past
+    # epoch_boundary_timeout_seconds, never less than the step timeout.
+    watchdog = HangWatchdog(timeout_seconds=step_timeout, epoch_boundary_timeout_seconds=boundary_timeout,
+                            warmup_steps=1, exit_code=None)
+    stuck = SlowHooks(("on_train_epoch_end",), 0, until_reported=watchdog)
+    with caplog.at_level(logging.ERROR, logger="lightning_resilient.watchdog"):
+        Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                enable_checkpointing=False, callbacks=[stuck, watchdog], max_steps=6).fit(Stalling(watchdog),
+                                                                                         tiny_loader(n=32))
+    assert [(step, timeout) for step, _, timeout in watchdog.hangs] == [(4, 0.6)]
+    (record,) = [r for r in caplog.records if r.name == "lightning_resilient.watchdog"]
+    message = record.getMessage()
+    assert f"at global step 4: a hang (timeout 0.6 s, {why}" in message
+    main_thread = message.split("--- thread MainThread")[1].split("--- thread")[0]
+    assert "in on_train_epoch_end" in main_thread  # where it was stuck
+
+
 def test_the_timeout_follows_the_step_times(tmp_path, caplog):
     # Steps of at least 20 ms: 50 of them are at least 1 s, above the 0.1 s floor.
     watchdog = HangWatchdog(factor=50, min_timeout_seconds=0.1, warmup_steps=2, exit_code=None)
@@ -119,6 +237,7 @@ def test_the_timeout_follows_the_step_times(tmp_path, caplog):
     ({"exit_code": 256}, "exit_code must be"),
     ({"window": 0}, "window must be"),
     ({"startup_timeout_seconds": -5}, "startup_timeout_seconds must be > 0"),
+    ({"epoch_boundary_timeout_seconds": 0}, "epoch_boundary_timeout_seconds must be > 0"),
 ])
 def test_bad_settings_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):

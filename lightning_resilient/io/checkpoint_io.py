@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import re
 import threading
@@ -15,15 +17,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
-from lightning_resilient._checks import check_bool, check_optional_bool
+from lightning_resilient._checks import check_bool, check_number, check_optional_bool
 from lightning_resilient._namespaces import register_checkpoint_io, trainer_on_stack
 from lightning_resilient.errors import CheckpointCorruptedError, RunExistsError, SettingTypeError
 from lightning_resilient.io import _paths
-from lightning_resilient.io.async_save import AsyncSaver, SaveStats
+from lightning_resilient.io.async_save import AsyncSaver, SaveStats, WrappedSaves
 from lightning_resilient.io.catalog import (
     ALONE,
     Together,
@@ -40,6 +43,7 @@ from lightning_resilient.io.node_cache import NodeCache
 from lightning_resilient.io.parts import spans_nodes
 from lightning_resilient.io.pointer import Entry
 from lightning_resilient.io.replicas import (
+    DEFAULT_TIMEOUT,
     Access,
     Nodes,
     Replicator,
@@ -47,6 +51,7 @@ from lightning_resilient.io.replicas import (
     load_across_nodes,
     save_sharded_tiered,
 )
+from lightning_resilient.io.reported import kept_by, reported_in, reported_names
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, Loaded, LoadStats, RootSettings, open_root
 from lightning_resilient.io.sharded import AtomicStorageReader, root_and_name
@@ -94,7 +99,9 @@ class AtomicCheckpointIO(CheckpointIO):
     Args:
         storage_options: fsspec options for the store (credentials, endpoint, ...); Lightning passes none.
         keep_last: keep only the N newest committed checkpoints (None keeps all that Lightning keeps). The
-            pointer's target and the checkpoint this job resumed from are never deleted.
+            pointer's target, the checkpoint this job resumed from and every checkpoint a ModelCheckpoint of the run
+            still reports (``best_model_path``, ``best_k_models``, ``last_model_path``: kept besides the N newest)
+            are never deleted; ``fit`` warns when N is smaller than what the ModelCheckpoints of a folder keep.
         shard_size: largest stored object of tensor data: the tensors' bytes form one stream, cut into objects
             of at most this size (a big tensor spans several; a small checkpoint is cut finer, so that every
             upload thread gets an object), uploaded and downloaded in parallel. At most 5 GiB (S3's single-PUT
@@ -107,7 +114,8 @@ class AtomicCheckpointIO(CheckpointIO):
             follow in a background thread. At most one save is in flight (a second waits, and the wait is
             recorded in :attr:`save_stats`); an error is raised by the next save and by ``teardown``, which
             waits for the last save. A removal Lightning asks for after a save runs only once that save
-            committed.
+            committed. The same holds behind Lightning's own ``AsyncCheckpointIO(AtomicCheckpointIO(...))``, with or
+            without this setting (docs/fast-checkpoints.md).
         pin_memory: use page-locked host memory for the async snapshot buffer and for loads onto a CUDA device
             (faster, non-blocking copies). None: when CUDA is available. True requires CUDA.
         node_cache: under ``torch.distributed`` with an object store (S3, GCS, ...), the first process of a node
@@ -139,10 +147,14 @@ class AtomicCheckpointIO(CheckpointIO):
             ModelCheckpoint dirpaths), with the checkpoint it loaded as the origin of their lineage; a root it only
             reads from (a fork into another dirpath) is never claimed; every other load
             (``trainer.validate/test/predict(ckpt_path=...)``, evaluation scripts, notebooks, ``load_checkpoint``
-            outside a Trainer) is read-only and never fences the job training into the root. False: a resuming fit
-            claims only at its first save (the old job, if still running, keeps writing until then). True: every
-            load claims, for a process that will train outside ``Trainer.fit``. A job that starts without a
-            checkpoint claims at its first save.
+            outside a Trainer) is read-only and never fences the job training into the root. Outside a Trainer
+            (Lightning Fabric's ``fabric.load``, a script) a load claims nothing either, but if this plugin saves
+            afterwards, its first save into a root claims it with the last checkpoint it loaded from that root as
+            the origin (a resume, or a rollback to an older one), or else with the last one it loaded from another
+            root (a fork): ``fabric.load(find_latest_checkpoint(root), state)`` then ``fabric.save(...)`` continues
+            the run. False: a resuming fit claims only at its first save (the old job, if still running, keeps
+            writing until then). True: every load claims, for a process that will train outside ``Trainer.fit`` and
+            must fence the old job at once. A job that starts without a checkpoint claims at its first save.
         local_tier: a node-local folder (local NVMe, ``/dev/shm``) to commit every save to first: each save is a
             checkpoint there (same protocol: manifest, pointer, fencing, verification), and every ``persist_every``-th
             saved step, the last save of ``fit`` and every emergency save of ``PreemptionCheckpoint`` are also
@@ -168,6 +180,13 @@ class AtomicCheckpointIO(CheckpointIO):
         retry_attempts: tries per storage request for transient errors (5xx, throttling, dropped connections).
         retry_base_delay: first backoff in seconds (doubles per retry, full jitter).
         retry_max_delay: longest single backoff in seconds.
+        collective_timeout: with a local tier on several processes: seconds each collective between the job's
+            processes (the resume decision across the nodes' tiers, a sharded save across them, the copies between
+            nodes) waits for the others before it fails on that rank with a
+            :class:`~lightning_resilient.CollectiveError` naming the rank and the operation (a process that took
+            another path, ended or hangs). Long enough for the slowest rank's load or persist of its part (a sharded
+            checkpoint on a slow store). The job's own collectives (the resume decision without a local tier) use the
+            strategy's process-group timeout.
     """
 
     def __init__(
@@ -196,6 +215,7 @@ class AtomicCheckpointIO(CheckpointIO):
         retry_attempts: int = 6,
         retry_base_delay: float = 0.2,
         retry_max_delay: float = 10.0,
+        collective_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__()
         register_checkpoint_io(type(self))  # pytorch_lightning.Trainer accepts it too
@@ -222,12 +242,15 @@ class AtomicCheckpointIO(CheckpointIO):
                                                                         tier.max_seconds_without_durable)
         # float() as before: a delay given as a string ("0.5", from a config file) is still read as seconds.
         self.retry = RetryPolicy(retry_attempts, float(retry_base_delay), float(retry_max_delay))
+        self.collective_timeout = check_number("collective_timeout", collective_timeout, above=0,
+                                               hint="seconds a collective between the job's processes waits")
         self.max_concurrency = self.settings.max_concurrency  # checked (a plain int)
         self.claim_on_load = claim_on_load
         self.new_run = new_run
         self.async_save = async_save
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._async = AsyncSaver(pin_memory=self.pin_memory) if async_save else None
+        self._wrapped: WrappedSaves | None = None  # Lightning's AsyncCheckpointIO around this plugin (wrapped_by)
         if node_cache_dir is not None and not isinstance(node_cache_dir, str):
             raise SettingTypeError(f"node_cache_dir must be a local folder path or None, got {node_cache_dir!r}")
         self.node_cache = node_cache
@@ -245,6 +268,12 @@ class AtomicCheckpointIO(CheckpointIO):
         self._last_fit: _FitEnd | None = None  # where the last fit ended (a next fit may continue it)
         self._continuing = False  # the current fit continues the previous one from its state in memory
         self._fit_dirpaths: list[str] = []  # the checkpoint folders of the current (or last) fit
+        self._fit_trainer: weakref.ref[Any] | None = None  # the Trainer of that fit (its ModelCheckpoints' state)
+        # Loads outside a Trainer (Lightning Fabric, a script) that a later save of this plugin continues: the last
+        # of each root (by URL), and the last of all (see _continue_outside).
+        self._outside: dict[str, _OutsideLoad] = {}
+        self._last_outside: _OutsideLoad | None = None
+        self._fitting = False  # a Trainer's fit of this plugin is running (between its fit-start check and its end)
 
     # -- pickling ----------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -252,8 +281,10 @@ class AtomicCheckpointIO(CheckpointIO):
         # objects that hold the Trainer copy them: a copy keeps the settings and starts with no open roots, no
         # claimed writer epoch and no save in flight (those belong to the original; a copy that saves claims anew).
         state = self.__dict__.copy()
-        for runtime in ("_roots", "_tiers", "_lock", "_async", "_last_fit", "_nodes", "_replicator"):
+        for runtime in ("_roots", "_tiers", "_lock", "_async", "_last_fit", "_nodes", "_replicator", "_outside",
+                        "_last_outside", "_fit_trainer"):
             state.pop(runtime, None)
+        state.pop("_wrapped", None)  # (a weak reference to the wrapper: a copy finds its own, see wrapped_by)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -264,7 +295,11 @@ class AtomicCheckpointIO(CheckpointIO):
         self._replicator = None
         self._lock = threading.Lock()
         self._last_fit = None
+        self._fit_trainer = None
+        self._outside = {}
+        self._last_outside = None
         self._async = AsyncSaver(pin_memory=self.pin_memory) if self.async_save else None
+        self._wrapped = None  # (the copy's wrapper, if any, is found again when its fit starts)
 
     # -- plumbing ----------------------------------------------------------------------------------------------
     def _executor(self) -> Executor:
@@ -289,7 +324,9 @@ class AtomicCheckpointIO(CheckpointIO):
             root = self._roots.get(key)
             if root is None:
                 local = self.local_tier is not None and is_local_tier_url(self.local_tier, url)
-                settings = replace(self.settings, keep_last=self.local_keep) if local else self.settings
+                # A local tier keeps local_keep checkpoints, no more (what ModelCheckpoints report: its durable root).
+                settings = (replace(self.settings, keep_last=self.local_keep, keep_reported=False) if local
+                            else self.settings)
                 root = open_root(url, {} if local else options, settings=settings, retry=self.retry,
                                  executor=self._executor)
                 self._roots[key] = root
@@ -335,7 +372,8 @@ class AtomicCheckpointIO(CheckpointIO):
         if not distributed:
             self._nodes = Nodes.solo()
             return self._nodes
-        nodes = Nodes.join(int(getattr(strategy, "node_rank", 0)), int(getattr(strategy, "local_rank", 0)))
+        nodes = Nodes.join(int(getattr(strategy, "node_rank", 0)), int(getattr(strategy, "local_rank", 0)),
+                           timeout=self.collective_timeout)
         replicas = self.tier_settings.resolved_replicas(nodes.count)
         if self.replicas is not None and self.replicas > nodes.count and nodes.rank == 0:
             log.warning("replicas=%d but the job runs on %d node(s): each local commit is held by all of them",
@@ -367,6 +405,11 @@ class AtomicCheckpointIO(CheckpointIO):
     # -- Lightning's CheckpointIO API --------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        wrapped = self._wrapped
+        with wrapped.saving() if wrapped is not None else contextlib.nullcontext():
+            self._save_checkpoint(checkpoint, path, storage_options)
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None) -> None:
         if not isinstance(checkpoint, dict):
             raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}")
         url = normalize(_fspath(path))
@@ -386,12 +429,15 @@ class AtomicCheckpointIO(CheckpointIO):
         _check_not_nested(url, checkpoint, self._fit_dirpaths)
         root: CheckpointRoot | TieredRoot = (self.root(_paths.dirname(url), storage_options) if self.local_tier is None
                                              else self.tiers(_paths.dirname(url), storage_options))
+        self._continue_outside(root if isinstance(root, CheckpointRoot) else root.durable)
+        reported = self._reported_by_trainer(root.url) if reported_in(checkpoint, root.url) is None else None
         started = time.perf_counter()
         stats = self.save_stats_for(name, checkpoint)
         if self._async is not None:
-            self._async.save(root, checkpoint, name, stats)  # type: ignore[arg-type]  # a TieredRoot quacks alike
+            self._async.save(root, checkpoint, name, stats,  # type: ignore[arg-type]  # a TieredRoot quacks alike
+                             reported=reported)
         else:
-            root.save(checkpoint, name)
+            root.save(checkpoint, name, reported=reported)
             stats.upload = time.perf_counter() - started
             stats.committed = True
         stats.blocked = time.perf_counter() - started
@@ -429,6 +475,7 @@ class AtomicCheckpointIO(CheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         given = _fspath(path)  # messages name the path as the caller gave it
         url = normalize(given)
+        self._drain_wrapper()  # a load never races a save in flight (of Lightning's AsyncCheckpointIO, or ours)
         if self._async is not None:
             self._async.wait()  # a load never races the save in flight
             self._async.raise_error()
@@ -490,14 +537,22 @@ class AtomicCheckpointIO(CheckpointIO):
         A fit claims the roots it writes (its checkpoint folders, see :func:`fit_roots`), and only those: ``root``
         with ``entry`` as the origin of its lineage when the fit writes it, any other with ``entry`` as the checkpoint
         of another root it was forked from. A fit that forks a run into a folder of its own so never fences the job
-        still writing the run it forked from, nor abandons that run's later checkpoints."""
+        still writing the run it forked from, nor abandons that run's later checkpoints.
+
+        Outside a Trainer (Lightning Fabric, a script) a load claims nothing (unless ``claim_on_load=True``): it is
+        noted, and a later save of this plugin continues it (see :meth:`_continue_outside`)."""
         fit = trainer is not None and _fn(trainer) == "fit"
+        if fit:
+            self._forget_outside()  # a fit is a job of its own: what it loads is its origin
         if fit and root.writer_epoch is not None:
             # This plugin already wrote this root in an earlier fit (a notebook, an in-process retry); a fit that
             # resumes is a new job: it claims anew, with what it loaded as its origin (a rollback stays a rollback).
             root = self._reopen(root)
+        if trainer is None and not self.claim_on_load:
+            self._note_outside(root, entry, elsewhere)
+            return root  # read-only until this plugin saves (a process that only loads never fences anyone)
         if not (fit or self.claim_on_load):
-            return root  # any other load is read-only: it never fences anyone
+            return root  # validate/test/predict are read-only: they never fence anyone
         # The origin of this root's lineage if this process writes it (at its first save, if not claimed below).
         root.resumed(entry, elsewhere=elsewhere)
         targets = [root]
@@ -518,6 +573,40 @@ class AtomicCheckpointIO(CheckpointIO):
                 if target.writer_epoch is None:
                     target.claim()
         return root
+
+    def _note_outside(self, root: CheckpointRoot, entry: Entry, elsewhere: bool) -> None:
+        """A load of ``entry`` from ``root`` outside a Trainer: what a later save of this plugin continues. A load
+        made while a fit of this plugin runs (a callback reading a checkpoint) is that fit's business, not noted. A
+        root this plugin writes already keeps its writer and lineage (loading one of its checkpoints again, to
+        evaluate it, is no rollback), but the load is still what a save into another root forks from."""
+        if self._fitting:
+            return
+        load = _OutsideLoad(root.url, entry, elsewhere)
+        self._last_outside = load
+        if root.writer_epoch is None:
+            self._outside[root.url] = load
+
+    def _continue_outside(self, root: CheckpointRoot) -> None:
+        """Before a save (or a removal) that may claim ``root``, outside a Trainer's fit: the loads of this plugin
+        outside a Trainer (Lightning Fabric's ``fabric.load``, a script's ``load_checkpoint``) give the origin of its
+        claim, as a Trainer's resume would, so that ``fabric.load(find_latest_checkpoint(root), state)`` followed by
+        ``fabric.save`` continues that run instead of abandoning it. The last load of ``root`` itself makes it a
+        resume of that checkpoint (a rollback when it is an older one); with none, the last load of another root
+        makes it a fork of that root's checkpoint; with no load at all, it is a fresh start. The claim happens at the
+        save, never at a load: a process that only loads (an evaluation script) never fences the training job, and
+        under DDP only the rank that saves (Fabric's rank 0) claims."""
+        if root.writer_epoch is not None or self._fitting:
+            return
+        own = self._outside.get(root.url)
+        last = self._last_outside
+        if own is not None:
+            root.resumed(own.entry, elsewhere=own.elsewhere)
+        elif last is not None and last.root != root.url:
+            root.forked(last.entry, last.root)
+
+    def _forget_outside(self) -> None:
+        self._outside = {}
+        self._last_outside = None
 
     def _load_tiered(self, url: str, trainer: Any, together: Together | None,
                      kwargs: dict[str, Any], *, shown: str) -> dict[str, Any] | None:
@@ -655,6 +744,7 @@ class AtomicCheckpointIO(CheckpointIO):
         name = _paths.basename(url)
         root: CheckpointRoot | TieredRoot = (self.root(_paths.dirname(url)) if self.local_tier is None
                                              else self.tiers(_paths.dirname(url)))
+        self._continue_outside(root if isinstance(root, CheckpointRoot) else root.durable)  # (a removal may claim)
 
         def remove() -> None:
             # A stock file or link (a run from before this plugin, a save_last="link" link) goes as stock Lightning
@@ -663,12 +753,21 @@ class AtomicCheckpointIO(CheckpointIO):
             root.forget_stock(name)
             root.remove(name)
 
-        if self._async is not None:
-            # Lightning removes the checkpoint a new save replaces right after starting that save: only once
-            # the new one is committed may the old one go.
-            self._async.after_pending(remove, f"removal of {url}")
+        def after_save() -> None:
+            if self._async is not None:
+                # Lightning removes the checkpoint a new save replaces right after starting that save: only once
+                # the new one is committed may the old one go.
+                self._async.after_pending(remove, f"removal of {url}")
+            else:
+                remove()
+
+        wrapped = self._wrapped
+        if wrapped is not None:
+            # Lightning's AsyncCheckpointIO runs our saves on its worker thread, and hands us this removal on the
+            # Trainer's thread at once: it goes behind the saves that wrapper was given before it (WrappedSaves).
+            wrapped.after_saves(after_save, f"removal of {url}")
         else:
-            remove()
+            after_save()
 
     @override
     def teardown(self) -> None:
@@ -677,16 +776,21 @@ class AtomicCheckpointIO(CheckpointIO):
         the fit retired since its last commit (Lightning's last top-k removal, the last ``keep_last`` drop), which
         otherwise waits for a later commit that this job will not make: the root then holds what Lightning kept
         (see ``Retention.end_of_writer`` for why readers stay safe)."""
+        self._fitting = False  # (a fit that failed ends here: Lightning tears the strategy down)
         self._settle_roots()
         try:
-            self._each_tier(lambda tier: tier.close(), first=self._async.close if self._async is not None else None)
+            self._each_tier(lambda tier: tier.close(), first=self._close_background)
         finally:
             # After the last persist (a sharded one written across nodes needs every node's part): every node's
             # copying thread ends, and the other nodes' processes may end their fit.
             self._stop_replicator()
         with self._lock:
             written = [root for root in self._roots.values() if root.writer_epoch is not None]
+            down = {tiers.durable.url for tiers in self._tiers.values() if tiers.unreachable}
         for root in written:
+            if root.url in down:  # (each request would wait out the retries: the next commit or gc deletes them)
+                log.info("not deleting what the fit retired under %s now: the store does not answer", root.url)
+                continue
             try:
                 root.end_of_writer()
             except Exception as exc:  # what was retired stays until the next commit or gc: nothing is lost
@@ -722,9 +826,44 @@ class AtomicCheckpointIO(CheckpointIO):
             root.settle()
 
     def _wait_async(self) -> None:
+        self._drain_wrapper()
         if self._async is not None:
             self._async.wait()
             self._async.raise_error()
+        if self._wrapped is not None:
+            self._wrapped.raise_error()
+
+    def _close_background(self) -> None:
+        """Teardown's first step: what Lightning's AsyncCheckpointIO was handed has run (its own teardown waited for
+        it already, unless this is the teardown of a fit that failed), then the async save in flight; raise their
+        errors."""
+        self._drain_wrapper()
+        try:
+            if self._async is not None:
+                self._async.close()
+        finally:
+            if self._wrapped is not None:
+                self._wrapped.raise_error()
+
+    def _drain_wrapper(self) -> None:
+        if self._wrapped is not None:
+            self._wrapped.drain()
+
+    def wrapped_by(self, wrapper: Any) -> None:
+        """``wrapper`` (Lightning's ``AsyncCheckpointIO``) holds this plugin, or None: the plugin is the strategy's own.
+        Called by the fit-start check in every ``setup``. Wrapped, the saves run on the wrapper's worker thread and
+        the removals reach the plugin on the Trainer's: each removal is then queued behind the saves handed to the
+        wrapper before it (see ``async_save.WrappedSaves``); and the wrapper's ``teardown`` does not call this
+        plugin's, which the fit-start check calls in the callback ``teardown`` that follows it."""
+        if wrapper is None:
+            self._wrapped = None
+        elif self._wrapped is None or not self._wrapped.wraps_for(wrapper):
+            self._wrapped = WrappedSaves(wrapper)
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether a Lightning wrapper (``AsyncCheckpointIO``) holds this plugin (see :meth:`wrapped_by`)."""
+        return self._wrapped is not None
 
     def _each_tier(self, action: Callable[[TieredRoot], Any], *, first: Callable[[], None] | None) -> None:
         """``first()``, then ``action`` on every root's tiers, each whatever the others raised; then the first error."""
@@ -754,8 +893,12 @@ class AtomicCheckpointIO(CheckpointIO):
         are claimed anew at its first save (it starts a new lineage, as a new process would) instead of continuing
         the earlier fit's writer epoch with another model's steps, or with steps from 0."""
         last, self._last_fit = self._last_fit, None
+        # What this plugin loaded outside a Trainer before is no origin of the fit: only what the fit resumes is.
+        self._forget_outside()
+        self._fitting = True
         if trainer is not None:
             self._fit_dirpaths = [normalize(d) for d in fit_roots(trainer)]
+            self._fit_trainer = weakref.ref(trainer)
         self._continuing = last is not None and trainer is not None and last.continued_by(trainer, pl_module)
         if resumed or self._continuing:
             return
@@ -768,6 +911,7 @@ class AtomicCheckpointIO(CheckpointIO):
         """A ``fit`` of ``trainer`` on ``pl_module`` ended normally (called by the fit-start check callback): a next
         fit of the same two that starts where this one ended continues this job (see :meth:`begin_fit`)."""
         self._last_fit = _FitEnd(weakref.ref(trainer), weakref.ref(pl_module), int(getattr(trainer, "global_step", 0)))
+        self._fitting = False
 
     # -- extras ------------------------------------------------------------------------------------------------
     def check_root(self, root: str) -> None:
@@ -783,6 +927,46 @@ class AtomicCheckpointIO(CheckpointIO):
         checked.store.list_dir("")  # credentials that can name the bucket but not list it fail here
         probe_write(checked.store)
         checked.check_fencing()
+
+    def check_retention(self, trainer: Any) -> None:
+        """Warn, once when a fit of ``trainer`` starts, for each of its checkpoint folders where ``keep_last`` is
+        smaller than what the ModelCheckpoints writing it keep (``save_top_k`` plus ``last``): retention never deletes
+        a checkpoint a ModelCheckpoint still reports (``best_model_path``, ``best_k_models``, ``last_model_path``, see
+        ``io/reported.py``), so those older than the ``keep_last`` newest are kept besides them, and the folder holds
+        more than ``keep_last`` checkpoints."""
+        keep = self.settings.keep_last
+        if keep is None:
+            return
+        by_root: dict[str, list[Any]] = {}
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            dirpath = getattr(callback, "dirpath", None)
+            if isinstance(dirpath, (str, os.PathLike)) and str(dirpath):
+                by_root.setdefault(self.root(str(dirpath)).url, []).append(callback)
+        for url, callbacks in by_root.items():
+            kept = sum(kept_by(c) for c in callbacks)
+            if keep >= kept:
+                continue
+            settings = ", ".join(_keeps(c) for c in callbacks if kept_by(c))
+            if kept == math.inf:
+                bound = "every checkpoint a save_top_k=-1 with a monitor ranks stays, whatever keep_last says"
+                fix = "give it a save_top_k >= 0, or set keep_last=None"
+            else:
+                bound = f"{url} may hold up to {keep} + {int(kept)} checkpoints"
+                fix = f"lower save_top_k, or set keep_last to at least {int(kept)} (or None)"
+            rank_zero_warn(
+                f"AtomicCheckpointIO(keep_last={keep}) is smaller than what the ModelCheckpoint(s) writing {url} keep"
+                f" ({settings}). Retention never deletes a checkpoint a ModelCheckpoint still reports (best_model_path,"
+                " best_k_models, last_model_path): keep_last keeps the newest checkpoints, and those reported ones"
+                f" older than them besides, so {bound}. To settle it, {fix}.", category=RuntimeWarning)
+
+    def _reported_by_trainer(self, folder: str) -> list[str] | None:
+        """The names in ``folder`` that the ModelCheckpoints of this plugin's fit report now, read from the Trainer (a
+        weights-only save carries no callback state); None without a Trainer, or one with no ModelCheckpoint."""
+        trainer = self._fit_trainer() if self._fit_trainer is not None else None
+        if trainer is None:
+            return None
+        return reported_names([c.state_dict() for c in getattr(trainer, "checkpoint_callbacks", [])
+                               if callable(getattr(c, "state_dict", None))], folder)
 
     def check_new_run(self, trainer: Any) -> None:
         """Refuse, when a fit of ``trainer`` starts, a fit that loads no checkpoint into a checkpoint folder that holds
@@ -816,6 +1000,16 @@ class AtomicCheckpointIO(CheckpointIO):
         latest = self.find_latest_checkpoint(root)
         return latest if latest is not None and writer_epoch_of(_paths.basename(latest)) is not None else None
 
+    def knows_checkpoint(self, path: str | os.PathLike[str]) -> bool | None:
+        """Whether a checkpoint ``path`` (``<dirpath>/<name>``) exists, answered without waiting for the store: with
+        ``local_tier``, from the local tier's catalog and the durable one as this plugin last saw it
+        (:meth:`TieredRoot.knows`). None without a local tier (ask the store). ``ModelCheckpoint.file_exists`` asks it
+        at every save (see ``io/fit_check.py``): a store outage would otherwise stop training at the first save."""
+        if self.local_tier is None:
+            return None
+        url = normalize(_fspath(path))
+        return self.tiers(_paths.dirname(url)).knows(_paths.basename(url))
+
     def find_latest_checkpoint(self, root: str | os.PathLike[str]) -> str | None:
         """Like :func:`find_latest_checkpoint`, with this plugin's storage options and local tier."""
         return find_latest_checkpoint(root, self.storage_options, local_tier=self.local_tier)
@@ -826,6 +1020,16 @@ class AtomicCheckpointIO(CheckpointIO):
         saves of fenced writers, retired folders whose time has come and, with ``abandoned``, checkpoints of
         branches a rollback left behind. Returns the URLs."""
         return [url for url, _ in self.root(root).collect_garbage(dry_run=dry_run, abandoned=abandoned)]
+
+
+@dataclass(frozen=True)
+class _OutsideLoad:
+    """A load outside a Trainer: the URL of the root it read, the commit it loaded, and whether only the local tier
+    held it."""
+
+    root: str
+    entry: Entry
+    elsewhere: bool
 
 
 @dataclass(frozen=True)
@@ -853,6 +1057,17 @@ def _run_exists_message(found: list[tuple[str, str]]) -> str:
             " start a new run there instead, keeping the old one as an abandoned branch until `lightning-resilient gc"
             " --abandoned`, pass AtomicCheckpointIO(new_run=True); or give the new run a ModelCheckpoint dirpath of its"
             " own.")
+
+
+def _keeps(callback: Any) -> str:
+    """What a ModelCheckpoint keeps, in its own settings (for messages)."""
+    top_k = getattr(callback, "save_top_k", 1)
+    kept = [f"save_top_k={top_k}" + ("" if getattr(callback, "monitor", None) is not None else " without a monitor")]
+    if not top_k:
+        kept = []
+    if getattr(callback, "save_last", None):
+        kept.append("save_last")
+    return f"{type(callback).__name__}({', '.join(kept)})"
 
 
 def _names_last(callback: Any, name: str) -> bool:

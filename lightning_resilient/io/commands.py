@@ -68,7 +68,9 @@ def add_commands(subparsers: Any) -> None:
                                            " come and incomplete multipart uploads; with --keep-last N, also drop"
                                            " all but the N newest checkpoints of the current run (never the latest,"
                                            " never one a job resumed from); with --abandoned, the checkpoints of"
-                                           " branches a rollback left behind. Safe beside a running job.")
+                                           " branches a rollback left behind. Never a checkpoint a ModelCheckpoint of"
+                                           " the run still reports (best_model_path, best_k_models, last_model_path)."
+                                           " Safe beside a running job.")
     gc.add_argument("root", help="the checkpoint root")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     # Named as the plugin's setting (AtomicCheckpointIO(orphan_grace_seconds=...)); --grace is the short form.

@@ -240,6 +240,13 @@ class WriterFence:
                 and not self.store.exists(f"{resumed_from.commit}/{MANIFEST_NAME}"):
             raise self._origin_gone(resumed_from)
 
+        # What the run's ModelCheckpoints report from now on: what they reported at the save this job resumed (a
+        # resume restores their state from it), nothing for a fresh start or a fork (their state is new, or names
+        # another folder). Unknown (an origin held elsewhere, a save that carried no ModelCheckpoint state): as before.
+        reported = self._reported_at(resumed_from) if resumed_from is not None and not elsewhere else None
+        if resumed_from is None:
+            reported = []
+
         fresh_over: list[Entry] = []
         recorded = [origin]
 
@@ -260,6 +267,8 @@ class WriterFence:
             p.protected = _strays_of_the_lineage(p)
             if resumed_from is not None and not elsewhere:
                 protect(p, resumed_from, self.writer)
+            if reported is not None:
+                p.reported = list(reported)
             _prune_origins(p)
             return p
 
@@ -293,11 +302,21 @@ class WriterFence:
                 f" {fresh_over[0].step}; that run is kept as an abandoned branch. To resume it instead, pass"
                 f" ckpt_path=find_latest_checkpoint({self.url!r}) (ckpt_path=\"last\" finds nothing on S3/GCS:"
                 " Lightning"
-                " lists last.ckpt without its protocol).", RuntimeWarning, stacklevel=3)
+                " lists last.ckpt without its protocol); with Lightning Fabric, load it with the same plugin before"
+                " the first save: fabric.load(find_latest_checkpoint(root), state).", RuntimeWarning, stacklevel=3)
         log.info("claimed %s as writer epoch %d (%s), %s", self.url, self.writer_epoch, self.writer,
                  f"resuming {resumed_from.commit}" if resumed_from else
                  f"forked from {fork.root}/{fork.commit}" if fork else "starting fresh")
         return self.writer_epoch
+
+    def _reported_at(self, entry: Entry) -> list[str] | None:
+        """The names the ModelCheckpoints reported at the save of ``entry`` (its manifest's); None when unknown."""
+        try:
+            return self.reader.read_manifest(entry.commit).reported
+        except (CheckpointError, OSError) as exc:  # the claim goes on; the pointer keeps what it reported before
+            log.warning("could not read what the ModelCheckpoints reported at %s: %s", self.store.url(entry.commit),
+                        exc)
+            return None
 
     def _origin_gone(self, resumed: Entry) -> CheckpointError:
         return CheckpointError(

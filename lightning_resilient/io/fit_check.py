@@ -16,6 +16,15 @@ state, so checkpoints carry nothing of it. ``ResumeStateCallback`` adds one to a
 it (a plugin set on the strategy after the Trainer was built, or the package run from a source tree without
 installed entry points).
 
+Behind Lightning's ``AsyncCheckpointIO``, the check tells the plugin it is wrapped (in every ``setup``): the plugin
+then queues the removals it gets on the Trainer's thread behind the saves the wrapper runs on its worker thread. That
+wrapper's ``teardown`` never calls the plugin's, so the check's ``teardown`` (and ``on_exception``) calls it.
+
+On several processes, ``setup`` also makes every rank load the one checkpoint global rank 0 decides, whatever
+``ckpt_path`` each was given (``io/resume_path.py``: a replaced node's ``find_latest_checkpoint`` answers differently),
+and with a local tier it answers ``ModelCheckpoint.file_exists`` from the plugin's catalogs (``_CatalogExists``), so a
+store outage never ends the fit through Lightning's own client.
+
 The entry point is also the one call the package gets before ``fit`` creates the process group: for a Trainer with
 the plugin it makes that group use this torchrun attempt's own keys in torchrun's store
 (``elastic.scope_process_group``: a restarted rank would otherwise read the killed attempt's peer addresses).
@@ -31,6 +40,7 @@ model parallel), whose check runs in ``on_train_start``, still before the first 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -40,6 +50,8 @@ from typing import Any
 from lightning_resilient.torchrun import scope_process_group
 
 __all__ = ["add_fit_start_check", "lightning_pytorch_callbacks", "pytorch_lightning_callbacks"]
+
+log = logging.getLogger(__name__)
 
 # ModelCheckpoint.setup's warning for a dirpath that holds files (Lightning 2.x words it so).
 _NOT_EMPTY = r"Checkpoint directory .* exists and is not empty\."
@@ -63,8 +75,14 @@ class _Check:
         self._held = []
         plugin = _plugin(trainer)
         if plugin is not None:
+            # Behind Lightning's AsyncCheckpointIO, saves come from its worker thread and removals from this one.
+            plugin.wrapped_by(_wrapper(trainer, plugin))
             # Every rank, at one point, before any load: with a local tier on several processes, the job's nodes.
             plugin.join_nodes(trainer)
+            # Every rank loads the checkpoint rank 0 decides, whatever ckpt_path each was given (io/resume_path.py).
+            from lightning_resilient.io.resume_path import AgreedRestore
+
+            AgreedRestore.install(trainer, plugin)
         if stage != "fit" or plugin is None:
             return
         self._load_before = plugin.last_load
@@ -94,6 +112,8 @@ class _Check:
         plugin.begin_fit(resumed=getattr(trainer, "ckpt_path", None) is not None, trainer=trainer, pl_module=pl_module)
         for dirpath in fit_roots(trainer):
             plugin.check_root(dirpath)
+        _answer_file_exists(trainer, plugin)
+        plugin.check_retention(trainer)  # (a warning: keep_last smaller than what the ModelCheckpoints keep)
         if not _restores_after_setup(trainer):
             plugin.check_new_run(trainer)
 
@@ -109,14 +129,35 @@ class _Check:
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._unhold(trainer)  # a fit that failed between this setup and ModelCheckpoint's (teardown is not called)
+        plugin = _plugin(trainer)
+        if plugin is not None and plugin.wrapped:
+            # Lightning tears the wrapper down next and never the plugin (nor calls this teardown hook): the plugin's
+            # teardown waits for what the wrapper still runs, then for its own work. The fit's exception is the one
+            # raised; a teardown error after it is logged.
+            try:
+                plugin.teardown()
+            except BaseException as exc:
+                log.error("AtomicCheckpointIO's teardown after the failed fit failed too: %s: %s", type(exc).__name__,
+                          exc)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._unhold(trainer)
+        plugin = _plugin(trainer)
+        if plugin is not None and plugin.wrapped:
+            # Lightning's AsyncCheckpointIO.teardown (the strategy's, just before this hook) waits for its worker and
+            # raises a failed save's error, but never calls the teardown of the plugin it wraps: called here, so
+            # the plugin's own background work is waited for (and its error raised) as without the wrapper.
+            plugin.teardown()
 
     def _unhold(self, trainer: Any) -> None:
         for callback in trainer.checkpoint_callbacks:
             if getattr(callback.__dict__.get("setup"), "_fit_start_check", None) is self:
                 del callback.__dict__["setup"]
+            if isinstance(callback.__dict__.get("file_exists"), _CatalogExists):
+                del callback.__dict__["file_exists"]  # the callback is itself again after the fit
+        from lightning_resilient.io.resume_path import AgreedRestore
+
+        AgreedRestore.remove(trainer)  # (a stage that failed before its restore)
         self._held = []
 
     # -- Lightning's "not empty" warning, on a resume -----------------------------------------------------------
@@ -186,9 +227,54 @@ def _resumed_root(trainer: Any, plugin: Any) -> str | None:
     return None
 
 
+class _CatalogExists:
+    """``ModelCheckpoint.file_exists`` for a callback whose folder the plugin writes with a local tier: global rank 0
+    answers from the plugin's catalogs (:meth:`AtomicCheckpointIO.knows_checkpoint`) instead of the store, and every
+    rank takes its answer, as Lightning's does.
+
+    Lightning asks at every save whether the name it is about to use exists (its version counter, ``-v1`` names),
+    through its own client of the dirpath's store: in a store outage that call fails (botocore's
+    ``EndpointConnectionError``, after ~14 s of the client's own retries) and ends the fit, though the save itself
+    goes to the local tier. A plain object (not a closure) so the callback stays picklable."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+
+    def __call__(self, filepath: Any, trainer: Any) -> bool:
+        known = bool(self.plugin.knows_checkpoint(filepath)) if trainer.is_global_zero else False
+        return bool(trainer.strategy.reduce_boolean_decision(known, all=False))
+
+
+def _answer_file_exists(trainer: Any, plugin: Any) -> None:
+    """With a local tier, answer every ModelCheckpoint's ``file_exists`` from the plugin (see :class:`_CatalogExists`);
+    the fit check's teardown gives each callback its own method back."""
+    if plugin.local_tier is None:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        if hasattr(callback, "file_exists") and getattr(callback, "dirpath", None):
+            callback.file_exists = _CatalogExists(plugin)
+
+
 def _restores_after_setup(trainer: Any) -> bool:
     """Whether the Trainer's strategy loads the checkpoint after ``on_fit_start`` (FSDP, model parallel)."""
     return bool(getattr(trainer.strategy, "restore_checkpoint_after_setup", False))
+
+
+def _wrapper(trainer: Any, plugin: Any) -> Any:
+    """The Lightning wrapper (``AsyncCheckpointIO``) that holds ``plugin`` as its ``checkpoint_io`` in ``trainer``'s
+    strategy, or None when the strategy holds the plugin itself."""
+    strategy = getattr(trainer, "strategy", None)
+    io = strategy.__dict__.get("_checkpoint_io") if hasattr(strategy, "__dict__") else None
+    if io is None:
+        io = getattr(strategy, "checkpoint_io", None)
+    for _ in range(4):
+        inner = getattr(io, "checkpoint_io", None)
+        if io is plugin or inner is None:
+            return None
+        if inner is plugin:
+            return io
+        io = inner
+    return None
 
 
 def _plugin(trainer: Any) -> Any:

@@ -134,6 +134,10 @@ class Manifest:
     # durable root's): a pointer rebuilt after a loss ignores the commits of a deleted incarnation that a job of it
     # wrote into the recreated root. "": written before manifests carried it.
     root_id: str = ""
+    # The names in this root that the run's ModelCheckpoints reported when it was saved (best_model_path, best_k_models,
+    # last_model_path: see io/reported.py); retention keeps them. None: the save carried no ModelCheckpoint state (or
+    # was written before manifests recorded it).
+    reported: list[str] | None = None
 
     def rank_offsets(self, rank: int) -> list[int]:
         """Where each object of rank ``rank``'s stream starts in that stream (sharded saves)."""
@@ -236,10 +240,13 @@ def _parse(raw: dict[str, Any], where: str) -> Manifest:
         [[int(i) for i in r] for r in raw_sharded["ranks"]],
         [[int(r) for r in node] for node in raw_sharded.get("nodes") or []])
     origin = raw.get("origin")
+    reported = raw.get("reported")
     return Manifest(**_header(raw, where), chunk_size=chunk_size, hash=algorithm,
                     stream=[int(i) for i in raw["stream"]], objects=objects, tensors=tensors, sharded=sharded,
                     origin=Origin.from_json(origin) if origin is not None else None,
-                    root_id=str(raw.get("root_id", "")))
+                    root_id=str(raw.get("root_id", "")),
+                    # (names, compared with the catalog's: never made into a path)
+                    reported=None if reported is None else [str(n) for n in reported])
 
 
 def _check_consistent(manifest: Manifest, where: str) -> None:

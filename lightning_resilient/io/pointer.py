@@ -5,8 +5,9 @@ fencing, where each writer epoch's training came from (its origin: the lineage),
 retention that are still waiting to be deleted. It is replaced only by a conditional write against the version
 that was read, so two writers can never both believe they moved it.
 
-Fields added after the first release (``origins``, ``saves``, ``last_saved``, ``retired``) are optional on read, so
-pointers written before them still load (their epochs have no known origin: see :mod:`~lightning_resilient.io.lineage`).
+Fields added after the first release (``origins``, ``saves``, ``last_saved``, ``retired``, ``root_id``, ``reported``)
+are optional on read, so pointers written before them still load (their epochs have no known origin: see
+:mod:`~lightning_resilient.io.lineage`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class Pointer:
     # the new one's (io/tiered.py), and a job of the old one is fenced (io/fencing.py). Every origin record carries
     # it, so a pointer rebuilt from the manifests keeps it (a root whose records predate it gets a new one).
     root_id: str = ""
+    # The names the run's ModelCheckpoints report (best_model_path, best_k_models, last_model_path), as the newest save
+    # that carried their state recorded them (its manifest's ``reported``: see io/reported.py). Retention never drops
+    # the checkpoints they catalog (``keep_last``, ``gc --keep-last``, ``gc --abandoned``, in any process).
+    reported: list[str] = field(default_factory=list)
 
     def entries(self) -> list[Entry]:
         """Every checkpoint the pointer names (latest and the catalog), each once."""
@@ -138,11 +143,14 @@ class Pointer:
         for manifest in [*reversed(lineage.outside(manifests)), *reversed(members)]:
             pointer.checkpoints[manifest.name] = Entry.from_manifest(manifest)
         pointer.latest = Entry.from_manifest(members[0]) if members else None
+        # What the ModelCheckpoints reported at the lineage's newest save stays kept (a rebuild only ever keeps more).
+        pointer.reported = list(members[0].reported or []) if members else []
         return pointer
 
     def copy(self) -> Pointer:
         return replace(self, checkpoints=dict(self.checkpoints), protected=dict(self.protected),
-                       origins=dict(self.origins), retired=dict(self.retired), last_saved=list(self.last_saved))
+                       origins=dict(self.origins), retired=dict(self.retired), last_saved=list(self.last_saved),
+                       reported=list(self.reported))
 
     def to_bytes(self) -> bytes:
         body = asdict(self)
@@ -184,6 +192,7 @@ class Pointer:
                 retired={check_relative(k, where=f"{where} retired"): int(v)
                          for k, v in raw.get("retired", {}).items()},
                 root_id=str(raw.get("root_id", "")),
+                reported=[str(n) for n in raw.get("reported", [])],  # names, never made into a path
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointCorruptedError(f"pointer {where} is malformed ({type(exc).__name__}: {exc}).{hint}",

@@ -43,6 +43,7 @@ commit: never a wrong or partial state.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import logging
@@ -59,6 +60,7 @@ import torch.distributed as dist
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import layout, parts
+from lightning_resilient.io.collectives import named
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
 from lightning_resilient.io.pointer import Entry
 from lightning_resilient.io.root import CheckpointRoot, Loaded
@@ -79,8 +81,9 @@ __all__ = ["Access", "DURABLE", "Load", "NodeLoad", "Nodes", "Plan", "Replicator
 
 log = logging.getLogger(__name__)
 
-# The background group's collectives wait for the next round as long as training runs between two saves.
-_BACKGROUND_TIMEOUT = datetime.timedelta(days=30)
+DEFAULT_TIMEOUT = 1800.0
+"""Seconds a collective between the job's processes waits for the others (``AtomicCheckpointIO(collective_timeout=)``):
+the default of torch's own process groups."""
 _REPLICATING = "being copied to other nodes"
 
 
@@ -88,11 +91,13 @@ _REPLICATING = "being copied to other nodes"
 class Nodes:
     """The processes of one job by node, and the two gloo groups between them (see the module docstring)."""
 
-    def __init__(self, rank: int, layout: list[list[int]], sync: Any, background: Any) -> None:
+    def __init__(self, rank: int, layout: list[list[int]], sync: Any, background: Any, *,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
         self.rank = rank
         self.layout = layout  # global ranks of each node, by node index (the order of Lightning's node_rank)
         self.sync = sync  # None: one process, without torch.distributed (every collective is that process alone)
         self.background = background  # None on one node: nothing to copy between nodes
+        self.timeout = timeout  # seconds each collective of the two groups waits for the others
 
     @classmethod
     def solo(cls) -> Nodes:
@@ -100,13 +105,16 @@ class Nodes:
         return cls(0, [[0]], None, None)
 
     @classmethod
-    def join(cls, node_rank: int, local_rank: int) -> Nodes:
+    def join(cls, node_rank: int, local_rank: int, *, timeout: float = DEFAULT_TIMEOUT) -> Nodes:
         """Every rank of the job calls this at the same point (a collective): gathers each rank's node, makes the
-        groups."""
+        groups, each of whose collectives waits at most ``timeout`` seconds for the others."""
         rank = dist.get_rank()
-        sync = dist.new_group(backend="gloo")
+        bound = datetime.timedelta(seconds=timeout)
+        with named("making the local tiers' process group", rank, _bound(timeout)):
+            sync = dist.new_group(backend="gloo", timeout=bound)
         places: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(places, (int(node_rank), int(local_rank)), group=sync)
+        with named("telling the other processes which node this one is on", rank, _bound(timeout)):
+            dist.all_gather_object(places, (int(node_rank), int(local_rank)), group=sync)
         by_node: dict[int, list[tuple[int, int]]] = {}
         for r, (node, local) in enumerate(places):
             by_node.setdefault(node, []).append((local, r))
@@ -115,10 +123,14 @@ class Nodes:
         if leaders[0] != 0:
             raise RuntimeError(f"global rank 0 is not the first process of the first node (leaders {leaders}):"
                                " lightning_resilient's local tier needs Lightning's node_rank/local_rank layout")
-        # Made on every rank (new_group is a collective of the whole job), whether or not it is a member.
-        background = dist.new_group(ranks=leaders, backend="gloo", timeout=_BACKGROUND_TIMEOUT) \
-            if len(layout) > 1 else None
-        return cls(rank, layout, sync, background)
+        # Made on every rank (new_group is a collective of the whole job), whether or not it is a member. Its
+        # members wait for the next round as long as training runs between two saves: rank 0 sends a round that does
+        # nothing whenever it has had none for a while (Replicator.tick), so each wait stays within the timeout.
+        background = None
+        if len(layout) > 1:
+            with named("making the process group of the copies between nodes", rank, _bound(timeout)):
+                background = dist.new_group(ranks=leaders, backend="gloo", timeout=bound)
+        return cls(rank, layout, sync, background, timeout=timeout)
 
     @property
     def count(self) -> int:
@@ -138,27 +150,36 @@ class Nodes:
     def is_leader(self) -> bool:
         return self.rank == self.leader(self.node)
 
-    # Collectives of the sync group (every rank calls each).
-    def broadcast(self, obj: Any) -> Any:
+    # Collectives of the sync group (every rank calls each); ``operation`` names it in a failure or a timeout.
+    def named(self, operation: str) -> contextlib.AbstractContextManager[None]:
+        return named(operation, self.rank, _bound(self.timeout))
+
+    def broadcast(self, obj: Any, operation: str) -> Any:
         if self.sync is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.sync)
+        with self.named(operation):
+            dist.broadcast_object_list(box, src=0, group=self.sync)
         return box[0]
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: Any, operation: str) -> list[Any]:
         if self.sync is None:
             return [obj]
         out: list[Any] = [None] * sum(len(r) for r in self.layout)
-        dist.all_gather_object(out, obj, group=self.sync)
+        with self.named(operation):
+            dist.all_gather_object(out, obj, group=self.sync)
         return out
 
-    def agree(self, error: BaseException | None) -> None:
+    def agree(self, error: BaseException | None, operation: str) -> None:
         """Raise, on every rank, the first error any rank had (or nothing when none had one)."""
-        errors = self.all_gather(error)
+        errors = self.all_gather(error, operation)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+
+
+def _bound(timeout: float) -> str:
+    return f"each wait bounded by AtomicCheckpointIO(collective_timeout={timeout:g}) seconds"
 
 
 # -- moving objects between nodes ----------------------------------------------------------------------------------
@@ -438,12 +459,25 @@ class Replicator:
         else:
             round_.future.set_result(result)
 
+    @property
+    def tick(self) -> float:
+        """Seconds without a round after which rank 0 sends one that does nothing (a tick): every other leader waits
+        for the next round in a collective, which must end within the group's timeout."""
+        return min(60.0, self.nodes.timeout / 4)
+
     def _lead(self) -> None:
         while True:
             with self._lock:
-                while not self._queue:
-                    self._wake.wait()
-                round_ = self._queue.popleft()
+                if not self._queue:
+                    self._wake.wait(self.tick)
+                round_ = self._queue.popleft() if self._queue else None
+            if round_ is None:
+                if self.broken is None:
+                    try:
+                        self._broadcast_header({"kind": "tick"})
+                    except Exception as exc:  # a peer died (or hangs past the timeout): no more rounds in this job
+                        self._break(exc)
+                continue
             header = self._prepare(round_.header)
             if header["kind"] == "stop":
                 try:  # even after a failure: the leaders that are left wait for it to end their fit
@@ -457,9 +491,11 @@ class Replicator:
                 continue
             try:
                 self._broadcast_header(header)
-                outcome = self._run(header)
+                with self._named(f"a {header['kind']} round"):
+                    outcome = self._run(header)
                 results: list[Any] = [None] * self.nodes.count
-                dist.gather_object(outcome, results, dst=0, group=self.nodes.background)
+                with self._named(f"the outcome of a {header['kind']} round"):
+                    dist.gather_object(outcome, results, dst=0, group=self.nodes.background)
             except Exception as exc:  # a peer died (gloo: connection closed): no more rounds in this job
                 self._break(exc)
                 self._finish(round_, exc)
@@ -485,9 +521,14 @@ class Replicator:
             manifest = None
         return {**header, "manifest": manifest}
 
+    def _named(self, operation: str) -> contextlib.AbstractContextManager[None]:
+        return named(f"{operation} (the copies of local checkpoints between nodes)", self.nodes.rank,
+                     _bound(self.nodes.timeout))
+
     def _broadcast_header(self, header: dict[str, Any]) -> dict[str, Any]:
         box = [header]
-        dist.broadcast_object_list(box, src=0, group=self.nodes.background)
+        with self._named("the next round"):
+            dist.broadcast_object_list(box, src=0, group=self.nodes.background)
         received: dict[str, Any] = box[0]
         return received
 
@@ -506,8 +547,12 @@ class Replicator:
                 header = self._broadcast_header({})
                 if header["kind"] == "stop":
                     return
-                outcome = self._run(header)
-                dist.gather_object(outcome, None, dst=0, group=self.nodes.background)
+                if header["kind"] == "tick":
+                    continue
+                with self._named(f"a {header['kind']} round"):
+                    outcome = self._run(header)
+                with self._named(f"the outcome of a {header['kind']} round"):
+                    dist.gather_object(outcome, None, dst=0, group=self.nodes.background)
             except Exception as exc:  # global rank 0's process ended (or another leader's): the group is gone
                 self._break(exc)
                 return
@@ -627,7 +672,7 @@ def save_sharded_tiered(state: dict[str, Any], tiers: TieredRoot, name: str, res
             claim = tiers.claim()
         except Exception as exc:
             claim = exc
-    claim = nodes.broadcast(claim)
+    claim = nodes.broadcast(claim, "the sharded save's claim of the durable root")
     if isinstance(claim, BaseException):
         raise claim
     assert claim is not None
@@ -637,12 +682,12 @@ def save_sharded_tiered(state: dict[str, Any], tiers: TieredRoot, name: str, res
             adopt_claim(tiers.local, claim)
         except Exception as exc:
             error = exc
-    nodes.agree(error)
+    nodes.agree(error, "every node's local tier adopting the sharded save's claim")
 
     writer = AtomicStorageWriter(tiers.local, name, rest, nodes=nodes.layout, stage=True)
     with own_errors():
         dcp_save(state, storage_writer=writer, **dcp_kwargs)
-    manifest: Manifest = nodes.broadcast(writer.manifest if nodes.rank == 0 else None)
+    manifest: Manifest = nodes.broadcast(writer.manifest if nodes.rank == 0 else None, "the sharded save's manifest")
 
     # The common objects: each leader sends those its node's ranks wrote; every leader keeps the others'.
     mine: dict[str, bytes] = {}
@@ -651,7 +696,7 @@ def save_sharded_tiered(state: dict[str, Any], tiers: TieredRoot, name: str, res
             mine = _written_here(tiers.local, manifest, nodes)
         except Exception as exc:
             error = exc
-    shared = nodes.all_gather(mine if nodes.is_leader else None)
+    shared = nodes.all_gather(mine if nodes.is_leader else None, "the sharded save's objects common to every node")
     if nodes.is_leader and error is None:
         try:
             _keep_common(tiers.local, manifest, shared)
@@ -660,7 +705,7 @@ def save_sharded_tiered(state: dict[str, Any], tiers: TieredRoot, name: str, res
             tiers.local.publish(manifest, held=parts.held_objects(manifest, {part}))
         except Exception as exc:
             error = exc
-    nodes.agree(error)
+    nodes.agree(error, "the sharded save's commit in every node's local tier")
     entry = Entry.from_manifest(manifest)
     if nodes.rank == 0:
         tiers.committed(entry)
@@ -806,7 +851,7 @@ def load_across_nodes(url: str, *, shown: str, nodes: Nodes, local_tier: str,
             head = split_tiered(url, local_tier, root_for)
         except Exception as exc:
             head = exc
-    head = nodes.broadcast(head)
+    head = nodes.broadcast(head, "the resume decision (the durable root)")
     if isinstance(head, BaseException):
         raise head
     assert head is not None
@@ -824,7 +869,7 @@ def load_across_nodes(url: str, *, shown: str, nodes: Nodes, local_tier: str,
             log.warning("the local tier %s cannot be read (%s): this node resumes from its peers or the durable"
                         " root", local.url, exc)
             report = _Report([], {}, {})
-    gathered = nodes.all_gather(report)
+    gathered = nodes.all_gather(report, "the resume decision (what each node's local tier holds)")
     reports: list[_Report] = [gathered[nodes.leader(n)] for n in range(nodes.count)]
 
     # 2. Rank 0 resolves over the durable root and every node's local commits.
@@ -835,7 +880,7 @@ def load_across_nodes(url: str, *, shown: str, nodes: Nodes, local_tier: str,
             found = resolve_tiered(url, local_tier, root_for, shown=shown, others=others)
         except Exception as exc:
             found = exc
-    found = nodes.broadcast(found)
+    found = nodes.broadcast(found, "the resume decision (the checkpoint to load)")
     if isinstance(found, BaseException):
         raise found
     if found is None:
@@ -871,7 +916,7 @@ def _load_candidate(candidate: Entry, reports: list[_Report], *, nodes: Nodes, d
                 plan = _plan(candidate, reports, nodes, durable, replicas, excluded)
             except Exception as exc:
                 plan = exc
-        plan = nodes.broadcast(plan)
+        plan = nodes.broadcast(plan, f"the resume's plan of where each node reads {candidate.commit}")
         if isinstance(plan, BaseException):
             raise plan
         if plan is None:
@@ -891,7 +936,8 @@ def _load_candidate(candidate: Entry, reports: list[_Report], *, nodes: Nodes, d
             outcome = load(candidate, plan.manifest, sources, failed)
         except CheckpointCorruptedError as exc:
             outcome = exc
-        verdicts = nodes.all_gather((not isinstance(outcome, BaseException), local in failed, durable in failed))
+        verdicts = nodes.all_gather((not isinstance(outcome, BaseException), local in failed, durable in failed),
+                                    f"every rank's verdict on its load of {candidate.commit}")
         if all(ok for ok, _, _ in verdicts):
             assert not isinstance(outcome, BaseException)
             if later:  # the load took the restored bytes from memory: the disk copy is made behind training
@@ -1051,12 +1097,14 @@ def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, l
     for i, (src, dst, part) in enumerate(transfers):
         indices = sorted({*parts.part_objects(manifest, part), *parts.common_objects(manifest)})
         if nodes.rank == nodes.leader(src):
-            send_objects(local, manifest, indices, nodes.leader(dst), nodes.sync)
+            with nodes.named(f"sending part {part} of {manifest.commit} to node {dst} for its resume"):
+                send_objects(local, manifest, indices, nodes.leader(dst), nodes.sync)
         elif nodes.rank == nodes.leader(dst):
             if not received:
                 _adopt_for_restore(local, plan)  # before anything is written: it may set a foreign tier aside
-            problem = receive_objects(local, manifest, indices, nodes.leader(src), nodes.sync, hold=True,
-                                      later=later if deferred else None)
+            with nodes.named(f"receiving part {part} of {manifest.commit} from node {src} for this node's resume"):
+                problem = receive_objects(local, manifest, indices, nodes.leader(src), nodes.sync, hold=True,
+                                          later=later if deferred else None)
             if problem is None and not deferred:
                 try:
                     parts.write_record(local, manifest, part)
@@ -1073,7 +1121,7 @@ def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, l
         later.commit = True
     elif received:
         _commit_restored(local, plan)
-    gathered = nodes.all_gather(mine)
+    gathered = nodes.all_gather(mine, f"the outcome of each node's restore of {manifest.commit}")
     ok = [True] * len(transfers)
     for outcomes in gathered:
         for i, problem in outcomes or []:

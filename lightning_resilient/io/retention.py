@@ -18,7 +18,10 @@ Nothing else in the package deletes a committed checkpoint's data. The rules (ea
 A folder with a manifest is a committed checkpoint whatever the pointer says: a missing pointer makes nothing
 deletable (it is rebuilt from the manifests), a damaged one stops collection until it is repaired, and a commit the
 pointer does not reference is kept while it belongs to the current lineage. The latest checkpoint and the one a job
-resumed from are never dropped.
+resumed from are never dropped, nor is a checkpoint whose name a ``ModelCheckpoint`` of the run still reports
+(``best_model_path``, ``best_k_models``, ``last_model_path``: the pointer's ``reported``, see ``reported.py``):
+``keep_last`` keeps the newest states as before, and a reported checkpoint older than those besides them (a
+node-local tier, whose ``local_keep`` bounds what it holds, leaves them to its durable root: ``keep_reported=False``).
 """
 
 from __future__ import annotations
@@ -49,12 +52,14 @@ class Retention:
     """Drops checkpoints from a root's catalog and deletes what no committed checkpoint needs."""
 
     def __init__(self, store: Store, fence: WriterFence, reader: RootReader, *, keep_last: int | None,
-                 orphan_grace_seconds: float) -> None:
+                 orphan_grace_seconds: float, keep_reported: bool = True) -> None:
         self.store = store
         self.fence = fence
         self.reader = reader
         self.keep_last = keep_last
         self.orphan_grace_seconds = orphan_grace_seconds
+        # Whether ``keep_last`` keeps what the ModelCheckpoints report beyond its count (all but a node-local tier).
+        self.keep_reported = keep_reported
 
     @property
     def url(self) -> str:
@@ -63,13 +68,14 @@ class Retention:
     def apply_keep_last(self, p: Pointer) -> None:
         """Inside a pointer update of a commit: drop what ``keep_last`` no longer keeps (retired by the update)."""
         if self.keep_last is not None:
-            for entry in _beyond(p, self.keep_last):
+            for entry in _beyond(p, self.keep_last, reported=self.keep_reported):
                 del p.checkpoints[entry.name]
 
     def retain(self, keep_last: int, *, dry_run: bool = False) -> list[Entry]:
         """Drop all but the ``keep_last`` newest checkpoints of the current lineage now (an operator's retention).
 
-        The latest and what a job resumed from are kept; abandoned branches are not counted (``gc --abandoned``).
+        The latest, what a job resumed from and what a ModelCheckpoint still reports are kept; abandoned branches are
+        not counted (``gc --abandoned``).
         Does not claim the root: a job writing it is not fenced, and the conditional pointer update makes this
         safe to run beside it. Returns what was (would be) dropped.
         """
@@ -326,28 +332,42 @@ def _once(doomed: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(first.items())
 
 
-def _beyond(p: Pointer, keep: int) -> list[Entry]:
+def _beyond(p: Pointer, keep: int, *, reported: bool = True) -> list[Entry]:
     """Catalog entries of the current lineage past the ``keep`` newest checkpoints, except the latest and what a job
     resumed from (what its restart would need). Abandoned branches are neither counted nor dropped here.
 
     A checkpoint is a training state (writer epoch, step), not a name: ``last.ckpt`` saved at the step of a top-k
-    save is the same state under a second name, so it does not take one of the ``keep`` places."""
+    save is the same state under a second name, so it does not take one of the ``keep`` places. With ``reported``, a
+    state a ModelCheckpoint still reports (by any of its names: the pointer's ``reported``) is never beyond: one among
+    the ``keep`` newest takes its place as any other (``last.ckpt`` and the newest top-k save usually are the newest
+    state), an older one (the best, when the metric peaked early) is kept besides them. So ``keep_last`` keeps as many
+    states as before, plus what the ModelCheckpoints report of older ones."""
     ordered = p.lineage().members(p.checkpoints.values())
+    named = set(p.reported) if reported else set()
+    held = {_state(e) for e in ordered if e.name in named}
     kept: set[tuple[int, int] | str] = set()
     beyond = []
     for e in ordered:
-        # Saves that record no step (Fabric's, a plain save_checkpoint) are each a state of their own.
-        state: tuple[int, int] | str = (e.writer_epoch, e.step) if e.step > 0 else e.commit
+        state = _state(e)
         if state in kept or len(kept) < keep:
             kept.add(state)
-        else:
+        elif state not in held:
             beyond.append(e)
     return [e for e in beyond if not (p.latest is not None and e.commit == p.latest.commit) and not is_resumed(p, e)]
 
 
+def _state(e: Entry) -> tuple[int, int] | str:
+    """The training state ``e`` holds; saves that record no step (Fabric's, a plain save_checkpoint) are each a state
+    of their own."""
+    return (e.writer_epoch, e.step) if e.step > 0 else e.commit
+
+
 def _abandoned(p: Pointer) -> list[Entry]:
-    """Catalog entries outside the current lineage (never the latest or a resumed-from checkpoint)."""
+    """Catalog entries outside the current lineage (never the latest, a resumed-from checkpoint, or one whose name a
+    ModelCheckpoint of the run still reports)."""
+    named = set(p.reported)
     return [e for e in p.lineage().outside(p.checkpoints.values())
-            if not (p.latest is not None and e.commit == p.latest.commit) and not is_resumed(p, e)]
+            if not (p.latest is not None and e.commit == p.latest.commit) and not is_resumed(p, e)
+            and e.name not in named]
 
 

@@ -59,6 +59,9 @@ class RootSettings:
     max_concurrency: int = 8  # upload threads: a stream is cut into at least this many objects (see object_size)
     # Write (with a warning) a store that accepts conditional writes without enforcing them (see WriterFence).
     allow_unfenced_store: bool = False
+    # keep_last keeps what the run's ModelCheckpoints report beyond its count (False: a node-local tier, which
+    # local_keep bounds; its durable root keeps them).
+    keep_reported: bool = True
 
     def __post_init__(self) -> None:
         # Each field keeps its checked value (a numpy int becomes an int: a manifest must serialize it).
@@ -74,6 +77,7 @@ class RootSettings:
                                                  rule="a number >= 0", finite=False),
             "fallback_on_corruption": check_bool("fallback_on_corruption", self.fallback_on_corruption),
             "allow_unfenced_store": check_bool("allow_unfenced_store", self.allow_unfenced_store),
+            "keep_reported": check_bool("keep_reported", self.keep_reported),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
@@ -89,12 +93,16 @@ class CheckpointRoot:
         self.reader = RootReader(store, executor)
         self.fence = WriterFence(store, self.reader, allow_unfenced_store=settings.allow_unfenced_store)
         self.retention = Retention(store, self.fence, self.reader, keep_last=settings.keep_last,
-                                   orphan_grace_seconds=settings.orphan_grace_seconds)
+                                   orphan_grace_seconds=settings.orphan_grace_seconds,
+                                   keep_reported=settings.keep_reported)
         self.writer = RootWriter(store, chunk_size=settings.chunk_size, shard_size=settings.shard_size,
                                  max_concurrency=settings.max_concurrency, executor=executor, fence=self.fence,
-                                 reader=self.reader, retention=self.retention, claim=self.claim)
+                                 reader=self.reader, retention=self.retention, claim=self.claim_once)
         self._later: threading.Thread | None = None
         self._later_lock = threading.Lock()  # (the training, async-save, persist and replication threads settle)
+        # Claims of this root, one at a time: a save and a removal in two threads that both find the root unclaimed
+        # (Lightning's AsyncCheckpointIO saves on its worker thread, the Trainer's thread removes) make one claim.
+        self._claim_lock = threading.Lock()
 
     # -- work finished behind training (a restore's copies: io/replicas.py) ---------------------------------------
     def finish_later(self, work: Callable[[], None], what: str) -> None:
@@ -151,7 +159,22 @@ class CheckpointRoot:
     def claim(self, *, resumed_from: Entry | None = None) -> int:
         """Become the writer of this root (:meth:`WriterFence.claim`), then collect the garbage of fenced writers."""
         self.settle()
-        epoch = self.fence.claim(resumed_from=resumed_from)
+        with self._claim_lock:
+            epoch = self.fence.claim(resumed_from=resumed_from)
+        self._collect_quietly()
+        return epoch
+
+    def claim_once(self) -> int:
+        """This process's writer epoch, claiming the root (:meth:`claim`) if it has not yet: what a save or a removal
+        does before it writes. Whichever thread asks first claims; one that asks meanwhile waits for that claim and
+        gets its epoch. Two claims would each bump the epoch, fencing this process's own save in flight (its commit
+        folder carries the first epoch, the fence the second)."""
+        self.settle()
+        with self._claim_lock:
+            epoch = self.fence.writer_epoch
+            if epoch is not None:
+                return epoch
+            epoch = self.fence.claim()
         self._collect_quietly()
         return epoch
 
@@ -192,14 +215,14 @@ class CheckpointRoot:
 
     # -- save (writer.py) ----------------------------------------------------------------------------------------
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
-                before_fill: Callable[[], None] | None = None) -> Prepared:
+                before_fill: Callable[[], None] | None = None, *, reported: list[str] | None = None) -> Prepared:
         """Capture ``checkpoint`` for saving (:meth:`RootWriter.prepare`): once this returns, training may change
         it."""
-        return self.writer.prepare(checkpoint, name, snapshot, before_fill)
+        return self.writer.prepare(checkpoint, name, snapshot, before_fill, reported=reported)
 
-    def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
+    def save(self, checkpoint: dict[str, Any], name: str, *, reported: list[str] | None = None) -> Entry:
         """Capture and commit ``checkpoint`` as ``name`` (a synchronous save), through :meth:`commit`."""
-        return self.commit(self.prepare(checkpoint, name))
+        return self.commit(self.prepare(checkpoint, name, reported=reported))
 
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Entry:

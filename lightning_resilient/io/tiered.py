@@ -53,6 +53,7 @@ from lightning_resilient.io.folders import TIER_RECORD, writer_epoch_of
 from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
 from lightning_resilient.io.pointer import Entry, Pointer
+from lightning_resilient.io.retry import is_transient
 from lightning_resilient.io.root import CheckpointRoot, Loaded, Prepared
 
 __all__ = ["Claim", "PERSIST_STATUS", "TIER_RECORD", "TierSettings", "TierView", "TieredResolved", "TieredRoot",
@@ -185,6 +186,9 @@ class TieredRoot:
                  max_seconds_without_durable: float | None = None, retry_delay: float = 10.0) -> None:
         self.durable = durable
         self.local = local
+        # Lightning names the local commits by the durable folder: what a save's ModelCheckpoints report is read
+        # against it, and a persist carries it there.
+        local.writer.folder_url = durable.writer.folder_url
         self.persist_every = persist_every
         self.max_persist_failures = max_persist_failures
         self.max_seconds_without_durable = max_seconds_without_durable
@@ -215,6 +219,18 @@ class TieredRoot:
         #: leave it to this node (a sharded commit written across nodes is copied by every node: io/replicas.py).
         self.copier: Callable[[Manifest], Manifest | None] | None = None
         self._claim_made: Claim | None = None
+        # The durable catalog's names as this writer last read or wrote them (None: not read yet), so that
+        # ModelCheckpoint's "does this name exist" never waits for a store that may be down (:meth:`knows`).
+        self._durable_names: set[str] | None = None
+        # Lightning's removals of names from the durable tier that the store did not take (an outage), in order:
+        # run after the next persist that succeeds (one of the same name supersedes its removal).
+        self._deferred: list[str] = []
+        self._unreachable = False  # the durable store failed the last request this writer sent it (cleared on success)
+        self._progress_at = time.monotonic()  # when the durable work last moved (see wait's stall)
+        # The persists persist_latest asked for (tried whatever the backoff), when, and when one last failed.
+        self._asked: set[str] = set()
+        self._asked_at: float | None = None
+        self._failed_at = float("-inf")
 
     # What saves and logs need of a root.
     @property
@@ -229,8 +245,7 @@ class TieredRoot:
         """Claim the durable root (if this writer has not yet: that fences older jobs) and write the local tier as
         the claimed writer epoch, with the durable lineage; returns the claim (what another node's local tier
         adopts: ``adopt_claim``)."""
-        if self.durable.writer_epoch is None:
-            self.durable.claim()
+        self.durable.claim_once()
         origin = self.durable.origin
         assert self.durable.writer_epoch is not None and origin is not None
         claim = self._claim_made
@@ -245,6 +260,8 @@ class TieredRoot:
             claim = Claim(self.durable.url, self.durable.writer_epoch, origin,
                           dict(pointer.origins) if pointer else {}, root_id)
             self._claim_made = claim
+            with self._lock:
+                self._durable_names = set(pointer.checkpoints) if pointer is not None else set()
         if self.local.writer_epoch != claim.writer_epoch:
             adopt_claim(self.local, claim)
             if origin.here and not self.durable.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
@@ -256,11 +273,11 @@ class TieredRoot:
         return claim
 
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
-                before_fill: Callable[[], None] | None = None) -> Prepared:
-        return self.local.prepare(checkpoint, name, snapshot, before_fill)
+                before_fill: Callable[[], None] | None = None, *, reported: list[str] | None = None) -> Prepared:
+        return self.local.prepare(checkpoint, name, snapshot, before_fill, reported=reported)
 
-    def save(self, checkpoint: dict[str, Any], name: str) -> Entry:
-        return self.commit(self.prepare(checkpoint, name))
+    def save(self, checkpoint: dict[str, Any], name: str, *, reported: list[str] | None = None) -> Entry:
+        return self.commit(self.prepare(checkpoint, name, reported=reported))
 
     def commit(self, prepared: Prepared) -> Entry:
         """Commit to the local tier (the save is done then), and queue the persist of every Nth saved state. A
@@ -297,13 +314,78 @@ class TieredRoot:
 
     def remove(self, name: str) -> None:
         """Lightning's removal of a checkpoint name: from the local tier now, from the durable tier after the
-        persists queued before it (so a persist never resurrects a name removed after it)."""
+        persists queued before it (so a persist never resurrects a name removed after it). While the durable store
+        is down the durable removal waits for the next persist that succeeds (:meth:`_remove_durable`)."""
         self.local.settle()  # (a restored commit is listed behind training: after it, not over this removal)
         pointer, _ = self.local.read_pointer()
         if pointer is not None and name in pointer.checkpoints:
             self.claim()
             self.local.remove(name)
-        self._submit(lambda: self.durable.remove(name), f"removal of {self.durable.store.url(name)}")
+        self._submit(lambda: self._remove_durable(name), f"removal of {self.durable.store.url(name)}")
+
+    def _remove_durable(self, name: str) -> None:
+        """Remove ``name`` from the durable catalog; while the store is down (the last request failed), or when
+        this one fails, keep the removal for after the next persist that succeeds instead: each request to a store
+        that is down waits out the client's retries, and a queue of them would hold up the persist behind them and
+        the end of the fit. Nothing is lost by the wait: the name stays catalogued (and kept) a little longer."""
+        with self._lock:
+            unreachable = self._unreachable
+        if not unreachable:
+            try:
+                self.durable.remove(name)
+            except StaleWriterError:
+                raise
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                with self._lock:
+                    self._unreachable = True
+                log.warning("the durable tier %s does not answer (%s): removing %s from it waits for the next"
+                            " persist that succeeds", self.durable.url, exc, name)
+            else:
+                with self._lock:
+                    if self._durable_names is not None:
+                        self._durable_names.discard(name)
+                return
+        with self._lock:
+            if name not in self._deferred:
+                self._deferred.append(name)
+
+    def _run_deferred(self) -> None:
+        """After a persist succeeded: the durable removals that waited for the store (see :meth:`_remove_durable`)."""
+        with self._lock:
+            names, self._deferred = self._deferred, []
+        for name in names:
+            self._remove_durable(name)
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether the durable store failed the last request this writer sent it (an outage, until a persist
+        succeeds)."""
+        with self._lock:
+            return self._unreachable
+
+    def knows(self, name: str) -> bool:
+        """Whether a checkpoint named ``name`` exists in either tier as far as this writer knows, without waiting
+        for the durable store: the local tier's catalog, then the durable one as this writer last read or wrote it
+        (read once if never; unknown while the store is down: no). ModelCheckpoint asks it at every save for its
+        version counter (``-v1`` names), which would otherwise ask the store and stop the fit in an outage."""
+        pointer, _ = self.local.read_pointer()
+        if pointer is not None and name in pointer.checkpoints:
+            return True
+        with self._lock:
+            names = None if self._durable_names is None else set(self._durable_names)
+        if names is None:
+            try:
+                durable, _ = self.durable.read_pointer()
+            except Exception as exc:  # an outage: the local tier answers alone
+                log.info("the durable tier %s does not answer (%s): %s is looked up in the local tier only",
+                         self.durable.url, exc, name)
+                return False
+            names = set(durable.checkpoints) if durable is not None else set()
+            with self._lock:
+                self._durable_names = self._durable_names if self._durable_names is not None else names
+        return name in names
 
     def forget_stock(self, name: str) -> bool:
         return self.durable.writer.forget_stock(name)
@@ -362,6 +444,7 @@ class TieredRoot:
                     self._thread = None
                     return
                 job, what = self._jobs.popleft()
+                self._progress_at = time.monotonic()
             try:
                 job()
             except StaleWriterError as exc:  # a newer job claimed the durable root: this one must stop
@@ -381,6 +464,18 @@ class TieredRoot:
                 # than the saves never builds a backlog (of uploads, or of held local checkpoints).
                 log.info("not persisting %s (step %d): a newer save is queued after it", entry.commit, entry.step)
                 return
+            with self._lock:
+                # Asked for now (the end of a fit, an emergency save): tried, unless a persist failed since it was.
+                asked = self._asked_at is not None and entry.commit in self._asked and self._failed_at < self._asked_at
+                waiting = self._unreachable and time.monotonic() < self._retry_at and not asked
+            if waiting:
+                # The store failed the last persist and its backoff has not passed: this one would wait out the
+                # client's retries only to fail too (a second name of the same state, the end of the fit). It is
+                # retried with the newest state at the first save after the backoff, as a failed one is.
+                log.info("not persisting %s (step %d) now: the durable tier %s does not answer; retried after the"
+                         " backoff", entry.commit, entry.step, self.durable.url)
+                self._status("failed", entry)
+                return
             try:
                 self._publish(self.local.read_manifest(entry.commit))
             except StaleWriterError:
@@ -394,11 +489,17 @@ class TieredRoot:
                 self._durable_at = time.time()
                 if isinstance(self._error, PersistFailedError):  # the store is back before a save raised it
                     self._error = None
+                self._unreachable = False
+                # The persist of a name supersedes a removal of it that waited (that one was of an older save).
+                self._deferred = [name for name in self._deferred if name != entry.name]
+                if self._durable_names is not None:
+                    self._durable_names.add(entry.name)
             self._status("ok", entry)
             log.info("persisted %s to %s", entry.commit, self.durable.url)
             if recovered:
                 log.warning("the durable tier %s takes checkpoints again (step %d persisted, after %d failed"
                             " persist(s))", self.durable.url, entry.step, recovered)
+            self._run_deferred()
         finally:
             with self._lock:
                 self._pending.discard(entry.commit)  # a failed persist may be queued again
@@ -418,6 +519,8 @@ class TieredRoot:
         """A persist failed (after the store's own retries): report it, schedule its retry, check the bounds."""
         now = time.time()
         with self._lock:
+            self._failed_at = time.monotonic()
+            self._unreachable = is_transient(exc)
             self._failures += 1
             self._failure = exc
             self._failing_since = self._failing_since or now
@@ -501,6 +604,7 @@ class TieredRoot:
                                                " local copy is damaged and was not persisted",
                                                object=self.local.store.url(obj.path))
             self.durable.store.write_pieces(target, [data])
+            self._progress()
             return len(data)
 
         with self._executor() as pool:  # behind training: as many writers as the durable store gains from
@@ -513,26 +617,62 @@ class TieredRoot:
         self.copy_objects(manifest, list(range(len(manifest.objects))), targets)
         return retarget(manifest, targets)
 
-    def persist_latest(self) -> list[Entry]:
+    def persist_latest(self, *, stall: float | None = None) -> list[Entry]:
         """Persist this writer's newest saved step (every name saved at it, e.g. a top-k name and ``last.ckpt``)
         if it is not durable yet, wait for every queued persist and raise the first error: what ``fit``'s end and
-        an emergency save need."""
+        an emergency save need. ``stall``: give up waiting once the persists made no progress for so many seconds
+        (a store that stopped answering), raising :class:`~lightning_resilient.PersistFailedError`."""
         with self._lock:
             latest = list(self._latest)
+            # Tried now, backoff or not (the node may go away); if one fails, the state's other names wait.
+            self._asked_at, self._asked = time.monotonic(), {entry.commit for entry in latest}
         for entry in latest:
             self._enqueue(entry)
-        self.wait()
+        if not self.wait(stall=stall):
+            self._abandon()
+            raise PersistFailedError(f"the durable tier {self.durable.url} made no progress for {stall:g} s (it does"
+                                     f" not answer): gave up waiting for {self._newest(latest)}."
+                                     f" {self._where_newest()}")
         self.raise_failure()
         return latest
 
-    def wait(self) -> None:
-        """Block until every queued persist and removal has run (errors are kept for :meth:`raise_error`)."""
+    def _newest(self, latest: list[Entry]) -> str:
+        return f"the persist of {latest[-1].commit} (step {latest[-1].step})" if latest else "the last persist"
+
+    def _where_newest(self) -> str:
+        return (f"The local tier {self.local.url} holds the newest checkpoints: a restart on this node resumes from it,"
+                " and the job's next save that reaches the store persists it.")
+
+    def wait(self, *, stall: float | None = None) -> bool:
+        """Block until every queued persist and removal has run (errors are kept for :meth:`raise_error`); True.
+        With ``stall``: False as soon as none of them made progress (started, copied an object, ended) for that many
+        seconds."""
         while True:
             with self._lock:
-                thread = self._thread
+                thread, progress = self._thread, self._progress_at
             if thread is None:
-                return
-            thread.join()
+                return True
+            if stall is None:
+                thread.join()
+                continue
+            thread.join(timeout=min(1.0, stall))
+            with self._lock:
+                progress = max(progress, self._progress_at)
+            if thread.is_alive() and time.monotonic() - progress > stall:
+                return False
+
+    def _progress(self) -> None:
+        with self._lock:
+            self._progress_at = time.monotonic()
+
+    def _abandon(self) -> None:
+        """Give up the durable work still queued (the end of a fit whose store stopped answering): the job running
+        ends with its request (the client's own timeouts); what was queued behind it is dropped, its holds left to
+        the next job's adoption of the local tier."""
+        with self._lock:
+            dropped, self._jobs = list(self._jobs), deque()
+        for _, what in dropped:
+            log.warning("not waiting for the %s: the durable tier %s does not answer", what, self.durable.url)
 
     def raise_error(self) -> None:
         """Raise a fatal error of a background persist (a fenced job, a bound passed): what a save raises."""
@@ -556,8 +696,20 @@ class TieredRoot:
         return self._failures
 
     def close(self) -> None:
-        """Persist the newest local checkpoint (the last of a fit), wait for it, raise any error."""
-        self.persist_latest()
+        """Persist the newest local checkpoint (the last of a fit), wait for it, raise any error: a
+        :class:`~lightning_resilient.PersistFailedError` that names the local tier when the store does not answer, at
+        the latest once the persist made no progress for :data:`TEARDOWN_STALL_SECONDS`."""
+        try:
+            self.persist_latest(stall=TEARDOWN_STALL_SECONDS)
+        except PersistFailedError:
+            raise
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            with self._lock:
+                latest = list(self._latest)
+            raise PersistFailedError(f"the durable tier {self.durable.url} does not answer ({exc}):"
+                                     f" {self._newest(latest)} failed. {self._where_newest()}") from exc
 
 
 def retarget(manifest: Manifest, targets: list[str]) -> Manifest:
@@ -622,6 +774,10 @@ def set_aside_if_foreign(local: CheckpointRoot, durable_url: str, root_id: str) 
 #: Beside a local tier root: the persist status of the job writing it (``ls --local-tier`` shows it).
 PERSIST_STATUS = ".lightning_resilient/persist.json"
 _MAX_RETRY_DELAY = 600.0  # the longest wait before a failed persist is tried again
+
+TEARDOWN_STALL_SECONDS = 120.0
+"""How long the end of a fit waits for its last persist while that makes no progress (no object copied, no request
+of it ended): a store that stopped answering gets this long, one that is slow but moving as long as it needs."""
 
 
 def write_status(local: CheckpointRoot, status: dict[str, Any]) -> None:

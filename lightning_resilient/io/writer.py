@@ -36,6 +36,7 @@ from lightning_resilient.io.manifest import (
 )
 from lightning_resilient.io.pointer import LEGACY_NAMES, Entry, Pointer
 from lightning_resilient.io.reader import RootReader
+from lightning_resilient.io.reported import reported_in
 from lightning_resilient.io.retention import Retention
 from lightning_resilient.io.store import LocalStore, Store
 
@@ -57,6 +58,8 @@ class Prepared:
     total: int  # bytes in the tensor stream
     pieces: Callable[[int, int], list[memoryview]]  # the stream's bytes [start, end) as memoryviews
     ready: Callable[[], None]  # waits until those bytes are on the host (device-to-host copies done)
+    # The names in the root its ModelCheckpoints reported (io/reported.py); None: the save carried none of their state.
+    reported: list[str] | None = None
 
 
 def _nothing() -> None:
@@ -76,7 +79,8 @@ class RootWriter:
     def __init__(self, store: Store, *, chunk_size: int, shard_size: int, max_concurrency: int,
                  executor: Callable[[], Executor], fence: WriterFence, reader: RootReader, retention: Retention,
                  claim: Callable[[], int]) -> None:
-        """``claim`` makes this process the root's writer (a save claims the root unless a resume already did)."""
+        """``claim`` returns this process's writer epoch, making it the root's writer first if it is not yet (a save
+        or a removal claims the root unless a resume already did; once, whichever thread asks first)."""
         self.store = store
         self.chunk_size = chunk_size
         self.shard_size = shard_size
@@ -97,13 +101,17 @@ class RootWriter:
         self._stock: set[str] | None = None
         self._aside: dict[str, str] = {}
         self._leftover: dict[str, str] = {}  # name -> stock file a save that never committed moved aside
+        #: The folder Lightning's paths name this root's checkpoints by (a ModelCheckpoint's dirpath), to tell which
+        #: names a save's ModelCheckpoints report here: the root's own URL; a node-local tier's is its durable root's
+        #: (set by ``TieredRoot``), whose names its commits carry there when persisted.
+        self.folder_url = store.root_url
 
     @property
     def url(self) -> str:
         return self.store.root_url
 
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
-                before_fill: Callable[[], None] | None = None) -> Prepared:
+                before_fill: Callable[[], None] | None = None, *, reported: list[str] | None = None) -> Prepared:
         """Everything a save needs from the live checkpoint: after this returns, training may change it.
 
         Without a snapshot the upload reads the tensors in place (a synchronous save). With one (an async save),
@@ -111,6 +119,10 @@ class RootWriter:
         uploads still reading it) returns. A second save of the same state, as ``save_last`` makes right after a
         top-k save, reuses what the buffer already holds: no wait, and only tensors that changed (a few small
         ones, such as RNG states) are copied, into memory of their own.
+
+        The names the ModelCheckpoints report in this root are read from the checkpoint's callback states (see
+        ``reported.py``), unless ``reported`` gives them (a weights-only save carries no callback state: the plugin
+        reads the Trainer's callbacks).
         """
         skeleton, slots = layout.flatten(checkpoint)
         total = layout.plan(slots)
@@ -140,11 +152,12 @@ class RootWriter:
             ready = snapshot.wait
         return Prepared(name=name, step=step, epoch=step_of(checkpoint.get("epoch")),
                         created=time.time(), skeleton=skeleton_bytes, tensors=tensors, total=total,
-                        pieces=pieces, ready=ready)
+                        pieces=pieces, ready=ready,
+                        reported=reported if reported is not None else reported_in(checkpoint, self.folder_url))
 
     def new_commit_folder(self, name: str, created: float) -> str:
         """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
-        epoch = self.fence.writer_epoch if self.fence.writer_epoch is not None else self._claim()
+        epoch = self._claim()
         self._make_room(name)
         return new_commit_folder(name, created, epoch)
 
@@ -313,7 +326,7 @@ class RootWriter:
                         writer_epoch=epoch, chunk_size=self.chunk_size, skeleton=skeleton,
                         stream=stream, objects=objects, tensors=prepared.tensors,
                         sharded=sharded(objects) if sharded is not None else None, origin=origin,
-                        root_id=self.fence.lineage_id or "")
+                        root_id=self.fence.lineage_id or "", reported=prepared.reported)
 
     def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None) -> Entry:
         """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer.
@@ -348,6 +361,8 @@ class RootWriter:
                 p.origins[epoch] = origin
             p.writer = p.writer or self.fence.writer
             p.checkpoints[name] = entry
+            if manifest.reported is not None:  # what the ModelCheckpoints report now (a save without: as before)
+                p.reported = list(manifest.reported)
             # Within one writer the pointer never moves to a lower step.
             if p.latest is None or entry.order >= p.latest.order:
                 p.latest = entry
@@ -412,13 +427,14 @@ class RootWriter:
                 log.info("not removing %s: this job resumed from it", self.store.url(name))
                 return None
             del p.checkpoints[name]
+            if name in p.reported:  # Lightning removes only what its ModelCheckpoints no longer report
+                p.reported.remove(name)
             return p
 
         pointer, _ = self.fence.read_pointer()
         if pointer is not None and name not in pointer.checkpoints:
             return  # not a name of ours (nothing to remove, and no reason to claim the root or write its pointer)
-        if self.fence.writer_epoch is None:
-            self._claim()
+        self._claim()
         self.fence.update(drop, fenced=True)
 
     def remember_loaded(self, manifest: Manifest) -> None:

@@ -465,6 +465,10 @@ _OPEN: weakref.WeakSet[AttemptLog] = weakref.WeakSet()  # the logs of this proce
 _COMPACT_AFTER = 512  # header updates appended on local disk before the file is rewritten with them folded in
 
 
+CLOSE_SECONDS = 30.0
+"""The longest :meth:`AttemptLog.close` waits for the record's last write to an object store."""
+
+
 def open_logs() -> list[AttemptLog]:
     """The attempt records this process is writing (started, not closed yet)."""
     return list(_OPEN)
@@ -559,14 +563,25 @@ class AttemptLog:
             self._rewrite_local()
 
     def close(self) -> None:
-        """Write what is left and stop the background thread (waits for the last write)."""
+        """Write what is left and stop the background thread: waits for the last write, at most
+        :data:`CLOSE_SECONDS` (a store that does not answer keeps what reached it before; a warning says so)."""
         _OPEN.discard(self)
         if self._thread is not None:
             self._stopping.set()
             self._wake.set()
-            self._thread.join()
-            self._thread = None
-            self._flush()
+            thread, self._thread = self._thread, None
+
+            def last_write() -> None:
+                thread.join()
+                self._flush()
+
+            # In a thread of its own (a daemon): the end of a fit never waits on a store that stopped answering.
+            final = threading.Thread(target=last_write, name="lightning_resilient-audit-close", daemon=True)
+            final.start()
+            final.join(CLOSE_SECONDS)
+            if final.is_alive():
+                log.warning("the attempt record %s was not written within %g s (the store does not answer); it keeps"
+                            " what reached the store before", self.store.url(self.rel), CLOSE_SECONDS)
         if self._file is not None:
             with suppress(OSError):
                 self._file.close()

@@ -10,6 +10,8 @@ own behaviour and ours are exercised end to end:
   serves one connection far slower than its aggregate; parallel connections add up);
 - ``requests``: every forwarded request as ``(method, path)``, for tests that count what a client did;
 - :meth:`pause` / :meth:`resume`: hold every request at the door until resumed (a store that hangs);
+- :meth:`go_down` / :meth:`come_back`: refuse every connection (the port closed: clients see "connection
+  refused", botocore's ``EndpointConnectionError``), then serve again on the same port (a store outage);
 - ``drop_conditions``: strip the conditions of conditional writes from requests, as a store (or a proxy in front
   of it) that accepts conditional writes without enforcing them would: the ``If-Match`` / ``If-None-Match`` headers
   (S3) and the ``ifGenerationMatch`` / ``ifMetagenerationMatch`` query parameters (GCS).
@@ -62,6 +64,7 @@ class StoreProxy:
         self.requests: list[tuple[str, str]] = []
         self._open = threading.Event()
         self._open.set()
+        self._connections: set[socket.socket] = set()  # the clients' open connections (kept alive between requests)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -69,6 +72,17 @@ class StoreProxy:
 
             def log_message(self, *args: object) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with proxy.lock:
+                    proxy._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with proxy.lock:
+                    proxy._connections.discard(self.connection)
+                with contextlib.suppress(OSError):
+                    super().finish()
 
             def _read(self, n: int) -> bytes:
                 out = bytearray()
@@ -148,9 +162,15 @@ class StoreProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self._handler = Handler
+        self.server = self._serve(0)
         self.thread = threading.Thread(target=self.server.serve_forever, name="store-proxy", daemon=True)
+        self.down = False
+
+    def _serve(self, port: int) -> ThreadingHTTPServer:
+        server = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
+        server.daemon_threads = True
+        return server
 
     def _throttle(self, nbytes: int) -> None:
         # Per connection: each handler thread sleeps for its own bytes, so N connections get N times the rate.
@@ -163,6 +183,31 @@ class StoreProxy:
 
     def resume(self) -> None:
         self._open.set()
+
+    def go_down(self) -> None:
+        """Close the port and every client's open connection: every request fails (new connections are refused)
+        until :meth:`come_back`."""
+        if self.down:
+            return
+        self._port = self.server.server_address[1]
+        self.server.shutdown()
+        self.server.server_close()
+        # Clients keep connections alive between requests: a store that is down answers none of them either.
+        with self.lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        self.down = True
+
+    def come_back(self) -> None:
+        """Serve again, on the same port (clients keep the URL they had)."""
+        if not self.down:
+            return
+        self.server = self._serve(self._port)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="store-proxy", daemon=True)
+        self.thread.start()
+        self.down = False
 
     def _count(self, kind: str) -> None:
         with self.lock:
@@ -180,6 +225,8 @@ class StoreProxy:
 
     def stop(self) -> None:
         self._open.set()
+        if self.down:
+            return
         self.server.shutdown()
         self.server.server_close()
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from lightning_resilient import SettingTypeError
+from lightning_resilient.io.pointer import POINTER_NAME
 from lightning_resilient.io.root import INSPECTING, RootSettings, SerialExecutor, open_root
 
 from .helpers import assert_same, make_checkpoint
@@ -117,3 +119,46 @@ def test_every_change_to_a_root_waits_for_the_work_finished_later(tmp_path, chan
     go.set()
     changer.join(timeout=30)
     assert done == ["work", change]
+
+
+def test_a_save_and_a_removal_that_find_the_root_unclaimed_make_one_claim(tmp_path):
+    """Lightning's AsyncCheckpointIO saves on its worker thread while the Trainer's thread removes: both may find the
+    root unclaimed. One claims; the other waits for that claim and goes on as its writer epoch. (Two claims fenced
+    this process's own save: its folder named the first epoch, the fence held the second.)"""
+    settings = RootSettings(keep_last=None, shard_size=1 << 20, orphan_grace_seconds=0.0, fallback_on_corruption=True)
+    root = open_root(str(tmp_path / "root"), settings=settings)
+    writing, go = threading.Event(), threading.Event()
+    write_if = root.store.write_if
+
+    def held(rel: str, data: bytes, expected: str | None) -> bool:
+        if rel == POINTER_NAME and not writing.is_set():  # the first claim's pointer write waits for the other thread
+            writing.set()
+            go.wait(timeout=30)
+        return write_if(rel, data, expected)
+
+    root.store.write_if = held  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def run(call: Callable[[], object]) -> threading.Thread:
+        def guarded() -> None:
+            try:
+                call()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=guarded)
+        thread.start()
+        return thread
+
+    saver = run(lambda: root.save(make_checkpoint(1), "step=1.ckpt"))
+    assert writing.wait(timeout=30)  # the save is claiming
+    remover = run(lambda: root.remove("step=0.ckpt"))  # finds no pointer yet: it would claim too
+    remover.join(timeout=0.3)  # (it cannot claim before the first claim is written: with the lock it waits for it)
+    go.set()
+    saver.join(timeout=30)
+    remover.join(timeout=30)
+    assert errors == []
+    pointer, _ = root.read_pointer()
+    assert pointer is not None and pointer.writer_epoch == root.writer_epoch == 1
+    assert pointer.latest is not None and pointer.latest.name == "step=1.ckpt" and pointer.latest.writer_epoch == 1
+    assert_same(root.load(pointer.latest.commit, map_location=None, weights_only=True).checkpoint, make_checkpoint(1))

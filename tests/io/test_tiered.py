@@ -17,6 +17,7 @@ import torch
 from lightning_resilient import (
     AtomicCheckpointIO,
     CheckpointCorruptedError,
+    PersistFailedError,
     RunExistsError,
     StaleWriterError,
     find_latest_checkpoint,
@@ -431,9 +432,11 @@ def test_teardown_persists_every_root_even_when_one_fails(local_backend, tmp_pat
         raise ConnectionError("first root unreachable (simulated)")
 
     io.tiers(local_backend.root).durable.store.write_pieces = down
-    with pytest.raises(ConnectionError):
+    # The end of the fit says the newest state is not durable, naming where it is (the cause: the store's error).
+    with pytest.raises(PersistFailedError, match=r"does not answer.*holds the newest checkpoints") as raised:
         io.teardown()
-    plugins.asserted(io, ConnectionError)  # the release retries the first root's persist: still unreachable
+    assert isinstance(raised.value.__cause__, ConnectionError)
+    plugins.asserted(io, PersistFailedError)  # the release retries the first root's persist: still unreachable
     assert pointer_steps(other) == {"step=3.ckpt": 3}
 
 
