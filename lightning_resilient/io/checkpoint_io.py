@@ -36,6 +36,7 @@ from lightning_resilient.io.catalog import (
     normalize,
     repair_pointer,
 )
+from lightning_resilient.io.collectives import named
 from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.latest import find_latest_checkpoint
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
@@ -324,9 +325,9 @@ class AtomicCheckpointIO(CheckpointIO):
             root = self._roots.get(key)
             if root is None:
                 local = self.local_tier is not None and is_local_tier_url(self.local_tier, url)
-                # A local tier keeps local_keep checkpoints, no more (what ModelCheckpoints report: its durable root).
-                settings = (replace(self.settings, keep_last=self.local_keep, keep_reported=False) if local
-                            else self.settings)
+                # A local tier keeps local_keep checkpoints, and those older that a ModelCheckpoint still reports (the
+                # best, say: with persist_every > 1 its only copy may be there until the end of the fit persists it).
+                settings = replace(self.settings, keep_last=self.local_keep) if local else self.settings
                 root = open_root(url, {} if local else options, settings=settings, retry=self.retry,
                                  executor=self._executor)
                 self._roots[key] = root
@@ -1132,9 +1133,19 @@ def _together(trainer: Any) -> Together | None:
     if strategy is None or getattr(trainer, "world_size", 1) <= 1 or not (
             torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
-    return Together(rank=strategy.global_rank, broadcast=lambda obj: strategy.broadcast(obj, src=0),
-                    all_true=lambda flag: strategy.reduce_boolean_decision(flag, all=True),
-                    any_true=lambda flag: strategy.reduce_boolean_decision(flag, all=False))
+    rank = int(strategy.global_rank)
+    bound = "each wait bounded by the job's process-group timeout (the strategy's timeout=)"
+
+    def broadcast(obj: Any) -> Any:
+        with named("the resume decision (the checkpoint every rank loads)", rank, bound):
+            return strategy.broadcast(obj, src=0)
+
+    def reduce(flag: bool, *, all: bool) -> bool:
+        with named("the resume decision (whether every rank loaded it)", rank, bound):
+            return bool(strategy.reduce_boolean_decision(flag, all=all))
+
+    return Together(rank=rank, broadcast=broadcast, all_true=lambda flag: reduce(flag, all=True),
+                    any_true=lambda flag: reduce(flag, all=False))
 
 
 def _global_rank() -> int:

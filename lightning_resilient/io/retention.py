@@ -20,8 +20,9 @@ deletable (it is rebuilt from the manifests), a damaged one stops collection unt
 pointer does not reference is kept while it belongs to the current lineage. The latest checkpoint and the one a job
 resumed from are never dropped, nor is a checkpoint whose name a ``ModelCheckpoint`` of the run still reports
 (``best_model_path``, ``best_k_models``, ``last_model_path``: the pointer's ``reported``, see ``reported.py``):
-``keep_last`` keeps the newest states as before, and a reported checkpoint older than those besides them (a
-node-local tier, whose ``local_keep`` bounds what it holds, leaves them to its durable root: ``keep_reported=False``).
+``keep_last`` keeps the newest states as before, and a reported checkpoint older than those besides them (in a
+node-local tier too: with ``persist_every`` > 1 the best checkpoint's only copy may be there until the end of the fit
+persists it).
 """
 
 from __future__ import annotations
@@ -52,14 +53,12 @@ class Retention:
     """Drops checkpoints from a root's catalog and deletes what no committed checkpoint needs."""
 
     def __init__(self, store: Store, fence: WriterFence, reader: RootReader, *, keep_last: int | None,
-                 orphan_grace_seconds: float, keep_reported: bool = True) -> None:
+                 orphan_grace_seconds: float) -> None:
         self.store = store
         self.fence = fence
         self.reader = reader
         self.keep_last = keep_last
         self.orphan_grace_seconds = orphan_grace_seconds
-        # Whether ``keep_last`` keeps what the ModelCheckpoints report beyond its count (all but a node-local tier).
-        self.keep_reported = keep_reported
 
     @property
     def url(self) -> str:
@@ -68,7 +67,7 @@ class Retention:
     def apply_keep_last(self, p: Pointer) -> None:
         """Inside a pointer update of a commit: drop what ``keep_last`` no longer keeps (retired by the update)."""
         if self.keep_last is not None:
-            for entry in _beyond(p, self.keep_last, reported=self.keep_reported):
+            for entry in _beyond(p, self.keep_last):
                 del p.checkpoints[entry.name]
 
     def retain(self, keep_last: int, *, dry_run: bool = False) -> list[Entry]:
@@ -332,19 +331,18 @@ def _once(doomed: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(first.items())
 
 
-def _beyond(p: Pointer, keep: int, *, reported: bool = True) -> list[Entry]:
+def _beyond(p: Pointer, keep: int) -> list[Entry]:
     """Catalog entries of the current lineage past the ``keep`` newest checkpoints, except the latest and what a job
     resumed from (what its restart would need). Abandoned branches are neither counted nor dropped here.
 
     A checkpoint is a training state (writer epoch, step), not a name: ``last.ckpt`` saved at the step of a top-k
-    save is the same state under a second name, so it does not take one of the ``keep`` places. With ``reported``, a
+    save is the same state under a second name, so it does not take one of the ``keep`` places. A
     state a ModelCheckpoint still reports (by any of its names: the pointer's ``reported``) is never beyond: one among
     the ``keep`` newest takes its place as any other (``last.ckpt`` and the newest top-k save usually are the newest
     state), an older one (the best, when the metric peaked early) is kept besides them. So ``keep_last`` keeps as many
     states as before, plus what the ModelCheckpoints report of older ones."""
     ordered = p.lineage().members(p.checkpoints.values())
-    named = set(p.reported) if reported else set()
-    held = {_state(e) for e in ordered if e.name in named}
+    held = {_state(e) for e in ordered if e.name in set(p.reported)}
     kept: set[tuple[int, int] | str] = set()
     beyond = []
     for e in ordered:

@@ -59,9 +59,6 @@ class RootSettings:
     max_concurrency: int = 8  # upload threads: a stream is cut into at least this many objects (see object_size)
     # Write (with a warning) a store that accepts conditional writes without enforcing them (see WriterFence).
     allow_unfenced_store: bool = False
-    # keep_last keeps what the run's ModelCheckpoints report beyond its count (False: a node-local tier, which
-    # local_keep bounds; its durable root keeps them).
-    keep_reported: bool = True
 
     def __post_init__(self) -> None:
         # Each field keeps its checked value (a numpy int becomes an int: a manifest must serialize it).
@@ -77,7 +74,6 @@ class RootSettings:
                                                  rule="a number >= 0", finite=False),
             "fallback_on_corruption": check_bool("fallback_on_corruption", self.fallback_on_corruption),
             "allow_unfenced_store": check_bool("allow_unfenced_store", self.allow_unfenced_store),
-            "keep_reported": check_bool("keep_reported", self.keep_reported),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
@@ -93,8 +89,7 @@ class CheckpointRoot:
         self.reader = RootReader(store, executor)
         self.fence = WriterFence(store, self.reader, allow_unfenced_store=settings.allow_unfenced_store)
         self.retention = Retention(store, self.fence, self.reader, keep_last=settings.keep_last,
-                                   orphan_grace_seconds=settings.orphan_grace_seconds,
-                                   keep_reported=settings.keep_reported)
+                                   orphan_grace_seconds=settings.orphan_grace_seconds)
         self.writer = RootWriter(store, chunk_size=settings.chunk_size, shard_size=settings.shard_size,
                                  max_concurrency=settings.max_concurrency, executor=executor, fence=self.fence,
                                  reader=self.reader, retention=self.retention, claim=self.claim_once)

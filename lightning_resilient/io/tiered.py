@@ -227,10 +227,10 @@ class TieredRoot:
         self._deferred: list[str] = []
         self._unreachable = False  # the durable store failed the last request this writer sent it (cleared on success)
         self._progress_at = time.monotonic()  # when the durable work last moved (see wait's stall)
-        # The persists persist_latest asked for (tried whatever the backoff), when, and when one last failed.
+        # The persists persist_latest asked for (tried whatever the backoff), when, and when one of them last failed.
         self._asked: set[str] = set()
         self._asked_at: float | None = None
-        self._failed_at = float("-inf")
+        self._asked_failed_at = float("-inf")
 
     # What saves and logs need of a root.
     @property
@@ -415,17 +415,20 @@ class TieredRoot:
                 log.warning("could not release %s: %s", self.local.store.url(entry.commit), exc)
 
     # -- persisting ----------------------------------------------------------------------------------------------
-    def _enqueue(self, entry: Entry) -> None:
+    def _enqueue(self, entry: Entry, *, older: bool = False) -> None:
+        """Queue the persist of ``entry``; ``older``: an older state than the newest, persisted all the same (a
+        checkpoint a ModelCheckpoint reports, at the end of a fit), never superseded by a newer one."""
         with self._lock:
             if entry.commit in self._persisted or entry.commit in self._pending:
                 return
             self._pending.add(entry.commit)
-            self._newest_key = save_key(entry)
+            if not older:
+                self._newest_key = save_key(entry)
         # Held from now (not from when the copy starts): local retention would otherwise delete a queued checkpoint
         # while the saves go on. Its folders include those whose bytes it shares (last.ckpt and its top-k twin).
         self.hold(entry, _PERSISTING)
         self._status("pending", entry)
-        self._submit(lambda: self._persist(entry), f"persist of {self.local.store.url(entry.commit)}")
+        self._submit(lambda: self._persist(entry, older=older), f"persist of {self.local.store.url(entry.commit)}")
 
     def _submit(self, job: Callable[[], None], what: str) -> None:
         """Run ``job`` after the jobs queued before it, in one background thread that ends when the queue is empty
@@ -455,10 +458,11 @@ class TieredRoot:
                 log.warning("%s failed (training goes on; the durable tier's retention catches up later): %s",
                             what, exc)
 
-    def _persist(self, entry: Entry) -> None:
+    def _persist(self, entry: Entry, *, older: bool = False) -> None:
         try:
             with self._lock:
-                superseded = save_key(entry) != self._newest_key
+                # (one the end of the fit asked for, a reported older state, is never superseded)
+                superseded = not older and save_key(entry) != self._newest_key and entry.commit not in self._asked
             if superseded:
                 # A newer state is queued behind this one: the durable tier gets that one instead, so a store slower
                 # than the saves never builds a backlog (of uploads, or of held local checkpoints).
@@ -466,7 +470,8 @@ class TieredRoot:
                 return
             with self._lock:
                 # Asked for now (the end of a fit, an emergency save): tried, unless a persist failed since it was.
-                asked = self._asked_at is not None and entry.commit in self._asked and self._failed_at < self._asked_at
+                asked = (self._asked_at is not None and entry.commit in self._asked
+                         and self._asked_failed_at < self._asked_at)
                 waiting = self._unreachable and time.monotonic() < self._retry_at and not asked
             if waiting:
                 # The store failed the last persist and its backoff has not passed: this one would wait out the
@@ -519,7 +524,8 @@ class TieredRoot:
         """A persist failed (after the store's own retries): report it, schedule its retry, check the bounds."""
         now = time.time()
         with self._lock:
-            self._failed_at = time.monotonic()
+            if entry.commit in self._asked:  # (the others asked for with it wait for the backoff)
+                self._asked_failed_at = time.monotonic()
             self._unreachable = is_transient(exc)
             self._failures += 1
             self._failure = exc
@@ -617,17 +623,23 @@ class TieredRoot:
         self.copy_objects(manifest, list(range(len(manifest.objects))), targets)
         return retarget(manifest, targets)
 
-    def persist_latest(self, *, stall: float | None = None) -> list[Entry]:
+    def persist_latest(self, *, stall: float | None = None, reported: bool = False) -> list[Entry]:
         """Persist this writer's newest saved step (every name saved at it, e.g. a top-k name and ``last.ckpt``)
         if it is not durable yet, wait for every queued persist and raise the first error: what ``fit``'s end and
-        an emergency save need. ``stall``: give up waiting once the persists made no progress for so many seconds
-        (a store that stopped answering), raising :class:`~lightning_resilient.PersistFailedError`."""
+        an emergency save need. ``reported``: also every older checkpoint of this writer that a ModelCheckpoint
+        still reports and it has not persisted (:meth:`_reported_here`), after the newest. ``stall``: give up waiting
+        once the persists made no progress for so many seconds (a store that stopped answering), raising
+        :class:`~lightning_resilient.PersistFailedError`."""
         with self._lock:
             latest = list(self._latest)
-            # Tried now, backoff or not (the node may go away); if one fails, the state's other names wait.
-            self._asked_at, self._asked = time.monotonic(), {entry.commit for entry in latest}
+        older = self._reported_here(latest) if reported else []
+        with self._lock:
+            # Tried now, backoff or not (the node may go away); if one fails, the others wait for the backoff.
+            self._asked_at, self._asked = time.monotonic(), {entry.commit for entry in [*latest, *older]}
         for entry in latest:
             self._enqueue(entry)
+        for entry in older:
+            self._enqueue(entry, older=True)
         if not self.wait(stall=stall):
             self._abandon()
             raise PersistFailedError(f"the durable tier {self.durable.url} made no progress for {stall:g} s (it does"
@@ -635,6 +647,33 @@ class TieredRoot:
                                      f" {self._where_newest()}")
         self.raise_failure()
         return latest
+
+    def _reported_here(self, latest: list[Entry]) -> list[Entry]:
+        """This writer's local checkpoints that a ModelCheckpoint still reports (the local pointer's ``reported``),
+        other than ``latest``, that it has not persisted: the local tier keeps them (its retention never drops a
+        reported one), and the end of the fit persists them, so that what the callback reports (its
+        ``best_model_path`` names the durable root) is durable. None on a process that saved nothing (another node's
+        leader: its tier holds copies; global rank 0 persists)."""
+        if not latest:
+            return []
+        try:
+            pointer, _ = self.local.read_pointer()
+        except Exception as exc:  # (the newest state is still persisted; the error is the local tier's to report)
+            log.warning("could not read the local tier %s to persist what the ModelCheckpoints report: %s",
+                        self.local.url, exc)
+            return []
+        if pointer is None or self.local.writer_epoch is None:
+            return []
+        newest = {entry.commit for entry in latest}
+        with self._lock:
+            persisted = set(self._persisted)
+        found = []
+        for name in pointer.reported:
+            entry = pointer.checkpoints.get(name)
+            if (entry is not None and entry.commit not in newest and entry.commit not in persisted
+                    and entry.writer_epoch == self.local.writer_epoch):
+                found.append(entry)
+        return found
 
     def _newest(self, latest: list[Entry]) -> str:
         return f"the persist of {latest[-1].commit} (step {latest[-1].step})" if latest else "the last persist"
@@ -696,11 +735,12 @@ class TieredRoot:
         return self._failures
 
     def close(self) -> None:
-        """Persist the newest local checkpoint (the last of a fit), wait for it, raise any error: a
+        """Persist the newest local checkpoint (the last of a fit) and every older one a ModelCheckpoint still reports
+        that is not durable yet (its ``best_model_path`` names the durable root), wait, raise any error: a
         :class:`~lightning_resilient.PersistFailedError` that names the local tier when the store does not answer, at
         the latest once the persist made no progress for :data:`TEARDOWN_STALL_SECONDS`."""
         try:
-            self.persist_latest(stall=TEARDOWN_STALL_SECONDS)
+            self.persist_latest(stall=TEARDOWN_STALL_SECONDS, reported=True)
         except PersistFailedError:
             raise
         except Exception as exc:

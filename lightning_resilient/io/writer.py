@@ -353,7 +353,10 @@ class RootWriter:
                 gone = sorted(reused - p.live_folders())
                 raise CheckpointError(f"{self.store.url(folder)} shares objects with {gone},"
                                       " which were retired while it uploaded: the save was not committed")
-            if p.last_saved != [epoch, step]:  # save_last at the step of a top-k save is the same save
+            # An older state published after a newer one (a tier's persist, at the end of a fit, of a checkpoint a
+            # ModelCheckpoint reports) is catalogued, and changes nothing that follows the newest save.
+            newest = p.latest is None or entry.order >= p.latest.order
+            if newest and p.last_saved != [epoch, step]:  # save_last at the step of a top-k save is the same save
                 p.saves += 1
                 p.last_saved = [epoch, step]
             p.writer_epoch = max(p.writer_epoch, epoch)  # a rebuilt pointer may not have seen this writer yet
@@ -361,10 +364,10 @@ class RootWriter:
                 p.origins[epoch] = origin
             p.writer = p.writer or self.fence.writer
             p.checkpoints[name] = entry
-            if manifest.reported is not None:  # what the ModelCheckpoints report now (a save without: as before)
+            if newest and manifest.reported is not None:  # what the ModelCheckpoints report now (none: as before)
                 p.reported = list(manifest.reported)
             # Within one writer the pointer never moves to a lower step.
-            if p.latest is None or entry.order >= p.latest.order:
+            if newest:
                 p.latest = entry
             self.retention.apply_keep_last(p)
             return p

@@ -4,12 +4,13 @@
 Run it once per node with ``NODE_RANK``, the same ``MASTER_ADDR``/``MASTER_PORT`` and this node's own ``LOCAL_TIER``
 folder; with ``devices`` > 1 Lightning starts the node's other processes itself. OPTIONS (JSON): ``strategy``
 ("ddp", "model_parallel" for FSDP2, "fsdp" for FSDP1), ``nodes``, ``devices``, ``max_steps``, ``every`` (save
-interval), ``persist_every``, ``replicas``, ``hold`` (``"receive:<step>"``: a node receiving that step's commit from
-another stops after writing its first object, printing ``RECEIVING <step>``; ``"persist:<step>"``: global rank 0
-stops between that step's persist's copy and its manifest, printing ``COPIED <step>``; ``"restored:<step>"``: a
-node that restored that step's commit from a peer for its resume stops after writing the first object of its copy
-behind training, printing ``RESTORED <step>``; comma-separated: windows for the parent's SIGKILL), ``tier``
-(false: no local tier, for a reference run).
+interval), ``persist_every``, ``replicas``, ``resume`` ("each": every node passes its own
+``find_latest_checkpoint(root, local_tier=...)``, printing ``GIVEN rank=<node> <path>``), ``hold``
+(``"receive:<step>"``: a node receiving that step's commit from another stops after writing its first object,
+printing ``RECEIVING <step>``; ``"persist:<step>"``: global rank 0 stops between that step's persist's copy and its
+manifest, printing ``COPIED <step>``; ``"restored:<step>"``: a node that restored that step's commit from a peer for
+its resume stops after writing the first object of its copy behind training, printing ``RESTORED <step>``;
+comma-separated: windows for the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run).
 
 The job resumes from the root whenever any tier of any node may hold a checkpoint (``ckpt_path=ROOT``: the job's
 newest, one decision for every node), else starts fresh. It prints ``START rank=<r> step=<s> commit=<c> tier=<t>``,
@@ -40,6 +41,7 @@ from lightning_resilient import (
     AtomicFSDPStrategy,
     AtomicModelParallelStrategy,
     ResumeStateCallback,
+    find_latest_checkpoint,
 )
 from lightning_resilient.io import replicas, tiered
 
@@ -157,8 +159,8 @@ def hold(where: str) -> None:
 def announce_persists() -> None:
     persist = tiered.TieredRoot._persist
 
-    def announced(self: Any, entry: Any) -> None:
-        persist(self, entry)
+    def announced(self: Any, entry: Any, **kwargs: Any) -> None:
+        persist(self, entry, **kwargs)
         if entry.commit in self._persisted:
             say(f"PERSISTED {entry.step}")
 
@@ -210,7 +212,13 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     # The job's newest across every node's tier: rank 0 decides for all. A first run has nothing anywhere (the first
     # save claims the durable root: a local commit never exists without it). Every node sees the same root here.
     resume = Path(root, ".lightning_resilient").exists()
-    trainer.fit(Net(), loader, ckpt_path=root if resume else None)
+    ckpt_path = root if resume else None
+    if options.get("resume") == "each":
+        # The idiom as README shows it: every node asks its own view (its local tier, the durable root); a replaced
+        # node's empty tier answers with an older commit, or None. The plugin makes one decision for the job.
+        ckpt_path = find_latest_checkpoint(root, local_tier=local_tier)
+        say(f"GIVEN rank={os.environ.get('NODE_RANK')} {ckpt_path}")
+    trainer.fit(Net(), loader, ckpt_path=ckpt_path)
     weights = full_weights(trainer)
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in weights.items()}, out)

@@ -26,6 +26,7 @@ from lightning_resilient import AtomicCheckpointIO
     ({"orphan_grace_seconds": -1}, "orphan_grace_seconds must be a number >= 0, got -1"),
     ({"retry_attempts": 0}, "retry_attempts must be an int >= 1, got 0"),
     ({"retry_base_delay": -1.0}, "retry delays must be >= 0"),
+    ({"collective_timeout": 0}, "collective_timeout must be > 0 (seconds a collective between the job's processes"),
 ])
 def test_bad_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -40,6 +41,7 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
     ({"async_save": "no"}, "async_save must be True or False"),
     ({"pin_memory": 1}, "pin_memory must be True, False or None"),
     ({"new_run": "yes"}, "new_run must be True or False, got 'yes'"),
+    ({"collective_timeout": "30"}, "collective_timeout must be a number"),
 ])
 def test_bad_types_fail_at_construction(kwargs, message):
     with pytest.raises(TypeError, match=message):

@@ -389,6 +389,47 @@ def test_ddp_on_two_nodes_every_node_holds_every_commit_through_kills_in_a_copy_
     assert durable_step(root) == 8
 
 
+@pytest.mark.slow
+def test_nodes_given_different_checkpoints_by_find_latest_make_one_decision_and_a_replaced_node_restores_it(
+        tmp_path, shared_runs):
+    """The multi-node idiom as the README shows it: every node calls find_latest_checkpoint(root, local_tier=...) and
+    passes what it got. A replaced node (its tier wiped) gets None, then an older commit than the other node; Lightning
+    then loads on some ranks only (or different commits), and the job hung in the load's collectives. Now every rank
+    gives its path, rank 0 decides (the root's newest across every node's tier), every rank loads it."""
+
+    def reference(folder: Path) -> None:
+        Job(folder, str(folder / "root"), folder / "weights.pt", {**NODES_DDP, "tier": False}).finish()
+
+    full = shared_runs.get("nodes-ddp", NODES_DDP, reference) / "weights.pt"
+    root, out = str(tmp_path / "root"), tmp_path / "weights.pt"
+    options = {**NODES_DDP, "persist_every": 2, "resume": "each"}
+    # 1. Killed after step 2's save, before any persist: node 0 holds step 2, the durable root none. Node 1 replaced.
+    Job(tmp_path, root, out, options).kill_when(["SAVED 2"], timeout=120)
+    shutil.rmtree(tmp_path / "nvme1", ignore_errors=True)
+    # 2. Node 0 is given step 2's commit, node 1 None: both resume step 2 (node 1 restores it from node 0). Killed
+    #    after step 6's save, step 4 persisted: node 0 holds 6, the durable root 4. Node 1 replaced again.
+    job = Job(tmp_path, root, out, options)
+    job.kill_when(["SAVED 6", "PERSISTED 4"], timeout=120)
+    given = given_paths(job.lines)
+    assert "step=2.ckpt/" in given["rank=0"] and given["rank=1"] == "None", given
+    step, commit, _ = starts(job.lines)["0"]
+    assert step == 2 and starts(job.lines) == {"0": (2, commit, "local"), "1": (2, commit, "local")}
+    assert durable_step(root) == 4 and 6 in local_steps(tmp_path, 0, root)
+    shutil.rmtree(tmp_path / "nvme1", ignore_errors=True)
+    # 3. Node 0 is given step 6's commit, node 1 step 4's (the durable root's newest): both resume step 6.
+    lines = Job(tmp_path, root, out, options).finish(timeout=120)
+    given = given_paths(lines)
+    assert "step=6.ckpt/" in given["rank=0"] and "step=4.ckpt/" in given["rank=1"], given
+    step, commit, _ = starts(lines)["0"]
+    assert step == 6 and starts(lines) == {"0": (6, commit, "local"), "1": (6, commit, "local")}
+    assert same_weights(out, full), "not bit-identical"
+
+
+def given_paths(lines: list[str]) -> dict[str, str]:
+    """What find_latest_checkpoint gave each node ("rank=<node>" -> the path, or "None")."""
+    return dict(line.split(" ", 2)[1:] for line in lines if line.startswith("GIVEN"))  # type: ignore[misc]
+
+
 SHARDED = {**BASE, "strategy": "model_parallel"}  # the uninterrupted run tests/io/test_sharded.py also uses
 
 

@@ -80,9 +80,9 @@ class Start(Callback):
 def announce_persists(delay: float) -> None:
     persist, copy = tiered.TieredRoot._persist, tiered.TieredRoot._copy
 
-    def announced(self: Any, entry: Any) -> None:
+    def announced(self: Any, entry: Any, **kwargs: Any) -> None:
         say(f"PERSIST-BEGIN {entry.step}")
-        persist(self, entry)
+        persist(self, entry, **kwargs)
         say(f"PERSIST-END {entry.step} durable={entry.commit in self._persisted}")  # False: skipped for a newer one
 
     def slow_copy(self: Any, manifest: Any) -> Any:
