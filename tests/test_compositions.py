@@ -252,4 +252,4 @@ def test_a_whole_setup_survives_its_fault_and_resumes_bit_identical(where, tmp_p
     assert loadable and int(loadable[0].split()[1]) >= 1, f"{setup.id}: {final.lines[-5:]}"
     mine, theirs = torch.load(out), torch.load(full)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), \
-        f"{setup.id}: not bit-identical to the uninterrupted run"
+        f"{setup.id}: not bit-identical to the uninterrupted run (resumed {final.starts()})"

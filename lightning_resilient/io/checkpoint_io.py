@@ -1001,14 +1001,18 @@ class AtomicCheckpointIO(CheckpointIO):
         latest = self.find_latest_checkpoint(root)
         return latest if latest is not None and writer_epoch_of(_paths.basename(latest)) is not None else None
 
-    def knows_checkpoint(self, path: str | os.PathLike[str]) -> bool | None:
-        """Whether a checkpoint ``path`` (``<dirpath>/<name>``) exists, answered without waiting for the store: with
-        ``local_tier``, from the local tier's catalog and the durable one as this plugin last saw it
-        (:meth:`TieredRoot.knows`). None without a local tier (ask the store). ``ModelCheckpoint.file_exists`` asks it
-        at every save (see ``io/fit_check.py``): a store outage would otherwise stop training at the first save."""
-        if self.local_tier is None:
-            return None
+    def knows_checkpoint(self, path: str | os.PathLike[str]) -> bool:
+        """Whether a committed checkpoint ``path`` (``<dirpath>/<name>``) exists: with ``local_tier``, answered without
+        waiting for the store, from the local tier's catalog and the durable one as this plugin last saw it
+        (:meth:`TieredRoot.knows`); without, from the root's pointer. ``ModelCheckpoint.file_exists`` asks it at every
+        save (see ``io/fit_check.py``): with a local tier a store outage would otherwise stop training at the first
+        save, and without one a save cut off earlier would count as a checkpoint of its name."""
         url = normalize(_fspath(path))
+        if self.local_tier is None:
+            # The root's catalog: a folder a save left without its manifest (killed, or cut off by an outage) is no
+            # checkpoint, though the store lists objects under its name (Lightning would name the next save "-v1").
+            pointer, _ = self.root(_paths.dirname(url)).read_pointer()
+            return pointer is not None and _paths.basename(url) in pointer.checkpoints
         return self.tiers(_paths.dirname(url)).knows(_paths.basename(url))
 
     def find_latest_checkpoint(self, root: str | os.PathLike[str]) -> str | None:

@@ -22,8 +22,8 @@ wrapper's ``teardown`` never calls the plugin's, so the check's ``teardown`` (an
 
 On several processes, ``setup`` also makes every rank load the one checkpoint global rank 0 decides, whatever
 ``ckpt_path`` each was given (``io/resume_path.py``: a replaced node's ``find_latest_checkpoint`` answers differently),
-and with a local tier it answers ``ModelCheckpoint.file_exists`` from the plugin's catalogs (``_CatalogExists``), so a
-store outage never ends the fit through Lightning's own client.
+and it answers ``ModelCheckpoint.file_exists`` from the plugin's catalogs (``_CatalogExists``), so a store outage
+never ends a fit with a local tier through Lightning's own client, and a save that was cut off is no checkpoint.
 
 The entry point is also the one call the package gets before ``fit`` creates the process group: for a Trainer with
 the plugin it makes that group use this torchrun attempt's own keys in torchrun's store
@@ -228,14 +228,15 @@ def _resumed_root(trainer: Any, plugin: Any) -> str | None:
 
 
 class _CatalogExists:
-    """``ModelCheckpoint.file_exists`` for a callback whose folder the plugin writes with a local tier: global rank 0
-    answers from the plugin's catalogs (:meth:`AtomicCheckpointIO.knows_checkpoint`) instead of the store, and every
-    rank takes its answer, as Lightning's does.
+    """``ModelCheckpoint.file_exists`` for a callback whose folder the plugin writes: global rank 0 answers from the
+    plugin's catalogs (:meth:`AtomicCheckpointIO.knows_checkpoint`) instead of listing the store, and every rank takes
+    its answer, as Lightning's does.
 
     Lightning asks at every save whether the name it is about to use exists (its version counter, ``-v1`` names),
-    through its own client of the dirpath's store: in a store outage that call fails (botocore's
+    through its own client of the dirpath's store. With a local tier, in a store outage that call fails (botocore's
     ``EndpointConnectionError``, after ~14 s of the client's own retries) and ends the fit, though the save itself
-    goes to the local tier. A plain object (not a closure) so the callback stays picklable."""
+    goes to the local tier; on any store, a save cut off earlier (its objects without a manifest) counts as a
+    checkpoint of that name. A plain object (not a closure) so the callback stays picklable."""
 
     def __init__(self, plugin: Any) -> None:
         self.plugin = plugin
@@ -246,10 +247,8 @@ class _CatalogExists:
 
 
 def _answer_file_exists(trainer: Any, plugin: Any) -> None:
-    """With a local tier, answer every ModelCheckpoint's ``file_exists`` from the plugin (see :class:`_CatalogExists`);
-    the fit check's teardown gives each callback its own method back."""
-    if plugin.local_tier is None:
-        return
+    """Answer every ModelCheckpoint's ``file_exists`` from the plugin (see :class:`_CatalogExists`); the fit check's
+    teardown gives each callback its own method back."""
     for callback in trainer.checkpoint_callbacks:
         if hasattr(callback, "file_exists") and getattr(callback, "dirpath", None):
             callback.file_exists = _CatalogExists(plugin)

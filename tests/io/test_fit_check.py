@@ -103,3 +103,21 @@ def test_a_fit_that_fails_before_modelcheckpoint_setup_leaves_the_callback_as_it
         trainer.fit(TinyModel(), tiny_loader())
     assert not [c for c in trainer.checkpoint_callbacks if "setup" in vars(c)]
     pickle.loads(pickle.dumps(trainer.checkpoint_callbacks))
+
+
+def test_a_save_cut_off_before_its_manifest_is_no_checkpoint_of_its_name_for_lightnings_version_counter(store,
+                                                                                                        make_io):
+    """ModelCheckpoint asks at every save whether its name exists (its "-v1" counter). A save cut off before its
+    manifest (killed, or in a store outage) left objects under the name: Lightning's own client counts them as a file,
+    and the next run's save of that step was named "epoch=0-step=2-v1.ckpt". The plugin answers from its catalog."""
+    trainer, _ = fit(store, make_io, 2)
+    fs = store.fs()
+    leftover = store.path("epoch=0-step=4.ckpt/c1796526551869-e1-a9ebdd84/shard-00000.bin")
+    fs.makedirs(_paths.dirname(leftover), exist_ok=True)
+    fs.pipe_file(leftover, b"half an upload")  # (no manifest: never committed)
+    fs.invalidate_cache()
+    resumed, _ = fit(store, make_io, 4, ckpt_path=find_latest_checkpoint(store.root, store.storage_options))
+    names = {_paths.basename(p) for p in resumed.checkpoint_callback.best_k_models} | {
+        _paths.basename(resumed.checkpoint_callback.best_model_path)}
+    assert "epoch=0-step=4.ckpt" in names and not any("-v1" in n for n in names), names
+    assert "file_exists" not in vars(trainer.checkpoint_callback)  # (the callback is itself again after the fit)
