@@ -148,7 +148,10 @@ def test_resume_audit_benchmark_smoke(tmp_path):
     doc = json.loads((tmp_path / "a.json").read_text())
     assert doc["schema"] == "lightning_resilient.resume_audit/1" and doc["machine"] in text
     assert {(w["batch"], w["store"]) for w in doc["audit_work"]} == {
-        (b, s) for b in ("tokens 8x512", "images 64x3x224x224") for s in ("local disk", "object store (memory://)")}
+        (b, s) for b in ("tokens 8x512", "images 64x3x224x224")
+        for s in ("local disk", "object store (memory://) + node spool")}
+    assert [t["steps_between_saves"] for t in doc["store_traffic"]] == [100, 1000]
+    assert doc["store_traffic"][0]["requests_per_hour"] == 120 and "requests per hour" in text
     assert doc["trainer"]["hooks_on_s"] > 0 and doc["trainer"]["hooks_off_s"] > 0
     assert "| audit=True (default) |" in text and "## Target" in text
     assert (tmp_path / "a.md").read_text().startswith("# Resume audit")

@@ -1,8 +1,10 @@
-"""The package's shape: modules import each other in one direction only, and every ``__all__`` is sorted."""
+"""The package's shape: modules import each other in one direction only, no package uses another's private (``_``)
+modules or names, and every ``__all__`` is sorted."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -23,10 +25,16 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    # Each check walks every module: parsed once per process (the checks took seconds each, parsing 1.4 MB again).
+    return ast.parse(path.read_text())
+
+
 def _imports(name: str) -> set[str]:
     """The package modules ``name`` imports anywhere in its text (module level or inside a function; not under
     ``if TYPE_CHECKING``): a deferred import is still a dependency, and a circle through one is still a circle."""
-    tree = ast.parse(MODULES[name].read_text())
+    tree = _tree(MODULES[name])
     checking = {id(n) for node in ast.walk(tree)
                 if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     out = set()
@@ -80,6 +88,103 @@ def test_the_circle_check_sees_a_deferred_import(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "lightning_resilient.a", a)
     monkeypatch.setitem(MODULES, "lightning_resilient.b", b)
     assert _circle() == ["lightning_resilient.a", "lightning_resilient.b", "lightning_resilient.a"]
+
+
+def _package_of(name: str) -> str:
+    """The package module ``name`` belongs to: itself for a package (an ``__init__.py``), else the one holding it."""
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` of an attribute chain on a plain name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (base := _dotted(node.value)) is not None:
+        return f"{base}.{node.attr}"
+    return None
+
+
+def _used(name: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every module and name of the package that module ``name`` imports, and of every
+    attribute it reads through an imported module (``catalog._helper``), deferred and type-only imports included."""
+    tree = _tree(MODULES[name])
+    bound: dict[str, str] = {}  # local name -> the package's module it stands for
+    used = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: from the importer's package, one level up per extra dot
+                base = _package_of(name).split(".")
+                module = ".".join(base[:len(base) - node.level + 1] + ([module] if module else []))
+            if module.split(".")[0] != PACKAGE.name:
+                continue
+            for alias in node.names:
+                used.append((node.lineno, f"{module}.{alias.name}"))
+                if f"{module}.{alias.name}" in MODULES:
+                    bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == PACKAGE.name:
+                    used.append((node.lineno, alias.name))
+                    bound[alias.asname or PACKAGE.name] = alias.name if alias.asname else PACKAGE.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (chain := _dotted(node)) is not None:
+            head, _, rest = chain.partition(".")
+            if head in bound:
+                used.append((node.lineno, f"{bound[head]}.{rest}"))
+    return used
+
+
+def _private_outside(importer: str, used: str) -> tuple[str, str] | None:
+    """The first private (``_``) module or name in ``used`` that belongs to a package ``importer`` is not inside, and
+    that package; else None. A private module or name is private to the package that holds it, subpackages included:
+    ``io/store/`` may use ``io/_sealed.py`` and every package the top level's ``_checks.py``, but ``state/`` may not
+    use ``io/_lanes.py``; what another package needs is made public where it belongs."""
+    parts = used.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            holder = ".".join(parts[:i])
+            owner = _package_of(holder) if holder in MODULES else holder
+            if importer != owner and not importer.startswith(f"{owner}."):
+                return ".".join(parts[:i + 1]), owner
+    return None
+
+
+def _reaches() -> list[str]:
+    return sorted({f"{name}:{line} uses {found[0]} (private to {found[1]})"
+                   for name in MODULES for line, used in _used(name)
+                   if (found := _private_outside(name, used)) is not None})
+
+
+def test_no_module_uses_a_private_module_or_name_of_another_package():
+    # A `_` module is an implementation detail of its package: another package reaching into it (state/ into
+    # io/_paths.py, as it once did) ties the two together where no one looks. CONTRIBUTING.md's module map says
+    # what each package makes public.
+    assert _reaches() == []
+
+
+def test_the_private_check_sees_each_way_to_reach_in(tmp_path, monkeypatch):
+    # The check above must be able to fail: a private module, a private name and a private attribute of another
+    # package, each caught; the same inside their own package (a subpackage included), allowed.
+    def module(name: str, text: str) -> None:
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        monkeypatch.setitem(MODULES, name, path)
+
+    module("lightning_resilient.state.x", "from lightning_resilient.io import _sealed\n"
+           "def f():\n    from lightning_resilient.io.root import _helper\n"
+           "from lightning_resilient.io import catalog\ncatalog._pointer_or_scan(None)\n"
+           "import lightning_resilient.io._lanes\n")
+    module("lightning_resilient.io.store.x", "from lightning_resilient.io import _sealed\n"
+           "from lightning_resilient.io.root import _helper\nfrom lightning_resilient import _checks\n"
+           "from lightning_resilient.io import paths as _paths\n_paths.join('a')\n")
+    io = "(private to lightning_resilient.io)"
+    assert _reaches() == [
+        f"lightning_resilient.state.x:1 uses lightning_resilient.io._sealed {io}",
+        f"lightning_resilient.state.x:3 uses lightning_resilient.io.root._helper {io}",
+        f"lightning_resilient.state.x:5 uses lightning_resilient.io.catalog._pointer_or_scan {io}",
+        f"lightning_resilient.state.x:6 uses lightning_resilient.io._lanes {io}",
+    ]
 
 
 @pytest.mark.parametrize("name", [n for n in MODULES if "__all__" in MODULES[n].read_text()])

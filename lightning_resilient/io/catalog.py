@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from lightning_resilient.errors import BucketNotFoundError, CheckpointCorruptedError, CheckpointError
-from lightning_resilient.io import _paths
+from lightning_resilient.io import paths
 from lightning_resilient.io.folders import REPLACED_DIR, writer_epoch_of
 from lightning_resilient.io.lineage import Lineage, Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME
@@ -50,10 +50,10 @@ def normalize(url: str | os.PathLike[str]) -> str:
     Path``)."""
     url = as_str(url)
     check_url(url)
-    protocol, rest = _paths.split_protocol(url)
+    protocol, rest = paths.split_protocol(url)
     if protocol in (None, "file", "local"):
         return os.path.abspath(os.path.expanduser(rest))
-    return _paths.strip_trailing(url)
+    return paths.strip_trailing(url)
 
 
 # Lightning's own words for a missing ckpt_path (scripts and people search for them); ours follow.
@@ -63,7 +63,7 @@ NOT_FOUND = "Checkpoint file not found: "
 def _follow_local_link(url: str) -> str:
     """Where a local symlink points (``ModelCheckpoint(save_last="link")`` links ``last.ckpt`` to the checkpoint it
     saved last, a name folder of the same root); any other URL as it is."""
-    if _paths.split_protocol(url)[0] not in (None, "file", "local"):
+    if paths.split_protocol(url)[0] not in (None, "file", "local"):
         return url
     for _ in range(8):  # a chain of links, never a loop
         if not os.path.islink(url):
@@ -85,7 +85,7 @@ def stock_checkpoints(store: Store) -> list[tuple[str, float]]:
 
 def check_bucket(store: Store) -> None:
     """Raise ``FileNotFoundError`` naming the bucket when an S3/GCS root's bucket does not exist."""
-    protocol = _paths.split_protocol(store.root_url)[0]
+    protocol = paths.split_protocol(store.root_url)[0]
     if protocol in ("s3", "s3a", "gs", "gcs"):
         bucket = store.root_path.split("/", 1)[0]
         if not store.bucket_exists(bucket):
@@ -149,11 +149,11 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot], *, shown: str |
     """
     shown = url if shown is None else shown
     url = _follow_local_link(url)
-    name = _paths.basename(url)
+    name = paths.basename(url)
     if writer_epoch_of(name) is not None:
         # <root>/<name>/<commit>: what resuming passes. The root's pointer knows the commit and its lineage.
-        root = root_for(_paths.dirname(_paths.dirname(url)))
-        commit = f"{_paths.basename(_paths.dirname(url))}/{name}"
+        root = root_for(paths.dirname(paths.dirname(url)))
+        commit = f"{paths.basename(paths.dirname(url))}/{name}"
         pointer = _pointer_or_scan(root) or Pointer()
         known = {e.commit: e for e in pointer.entries()}
         if commit in known:
@@ -186,7 +186,7 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot], *, shown: str |
                                     " run yet")
         return Resolved(as_root, candidates[0], candidates[1:], pinned=False)
 
-    parent = root_for(_paths.dirname(url))
+    parent = root_for(paths.dirname(url))
     parent_pointer, _ = parent.read_pointer()
     if parent_pointer is not None:
         named = parent_pointer.checkpoints.get(name)

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_resilient._checks import check_bool, check_number, check_optional_bool
 from lightning_resilient._namespaces import register_checkpoint_io, trainer_on_stack
 from lightning_resilient.errors import CheckpointCorruptedError, RunExistsError, SettingTypeError
-from lightning_resilient.io import _paths
+from lightning_resilient.io import paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats, WrappedSaves
 from lightning_resilient.io.catalog import (
     ALONE,
@@ -316,7 +316,7 @@ class AtomicCheckpointIO(CheckpointIO):
         """The protocol object of the checkpoint root ``url`` (one per root, shared by saves and loads)."""
         options = self._options(storage_options)
         url = normalize(url)
-        if _paths.split_protocol(url)[0] in (None, "file", "local"):
+        if paths.split_protocol(url)[0] in (None, "file", "local"):
             # One root per physical folder: ModelCheckpoint saves into the realpath of its dirpath, and a resume
             # through a symlinked dirpath must be the same writer (one claim, one lineage), not a second one.
             url = os.path.realpath(url)
@@ -414,7 +414,7 @@ class AtomicCheckpointIO(CheckpointIO):
         if not isinstance(checkpoint, dict):
             raise TypeError(f"checkpoint must be a dict, got {type(checkpoint).__name__}")
         url = normalize(_fspath(path))
-        name = _paths.basename(url)
+        name = paths.basename(url)
         if not name:
             raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")
         if _is_handover(name):
@@ -428,8 +428,8 @@ class AtomicCheckpointIO(CheckpointIO):
                              " (find_latest_checkpoint and retention would never see it). Use a ModelCheckpoint"
                              " filename that does not start with '.'.")
         _check_not_nested(url, checkpoint, self._fit_dirpaths)
-        root: CheckpointRoot | TieredRoot = (self.root(_paths.dirname(url), storage_options) if self.local_tier is None
-                                             else self.tiers(_paths.dirname(url), storage_options))
+        root: CheckpointRoot | TieredRoot = (self.root(paths.dirname(url), storage_options) if self.local_tier is None
+                                             else self.tiers(paths.dirname(url), storage_options))
         self._continue_outside(root if isinstance(root, CheckpointRoot) else root.durable)
         reported = self._reported_by_trainer(root.url) if reported_in(checkpoint, root.url) is None else None
         started = time.perf_counter()
@@ -515,7 +515,7 @@ class AtomicCheckpointIO(CheckpointIO):
         abandoned branch's). Other loads (validate, test, a script) read the name as it is."""
         if trainer is None or _fn(trainer) != "fit":
             return url
-        name, dirpath = _paths.basename(url), _paths.dirname(url)
+        name, dirpath = paths.basename(url), paths.dirname(url)
         if not any(_names_last(callback, name) and self.root(str(callback.dirpath)).url == self.root(dirpath).url
                    for callback in getattr(trainer, "checkpoint_callbacks", []) if getattr(callback, "dirpath", None)):
             return url
@@ -742,9 +742,9 @@ class AtomicCheckpointIO(CheckpointIO):
     @override
     def remove_checkpoint(self, path: Any) -> None:
         url = normalize(_fspath(path))
-        name = _paths.basename(url)
-        root: CheckpointRoot | TieredRoot = (self.root(_paths.dirname(url)) if self.local_tier is None
-                                             else self.tiers(_paths.dirname(url)))
+        name = paths.basename(url)
+        root: CheckpointRoot | TieredRoot = (self.root(paths.dirname(url)) if self.local_tier is None
+                                             else self.tiers(paths.dirname(url)))
         self._continue_outside(root if isinstance(root, CheckpointRoot) else root.durable)  # (a removal may claim)
 
         def remove() -> None:
@@ -999,7 +999,7 @@ class AtomicCheckpointIO(CheckpointIO):
     def _committed_latest(self, root: str) -> str | None:
         """The newest committed checkpoint of the run in ``root`` (either tier); None when it holds none of ours."""
         latest = self.find_latest_checkpoint(root)
-        return latest if latest is not None and writer_epoch_of(_paths.basename(latest)) is not None else None
+        return latest if latest is not None and writer_epoch_of(paths.basename(latest)) is not None else None
 
     def knows_checkpoint(self, path: str | os.PathLike[str]) -> bool:
         """Whether a committed checkpoint ``path`` (``<dirpath>/<name>``) exists: with ``local_tier``, answered without
@@ -1011,9 +1011,9 @@ class AtomicCheckpointIO(CheckpointIO):
         if self.local_tier is None:
             # The root's catalog: a folder a save left without its manifest (killed, or cut off by an outage) is no
             # checkpoint, though the store lists objects under its name (Lightning would name the next save "-v1").
-            pointer, _ = self.root(_paths.dirname(url)).read_pointer()
-            return pointer is not None and _paths.basename(url) in pointer.checkpoints
-        return self.tiers(_paths.dirname(url)).knows(_paths.basename(url))
+            pointer, _ = self.root(paths.dirname(url)).read_pointer()
+            return pointer is not None and paths.basename(url) in pointer.checkpoints
+        return self.tiers(paths.dirname(url)).knows(paths.basename(url))
 
     def find_latest_checkpoint(self, root: str | os.PathLike[str]) -> str | None:
         """Like :func:`find_latest_checkpoint`, with this plugin's storage options and local tier."""
@@ -1190,7 +1190,7 @@ def _save_plain_file(checkpoint: dict[str, Any], url: str, options: dict[str, An
     from fsspec.core import url_to_fs
 
     fs, path = url_to_fs(url, **options)
-    fs.makedirs(_paths.dirname(path) or ".", exist_ok=True)
+    fs.makedirs(paths.dirname(path) or ".", exist_ok=True)
     with fs.open(path, "wb") as f:
         torch.save(checkpoint, f)
 
@@ -1222,7 +1222,7 @@ def _check_not_nested(url: str, checkpoint: dict[str, Any], fit_dirpaths: list[s
         dirpath = state.get("dirpath") if isinstance(state, dict) else None
         if isinstance(dirpath, str) and dirpath:
             dirpaths.append(normalize(dirpath))
-    parent = _paths.dirname(url)
+    parent = paths.dirname(url)
     for root in dirpaths:
         if parent != root and parent.startswith(root.rstrip("/") + "/"):
             raise ValueError(

@@ -161,21 +161,21 @@ def _open(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
 def _open_root_only(args: argparse.Namespace, *, grace: float = 3600.0) -> CheckpointRoot:
     """The root ``args.root`` names, for a command that works on a whole root (``ls``, ``gc``): a checkpoint in one
     (``ROOT/NAME`` or a commit folder) is refused with the command that would work."""
-    from lightning_resilient.io import _paths
+    from lightning_resilient.io import paths
     from lightning_resilient.io.folders import writer_epoch_of
     from lightning_resilient.io.root import INSPECTING, open_root
 
     root = _open(args, grace=grace)
-    given, name = args.root.rstrip("/") or args.root, _paths.basename(root.url)
+    given, name = args.root.rstrip("/") or args.root, paths.basename(root.url)
     if writer_epoch_of(name) is not None:  # a commit folder, ROOT/NAME/c...
-        parent = _paths.dirname(_paths.dirname(given)) or "."
+        parent = paths.dirname(paths.dirname(given)) or "."
     else:
         if _pointer(root) is not None:
             return root
-        around = _pointer(open_root(_paths.dirname(root.url), _options(args), settings=INSPECTING))
+        around = _pointer(open_root(paths.dirname(root.url), _options(args), settings=INSPECTING))
         if around is None or name not in around.checkpoints:
             return root
-        parent = _paths.dirname(given) or "."  # a name the root above it catalogs, ROOT/NAME
+        parent = paths.dirname(given) or "."  # a name the root above it catalogs, ROOT/NAME
     raise _Usage(f"{args.root} is a checkpoint in the root {parent}, not a root: run"
                  f" `lightning-resilient {args.command} {parent}`")
 
@@ -474,10 +474,12 @@ def _print_persist_status(local: CheckpointRoot) -> None:
 
 def _print_attempts(root: CheckpointRoot) -> None:
     """Each attempt of the training run (a run of the training command) recorded under the root, with its resume
-    audit, oldest first. A record that cannot be read is named and skipped."""
+    audit, oldest first. A record that cannot be read (damaged, forged, newer) is named and skipped; what a record
+    says is printed escaped (``printable``: no record adds a row)."""
     # The attempt records are exact resume's (state/attempts.py), which imports neither torch nor Lightning; the
     # goodput command reads them the same way (state/goodput.py).
     from lightning_resilient.state.attempts import read_attempts
+    from lightning_resilient.state.goodput import printable
 
     try:
         attempts = list(read_attempts(root.store))
@@ -492,14 +494,14 @@ def _print_attempts(root: CheckpointRoot) -> None:
     print("|---|---:|---:|---|---:|---|---|")
     for attempt, record in attempts:
         if isinstance(record, Exception):
-            print(f"| {attempt} | | | | | | unreadable, skipped: {record} |")
+            print(f"| {printable(attempt)} | | | | | | unreadable, skipped: {printable(record)} |")
             continue
         last = record.last_step
         resumed = "fresh start" if record.resumed_step is None else f"step {record.resumed_step}"
-        audit = "-" if record.audit is None else _audit_summary(record.audit.outcome, record.audit.line)
+        audit = "-" if record.audit is None else printable(_audit_summary(record.audit.outcome, record.audit.line))
         started = _age(record.started) + " ago" if record.started == record.started else "?"
-        print(f"| {attempt} | {started} | {record.world_size} | {resumed} | {last.step if last else '-'} |"
-              f" {record.ended or 'killed (or running)'} | {audit} |")
+        print(f"| {printable(attempt)} | {started} | {record.world_size} | {resumed} | {last.step if last else '-'} |"
+              f" {printable(record.ended or 'killed (or running)')} | {audit} |")
 
 
 def _audit_summary(outcome: str, line: str) -> str:
@@ -522,7 +524,7 @@ def _print_stock(root: CheckpointRoot, stock: list[tuple[str, float]]) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from lightning_resilient.io import _paths
+    from lightning_resilient.io import paths
     from lightning_resilient.io.catalog import resolve, was_retired
     from lightning_resilient.io.folders import writer_epoch_of
     from lightning_resilient.io.root import INSPECTING, open_root
@@ -542,7 +544,7 @@ def _verify(args: argparse.Namespace) -> int:
         try:
             found = resolve(opened.url, root_for, shown=args.root)  # ROOT/NAME, or a commit folder
         except FileNotFoundError:
-            if not opened.store.list_dir("") and _pointer(root_for(_paths.dirname(opened.url))) is None:
+            if not opened.store.list_dir("") and _pointer(root_for(paths.dirname(opened.url))) is None:
                 raise _Usage(f"no committed checkpoint under {args.root} (no {POINTER_NAME}); name one to verify"
                              ) from None
             raise
@@ -560,7 +562,7 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         targets = [first]
     # The arguments named one commit: if retention deletes it meanwhile there is nothing else to verify.
-    named = writer_epoch_of(_paths.basename(args.checkpoint if args.checkpoint is not None else args.root)) is not None
+    named = writer_epoch_of(paths.basename(args.checkpoint if args.checkpoint is not None else args.root)) is not None
     failed = 0
     attempts = 0
     while targets:

@@ -210,7 +210,7 @@ def _show(message: warnings.WarningMessage) -> None:
 
 def _resumed_root(trainer: Any, plugin: Any) -> str | None:
     """The root (as the plugin names it) of a checkpoint folder of this fit that the fit resumed from, or None."""
-    from lightning_resilient.io import _paths
+    from lightning_resilient.io import paths
     from lightning_resilient.io.catalog import normalize
     from lightning_resilient.io.checkpoint_io import fit_roots
 
@@ -218,7 +218,7 @@ def _resumed_root(trainer: Any, plugin: Any) -> str | None:
     if ckpt_path is None or plugin.last_load is None:
         return None
     path = normalize(os.fspath(ckpt_path))
-    if _paths.split_protocol(path)[0] in (None, "file", "local"):
+    if paths.split_protocol(path)[0] in (None, "file", "local"):
         path = os.path.realpath(path)
     for dirpath in fit_roots(trainer):
         url = plugin.root(dirpath).url

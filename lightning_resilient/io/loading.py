@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_resilient.io import _paths
+from lightning_resilient.io import paths
 
 __all__ = ["export_checkpoint", "load_checkpoint", "load_from_checkpoint"]
 
@@ -91,7 +91,7 @@ def export_checkpoint(checkpoint_path: str | os.PathLike[str], out: str | os.Pat
     fs, path = url_to_fs(target, **(out_storage_options or {}))
     if fs.isdir(path):
         raise IsADirectoryError(f"export target {target} is a folder: name the .ckpt file to write")
-    protocol = _paths.split_protocol(target)[0]
+    protocol = paths.split_protocol(target)[0]
     if protocol in (None, "file", "local"):
         folder = os.path.dirname(os.path.abspath(path)) or "."
         os.makedirs(folder, exist_ok=True)

@@ -20,9 +20,9 @@ from typing import Any, Protocol
 import blake3
 
 from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
-from lightning_resilient.io._paths import check_relative
 from lightning_resilient.io._sealed import seal, unseal
 from lightning_resilient.io.lineage import Origin
+from lightning_resilient.io.paths import check_relative
 
 __all__ = ["FORMAT", "HASH", "MANIFEST_NAME", "Manifest", "ObjectEntry", "ShardedRecord", "TensorEntry",
            "chunk_digests", "hasher",

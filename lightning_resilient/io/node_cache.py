@@ -11,7 +11,8 @@ What the cache cannot be turned into, by another job or another user of the node
 - a private place: everything lives under ``<node_cache_dir or the temp folder>/lightning_resilient-<uid>``, created
   mode 0700, refused when it is a symlink, owned by someone else, or open to others; inside it, one folder per job
   (its root URL and launch: ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID`` or ``MASTER_ADDR:MASTER_PORT``), so two
-  jobs never share or delete each other's copies; files are opened with ``O_NOFOLLOW``;
+  jobs never share or delete each other's copies; files are opened with ``O_NOFOLLOW``, and a symlink found where
+  a copy or its lock goes is neither followed nor deleted: that load reads the store, with a warning;
 - a source of trust: a copy is verified against the *store's* manifest (read from the store by every process),
   never against the copy's own; a copy that fails is dropped and refilled from the store;
 - a race: a copy is read under a shared lock held for the whole read, and refilled or deleted under the exclusive
@@ -27,6 +28,7 @@ import os
 import shutil
 import stat
 import tempfile
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
 from typing import Any
@@ -94,6 +96,17 @@ class NodeCache:
         manifest = root.read_manifest(commit)  # the store's: what every copy is verified against
         key = hashlib.sha256(commit.encode()).hexdigest()[:24]
         folder = os.path.join(self.directory, key)
+        planted = self._planted(key)
+        if planted is not None:
+            # The cache only saves reads; the store has the checkpoint. Reading it from there is always right, and
+            # a link is neither followed (a fill would write where it points) nor deleted (it is not ours).
+            message = (f"node cache: {planted} is a symlink, which lightning_resilient never makes there (it was"
+                       f" planted in the private folder {self.directory}): not following it; {root.store.url(commit)}"
+                       f" is read from the store instead of this node's copy. To use the cache again, remove it"
+                       f" (rm {planted})")
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return root.load(commit, manifest=manifest, **load_kwargs)
         with self._locked(key, fcntl.LOCK_SH):
             if self._complete(folder, root, commit):
                 try:
@@ -113,6 +126,17 @@ class NodeCache:
             self._drop_others(key)
             return self._fill(root, commit, manifest, folder, **load_kwargs)
 
+    def _planted(self, key: str) -> str | None:
+        """The path of a symlink where ``key``'s copy or its lock goes (None: none). Checked before each load: the
+        lock is opened ``O_NOFOLLOW`` (a link there fails with ELOOP) and a fill makes the copy's folder anew (a link
+        there fails with FileExistsError); only this user can write the private folder, so nothing replaces the
+        entries between this check and their use but this user's own processes."""
+        for name in (key, f"{key}.lock"):
+            path = os.path.join(self.directory, name)
+            if os.path.islink(path):
+                return path
+        return None
+
     def _complete(self, folder: str, root: CheckpointRoot, commit: str) -> bool:
         marker = os.path.join(folder, _COMPLETE)
         try:
@@ -125,8 +149,8 @@ class NodeCache:
     def _drop_others(self, keep: str) -> None:
         """Delete this job's copies of other checkpoints (one copy per job), each once its readers are done."""
         for entry in os.listdir(self.directory):
-            if entry.endswith(".lock") or entry == keep:
-                continue
+            if entry.endswith(".lock") or entry == keep or self._planted(entry) is not None:
+                continue  # (a planted link is never followed, nor deleted: load warns about its own)
             with self._locked(entry, fcntl.LOCK_EX):
                 shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
 

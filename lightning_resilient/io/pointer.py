@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedFormatError
-from lightning_resilient.io._paths import check_relative
 from lightning_resilient.io._sealed import seal, unseal
 from lightning_resilient.io.lineage import Lineage, Origin, order
 from lightning_resilient.io.manifest import Manifest
+from lightning_resilient.io.paths import check_relative
 
 __all__ = ["Entry", "LEGACY_NAMES", "LEGACY_POINTER_NAME", "POINTER_NAME", "Pointer"]
 

@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from lightning_resilient.io import _paths
+from lightning_resilient.io import paths
 
 __all__ = ["folder_key", "kept_by", "reported_in", "reported_names"]
 
@@ -38,10 +38,10 @@ def folder_key(url: str) -> str:
     """``url`` (a folder) as two names of the same folder compare equal: a local path absolute, ``~`` expanded and
     symlinks resolved (ModelCheckpoint resolves its dirpath so, and the plugin its roots), any other URL without its
     trailing slash."""
-    protocol, rest = _paths.split_protocol(url)
+    protocol, rest = paths.split_protocol(url)
     if protocol in (None, "file", "local"):
         return os.path.realpath(os.path.abspath(os.path.expanduser(rest)))
-    return _paths.strip_trailing(url)
+    return paths.strip_trailing(url)
 
 
 def _is_model_checkpoint_state(state: Any) -> bool:
@@ -61,14 +61,14 @@ def reported_names(states: Iterable[Any], folder: str) -> list[str] | None:
             continue
         found = True
         best_k = state.get("best_k_models")
-        paths = [state.get(f) for f in _PATH_FIELDS] + (list(best_k) if isinstance(best_k, dict) else [])
-        for path in paths:
+        named = [state.get(f) for f in _PATH_FIELDS] + (list(best_k) if isinstance(best_k, dict) else [])
+        for path in named:
             if isinstance(path, os.PathLike):
                 path = os.fspath(path)
             if not isinstance(path, str) or not path:
                 continue
             # The file's own folder, not the file: ``last.ckpt`` may be a link (save_last="link") to another name.
-            name, parent = _paths.basename(path), _paths.dirname(path)
+            name, parent = paths.basename(path), paths.dirname(path)
             if parent not in keys:
                 keys[parent] = folder_key(parent)
             if name and not name.startswith(".") and keys[parent] == key:

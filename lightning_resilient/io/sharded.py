@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
-from lightning_resilient.io import _paths, layout
+from lightning_resilient.io import layout, paths
 from lightning_resilient.io.folders import WHOLE
 from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord
 from lightning_resilient.io.reader import Job
@@ -486,8 +486,8 @@ def root_and_name(io_: Any, path: str) -> tuple[CheckpointRoot, str]:
     from lightning_resilient.io.catalog import normalize
 
     url = normalize(path)
-    name = _paths.basename(url)
+    name = paths.basename(url)
     if not name:
         raise ValueError(f"checkpoint path {url!r} names no checkpoint (it ends at a folder or bucket)")
-    return io_.root(_paths.dirname(url)), name
+    return io_.root(paths.dirname(url)), name
 

@@ -45,7 +45,7 @@ from lightning_resilient.errors import (
     SettingTypeError,
     StaleWriterError,
 )
-from lightning_resilient.io import _paths, layout
+from lightning_resilient.io import layout, paths
 from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.async_save import raise_from_background
 from lightning_resilient.io.catalog import NOT_FOUND, Together
@@ -67,7 +67,7 @@ _PERSISTING = "being persisted to the durable tier"
 
 def local_tier_url(local_tier: str, durable_url: str) -> str:
     """The node-local root that holds the local tier of ``durable_url`` under the folder ``local_tier``."""
-    if _paths.split_protocol(durable_url)[0] in (None, "file", "local"):
+    if paths.split_protocol(durable_url)[0] in (None, "file", "local"):
         # One local tier per physical folder, as one root per physical folder (a dirpath reached by a symlink).
         durable_url = os.path.realpath(durable_url.split("://", 1)[-1])
     tail = re.sub(r"[^A-Za-z0-9._=-]+", "_", durable_url.split("://", 1)[-1].strip("/"))[-48:].strip("_") or "root"
@@ -158,7 +158,7 @@ def _check_local_tier(value: Any) -> str | None:
     if not isinstance(value, (str, os.PathLike)) or not str(os.fspath(value)):
         raise SettingTypeError(f"local_tier must be a node-local folder path or None, got {value!r}")
     path = str(os.fspath(value))
-    protocol = _paths.split_protocol(path)[0]
+    protocol = paths.split_protocol(path)[0]
     if protocol not in (None, "file", "local"):
         raise ValueError(f"local_tier must be a node-local folder (local NVMe, /dev/shm), not a {protocol}:// URL"
                          f" ({path!r}): the durable tier is the ModelCheckpoint dirpath")
@@ -986,17 +986,17 @@ def split_tiered(url: str, local_tier: str, root_for: Callable[[str], Checkpoint
     """(durable root URL, path relative to it) for a URL in a durable root or in a local tier root."""
     base = os.path.realpath(os.path.expanduser(local_tier))
     plain = url[len("file://"):] if url.startswith("file://") else url
-    if _paths.split_protocol(url)[0] in (None, "file", "local") and \
+    if paths.split_protocol(url)[0] in (None, "file", "local") and \
             os.path.realpath(plain).startswith(base + os.sep):
         inside = os.path.relpath(os.path.realpath(plain), base).split(os.sep)
         durable = durable_of(root_for(os.path.join(base, inside[0])))
         return durable, "/".join(inside[1:])
-    name = _paths.basename(url)
+    name = paths.basename(url)
     if writer_epoch_of(name) is not None:
-        return _paths.dirname(_paths.dirname(url)), f"{_paths.basename(_paths.dirname(url))}/{name}"
+        return paths.dirname(paths.dirname(url)), f"{paths.basename(paths.dirname(url))}/{name}"
     if _has_pointer(root_for(url)) or root_for(local_tier_url(local_tier, url)).store.exists(TIER_RECORD):
         return url, ""
-    parent = _paths.dirname(url)
+    parent = paths.dirname(url)
     return parent, name
 
 

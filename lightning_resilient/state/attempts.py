@@ -8,8 +8,9 @@ random part keeps two jobs started at once apart). Rank ``r``'s record is ``<att
 - a header object first: ``format``, ``attempt``, ``rank``, ``world_size``, ``started`` (this host's clock, for
   display), ``resumed_step`` and ``resumed_from`` (None for a fresh start), ``facts`` (batch size, dataset, seed, ...);
 - one list per training step (:class:`StepDigest`): ``[epoch, batch_idx, global_step, sample indices digest, input
-  digest, loss]``, and, where the sampler says the indices, a seventh item ``[samples, sample set digest]`` (added to
-  format 1 later; a reader of the first version reads the first six);
+  digest, loss]``, and, where the sampler says the indices, a seventh item ``[samples, sample set digest]``, and an
+  eighth, the digest of a sample of the parameters after the step (both added to format 1 later, the seventh null when
+  only the eighth is known; a reader of the first version reads the first six);
 - later objects update header fields (the resume audit's ``audit`` result, how the attempt ``ended``, the goodput
   ledger's ``progress`` and ``timings``).
 
@@ -30,8 +31,10 @@ record damaged.
 Writing (:class:`AttemptLog`): on local disk (or a shared POSIX filesystem) every step (and every progress update) is
 appended and flushed, so a SIGKILL loses nothing the step recorded (header updates are folded into the header by a
 rewrite once they pile up); on an object store, which cannot append, a background thread rewrites the whole object
-at most every ``flush_seconds`` (or ``flush_steps`` steps), never from the training thread, so a kill loses at most
-that interval (of steps, and of the ledger's progress). The record keeps only the steps after the second-to-last
+at most every ``flush_seconds`` (or ``flush_steps`` steps), never from the training thread, and every step and
+progress update is appended to a copy in a node-local spool first (:func:`spool_folder`): a SIGKILL loses none of
+them on that node (a restart there reads the spool and ships it to the store, :func:`ship_spooled`), and what a
+restart on another node reads loses at most the flush interval. The record keeps only the steps after the second-to-last
 save it saw (:meth:`AttemptLog.prune`): what a resume from the latest (or the one before it) replays. A failed write
 is logged and retried at the next flush; it never reaches training. :func:`open_logs` lists the records this process
 is writing, so that what ends the process from another thread (the hang watchdog) can record why first.
@@ -43,12 +46,16 @@ checkpoint, so nothing a resume can use is deleted; the protocol's own retention
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
 import re
+import shutil
+import tempfile
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
@@ -60,39 +67,149 @@ from lightning_resilient.errors import CheckpointCorruptedError, UnsupportedForm
 from lightning_resilient.io.folders import ATTEMPTS_DIR
 from lightning_resilient.io.store import LocalStore, Store
 
-__all__ = ["AttemptLog", "AttemptRecord", "AuditResult", "END_KINDS", "FORMAT", "KEEP_ATTEMPTS", "Progress",
-           "StepDigest", "StragglerReport", "Timings", "drop_old_attempts", "end_kind", "list_attempts",
+__all__ = ["AttemptLog", "AttemptRecord", "AuditResult", "END_KINDS", "FORMAT", "KEEP_ATTEMPTS", "KEEP_SPOOLED",
+           "Progress", "StepDigest", "StragglerReport", "Timings", "drop_old_attempts", "end_kind", "list_attempts",
            "list_records", "new_attempt_id", "open_logs", "parse_record", "read_attempts", "read_record",
-           "record_name"]
+           "record_name", "ship_spooled", "spool_folder"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 KEEP_ATTEMPTS = 32  # newest attempts whose records are kept (each a few bytes per step, after pruning)
+KEEP_SPOOLED = 4  # newest attempts whose records a node's spool keeps (once shipped, the store has them)
+SPOOL_DAYS = 14  # a root's spool folder no attempt wrote for this long is deleted
 _ATTEMPT_RE = re.compile(r"^a(\d{6,})-([0-9a-f]{6})$")
 _RECORD_RE = re.compile(r"^(a\d{6,}-[0-9a-f]{6})\.r(\d+)\.jsonl$")
 _KIND = "lightning_resilient.attempt"
 
 
-def new_attempt_id(store: Store) -> str:
-    """A new attempt's id: one more than the highest sequence under the root's attempts folder."""
-    known = [int(m.group(1)) for a in list_attempts(store) if (m := _ATTEMPT_RE.match(a))]
+def new_attempt_id(store: Store, spool: str | None = None) -> str:
+    """A new attempt's id: one more than the highest sequence under the root's attempts folder (and this node's
+    spool of it: an attempt killed before its record reached the store still took its number)."""
+    known = [int(m.group(1)) for a in list_attempts(store, spool) if (m := _ATTEMPT_RE.match(a))]
     return f"a{max(known, default=0) + 1:06d}-{uuid.uuid4().hex[:6]}"
 
 
-def list_attempts(store: Store) -> list[str]:
-    """The attempt ids with a record under the root, oldest first."""
-    ids = {m.group(1) for name in store.list_dir(ATTEMPTS_DIR) if (m := _RECORD_RE.match(name))}
-    return sorted(ids, key=_order)
+def list_attempts(store: Store, spool: str | None = None) -> list[str]:
+    """The attempt ids with a record under the root (or in this node's ``spool`` of it), oldest first."""
+    return list(list_records(store, spool))
 
 
-def list_records(store: Store) -> dict[str, list[int]]:
-    """Each attempt with a record under the root (oldest first) and the ranks that left one (lowest first)."""
-    ranks: dict[str, list[int]] = {}
-    for name in store.list_dir(ATTEMPTS_DIR):
+def list_records(store: Store, spool: str | None = None) -> dict[str, list[int]]:
+    """Each attempt with a record under the root or in this node's ``spool`` of it (oldest first) and the ranks that
+    left one (lowest first)."""
+    ranks: dict[str, set[int]] = {}
+    for name in [*store.list_dir(ATTEMPTS_DIR), *_spooled(spool)]:
         if match := _RECORD_RE.match(name):
-            ranks.setdefault(match.group(1), []).append(int(match.group(2)))
+            ranks.setdefault(match.group(1), set()).add(int(match.group(2)))
     return {attempt: sorted(ranks[attempt]) for attempt in sorted(ranks, key=_order)}
+
+
+# -- the spool: every step's record on node-local disk before the next step ends (object stores) ----------------------
+def spool_folder(root_url: str, base: str | None = None) -> str:
+    """The node-local folder where this node's ranks append the attempt records of the root ``root_url`` when it is on
+    an object store: ``<base>/lightning_resilient-<uid>/attempts/<hash of the root URL>`` (``base``: the plugin's
+    local tier, else the system's temp folder), private to this user (mode 0700).
+
+    An object store cannot append, and a background thread rewrites the record only every ``flush_seconds``: the
+    steps after the last save, exactly those a resume replays, would die with a killed process. Appended here as each
+    step ends, they survive a SIGKILL; a restart on the same node reads them (:func:`read_record`) and ships them to
+    the store (:func:`ship_spooled`), so the audit and the ledger see every finished step. A restart on another node
+    reads what reached the store."""
+    top = os.path.join(base or tempfile.gettempdir(), f"lightning_resilient-{os.getuid()}")
+    folder = os.path.join(top, "attempts", hashlib.sha256(root_url.encode()).hexdigest()[:16])
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(top, 0o700)
+    _drop_stale_spools(os.path.dirname(folder), keep=folder)
+    return folder
+
+
+def _drop_stale_spools(parent: str, *, keep: str) -> None:
+    """Delete the spool folders of roots no attempt on this node wrote for :data:`SPOOL_DAYS` days (their records
+    were shipped by the next attempt, or that run is long over)."""
+    cutoff = time.time() - SPOOL_DAYS * 86400
+    with suppress(OSError):
+        for entry in os.scandir(parent):
+            if entry.path != keep and entry.is_dir(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _basename(rel: str) -> str:
+    return rel.rsplit("/", 1)[-1]
+
+
+def _spooled(spool: str | None) -> list[str]:
+    if spool is None:
+        return []
+    try:
+        return [name for name in os.listdir(spool) if _RECORD_RE.match(name)]
+    except OSError:
+        return []
+
+
+def _read_spooled(spool: str | None, attempt: str, rank: int) -> AttemptRecord | None:
+    """This node's spooled copy of a record, or None (none here, or it does not parse: the store's copy counts)."""
+    if spool is None:
+        return None
+    path = os.path.join(spool, _basename(record_name(attempt, rank)))
+    try:
+        with open(path, "rb") as f:
+            return parse_record(f.read(), path, attempt=attempt, rank=rank)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # damaged: the store's copy (if any) is read instead
+        log.warning("the spooled attempt record %s is unreadable (%s); the store's copy is read instead", path, exc)
+        return None
+
+
+def _further(a: AttemptRecord, b: AttemptRecord) -> bool:
+    """Whether record ``a`` went further than ``b`` (the same rank of the same attempt): more steps or progress, or an
+    end recorded."""
+    def reach(r: AttemptRecord) -> tuple[int, int, int]:
+        return (r.progress.step if r.progress is not None else -1, len(r.steps), int(r.ended is not None))
+
+    return reach(a) > reach(b)
+
+
+def ship_spooled(store: Store, spool: str, rank: int, *, keep: str | None = None) -> list[str]:
+    """Write to the store each record of ``rank`` in this node's ``spool`` that went further than the store's copy
+    (an attempt killed between two flushes), then delete the spooled records of all but the :data:`KEEP_SPOOLED`
+    newest attempts (``keep``: the running attempt's is never deleted). Returns the attempts shipped. Never raises:
+    what fails is logged and tried again by the next attempt."""
+    shipped = []
+    names = sorted(_spooled(spool), key=lambda n: _order(_RECORD_RE.match(n).group(1)))  # type: ignore[union-attr]
+    for name in names:
+        match = _RECORD_RE.match(name)
+        assert match is not None
+        attempt, of = match.group(1), int(match.group(2))
+        if of != rank or attempt == keep:
+            continue
+        try:
+            spooled = _read_spooled(spool, attempt, rank)
+            if spooled is None:
+                continue
+            try:
+                stored: AttemptRecord | None = read_record(store, attempt, rank)
+            except FileNotFoundError:
+                stored = None
+            except Exception:  # damaged there: the spooled copy replaces it
+                stored = None
+            if stored is None or _further(spooled, stored):
+                store.write(record_name(attempt, rank), spooled.to_bytes())
+                shipped.append(attempt)
+        except Exception as exc:
+            log.warning("could not ship the spooled attempt record %s to %s (%s); the next attempt tries again",
+                        os.path.join(spool, name), store.url(ATTEMPTS_DIR), exc)
+    if shipped:
+        log.info("shipped the records of attempt(s) %s from this node's spool to %s", ", ".join(shipped),
+                 store.url(ATTEMPTS_DIR))
+    attempts = sorted({m.group(1) for n in names if (m := _RECORD_RE.match(n))}, key=_order)
+    for name in names:
+        match = _RECORD_RE.match(name)
+        if match and match.group(1) != keep and match.group(1) in attempts[:max(0, len(attempts) - KEEP_SPOOLED)]:
+            with suppress(OSError):
+                os.unlink(os.path.join(spool, name))
+    return shipped
 
 
 def _order(attempt: str) -> tuple[int, str]:
@@ -131,6 +248,9 @@ class StepDigest:
     # (samples in the batch, an order-free digest of their indices that adds up over batches: audit.py's
     # digest_sample_set); None where the sampler does not say the indices. Compared across a change of world size.
     samples: tuple[int, str] | None = None
+    # A digest of a sample of the trainable parameters after the batch (after its optimizer step, if it ended one):
+    # catches what changes the update but not the loss (a gradient changed after the backward). None: not taken.
+    state: str | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -139,8 +259,10 @@ class StepDigest:
 
     def to_json(self) -> list[Any]:
         out: list[Any] = [self.epoch, self.batch, self.step, self.indices, self.data, self.loss]
-        if self.samples is not None:
-            out.append([self.samples[0], self.samples[1]])
+        if self.samples is not None or self.state is not None:
+            out.append(None if self.samples is None else [self.samples[0], self.samples[1]])
+        if self.state is not None:
+            out.append(self.state)
         return out
 
     @classmethod
@@ -158,8 +280,11 @@ class StepDigest:
         if samples is not None and not (isinstance(samples, list) and len(samples) == 2 and isinstance(samples[0], int)
                                         and not isinstance(samples[0], bool) and isinstance(samples[1], str)):
             raise ValueError(f"a step's samples are [count, digest], got {raw!r:.80}")
+        state = raw[7] if len(raw) > 7 else None  # (added to format 1 later, as samples was)
+        if state is not None and not isinstance(state, str):
+            raise ValueError(f"a step's state digest is a string or null, got {raw!r:.80}")
         return cls(epoch, batch, step, indices, data, None if loss is None else float(loss),
-                   None if samples is None else (samples[0], samples[1]))
+                   None if samples is None else (samples[0], samples[1]), state)
 
 
 @dataclass(frozen=True)
@@ -332,6 +457,9 @@ class AttemptRecord:
     timings: Timings | None = None
     end: str | None = None  # one of END_KINDS, beside the ``ended`` text; None: killed, running, or an older record
     stragglers: list[StragglerReport] = field(default_factory=list)
+    # The incarnation of the root the attempt trained in (its pointer's ``root_id``): a record copied from another
+    # root (or from before the root was deleted and written again) names another, and the audit ignores it.
+    root_id: str | None = None
 
     def header(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -348,6 +476,8 @@ class AttemptRecord:
                 out[name] = _json(value)
         if self.stragglers:
             out["stragglers"] = _json(self.stragglers)
+        if self.root_id is not None:
+            out["root_id"] = self.root_id
         return out
 
     def to_bytes(self) -> bytes:
@@ -360,7 +490,7 @@ class AttemptRecord:
 
 
 _HEADER_FIELDS = {"record", "format", "attempt", "rank", "world_size", "started", "resumed_step", "resumed_from",
-                  "facts", "audit", "ended", "progress", "timings", "end", "stragglers"}
+                  "facts", "audit", "ended", "progress", "timings", "end", "stragglers", "root_id"}
 
 
 def end_kind(record: AttemptRecord) -> str | None:
@@ -391,9 +521,15 @@ def _line(value: Any) -> str:
     return json.dumps(value, separators=(",", ":")) + "\n"
 
 
-def parse_record(data: bytes, where: str) -> AttemptRecord:
+def parse_record(data: bytes, where: str, *, attempt: str | None = None, rank: int | None = None) -> AttemptRecord:
     """Read a stored record. A last line cut short (a write the process did not finish) is ignored; anything else
-    that does not parse, or a newer format, raises (the caller reports the record and skips it)."""
+    that does not parse, or a newer format, raises (the caller reports the record and skips it).
+
+    Nothing a record says is taken unchecked: a damaged record, or one someone else wrote, must not move the goodput
+    ledger's figures nor print as something it is not. Its header fields must be what a writer writes
+    (:func:`_check_header`), and ``attempt`` and ``rank``, where the caller knows them (the record's name), what its
+    header says; a later line may update only the fields that are updated by design, never one that says what the
+    record is (:data:`_IDENTITY`); a step's numbers are counts."""
     text = data.decode("utf-8", errors="replace")
     lines = text.split("\n")
     complete = text.endswith("\n")
@@ -410,12 +546,13 @@ def parse_record(data: bytes, where: str) -> AttemptRecord:
                 _check_format(value.get("format"), where)
                 header = dict(value)
             elif isinstance(value, dict):
+                _check_update(header, value, where, number)
                 header.update(value)
             else:
-                steps.append(StepDigest.from_json(value))
+                steps.append(_checked_step(StepDigest.from_json(value)))
         except UnsupportedFormatError:
             raise
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (RecursionError: JSON nested deeper than any writer nests it)
             if number == len(lines) and not complete:
                 break  # the last write was cut short
             raise CheckpointCorruptedError(f"attempt record {where} is damaged at line {number}: {exc}") from None
@@ -429,6 +566,7 @@ def parse_record(data: bytes, where: str) -> AttemptRecord:
             raise ValueError(f"stragglers is a list, got {stragglers!r:.80}")
         if end is not None and not isinstance(end, str):  # (a later version's kind of end is kept as it is)
             raise ValueError(f"end is a string, got {end!r:.80}")
+        _check_header(header, steps, attempt=attempt, rank=rank)
         return AttemptRecord(
             attempt=str(header["attempt"]), rank=int(header["rank"]), world_size=int(header["world_size"]),
             started=float(header.get("started", math.nan)), resumed_step=_optional_int(header.get("resumed_step")),
@@ -437,9 +575,93 @@ def parse_record(data: bytes, where: str) -> AttemptRecord:
             extra={k: v for k, v in header.items() if k not in _HEADER_FIELDS},
             progress=None if progress is None else Progress.from_json(progress),
             timings=None if timings is None else Timings.from_json(timings), end=end,
-            stragglers=[StragglerReport.from_json(r) for r in stragglers])
+            stragglers=[StragglerReport.from_json(r) for r in stragglers],
+            root_id=_optional_text(header.get("root_id"), "root_id"))
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptedError(f"attempt record {where} has a damaged header ({exc!r})") from None
+        detail = str(exc) if type(exc) is ValueError else repr(exc)  # (the checks' messages name the field)
+        raise CheckpointCorruptedError(f"attempt record {where} has a damaged header ({detail})") from None
+
+
+_IDENTITY = ("record", "format", "attempt", "rank", "world_size", "started", "resumed_step", "resumed_from", "facts")
+"""The header fields that say what a record is, written once in its header: a later line that changes one makes the
+record damaged. Later lines update the others (``audit``, ``ended``, ``progress``, ``timings``, ``end``,
+``stragglers``, a later version's fields) and set ``root_id`` once (:data:`_SET_ONCE`)."""
+_SET_ONCE = ("root_id",)  # learned after the header was written: a later line sets it where it was unset, never changes it
+
+
+def _check_update(header: Mapping[str, Any], update: Mapping[str, Any], where: str, number: int) -> None:
+    """A later line of a record (``update``, at line ``number``) changes none of its :data:`_IDENTITY` fields."""
+    for name in (*_IDENTITY, *_SET_ONCE):
+        if name not in update or update[name] == header.get(name):
+            continue
+        if name in _SET_ONCE and header.get(name) is None:
+            continue
+        raise CheckpointCorruptedError(
+            f"attempt record {where} is damaged at line {number}: it changes {name} ({header.get(name)!r:.80} in the"
+            f" header, {update[name]!r:.80} there), which no writer changes after the header")
+
+
+def _count(raw: Any, what: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise ValueError(f"{what} is an int >= 0, got {raw!r:.80}")
+    return raw
+
+
+def _checked_step(step: StepDigest) -> StepDigest:
+    """``step``, whose epoch, batch_idx, global step and sample count are counts (ValueError naming the one that is
+    not)."""
+    counts = {"epoch": step.epoch, "batch_idx": step.batch, "global step": step.step,
+              "sample count": None if step.samples is None else step.samples[0]}
+    for what, n in counts.items():
+        if n is not None and n < 0:
+            raise ValueError(f"a step's {what} is an int >= 0, got {n} in {step.to_json()!r:.80}")
+    return step
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a plain JSON value: null, true or false, a finite number or a string."""
+    return value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _check_header(header: Mapping[str, Any], steps: list[StepDigest], *, attempt: str | None,
+                  rank: int | None) -> None:
+    """The header's fields as a writer writes them (ValueError naming the field): an attempt id (the record's own,
+    where ``attempt`` says it), ``rank`` (``rank``'s, where given) below ``world_size``, a finite ``started``, a
+    ``resumed_step`` that is a count no later than what the record itself reached (its first step, its progress,
+    the first step its timings timed: an attempt trains from the step it resumed), texts where texts go, and facts
+    of plain values."""
+    name = header.get("attempt")
+    if not isinstance(name, str) or not _ATTEMPT_RE.fullmatch(name):
+        raise ValueError(f"attempt is an attempt id (a<sequence>-<6 hex digits>), got {name!r:.80}")
+    if attempt is not None and name != attempt:
+        raise ValueError(f"attempt is {name!r}, but the record is {attempt}'s (copied or renamed)")
+    own, world = _count(header.get("rank"), "rank"), _count(header.get("world_size"), "world_size")
+    if own >= world:
+        raise ValueError(f"rank {own} is not below world_size {world}")
+    if rank is not None and own != rank:
+        raise ValueError(f"rank is {own}, but the record is rank {rank}'s (copied or renamed)")
+    started = header.get("started")
+    if isinstance(started, bool) or not isinstance(started, (int, float)) or not math.isfinite(started):
+        raise ValueError(f"started is a finite number (a clock time), got {started!r:.80}")
+    _optional_text(header.get("resumed_from"), "resumed_from")
+    _optional_text(header.get("ended"), "ended")
+    facts = header.get("facts")
+    if facts is not None and not (isinstance(facts, dict) and all(_plain(v) for v in facts.values())):
+        raise ValueError(f"facts is an object of plain values (null, true/false, finite numbers, strings), got"
+                         f" {facts!r:.80}")
+    resumed = header.get("resumed_step")
+    if resumed is None:
+        return
+    resumed = _count(resumed, "resumed_step")
+    progress, timings = header.get("progress"), header.get("timings")
+    reached = (("its first recorded step", steps[0].step if steps else None),
+               ("its progress", None if progress is None else Progress.from_json(progress).step),
+               ("the first step timed in its timings",
+                None if timings is None else Timings.from_json(timings).first_step))
+    for what, step in reached:
+        if step is not None and resumed > step:
+            raise ValueError(f"resumed_step {resumed} is past {what}, global step {step}: an attempt trains from the"
+                             " step it resumed")
 
 
 def _optional_int(value: Any) -> int | None:
@@ -455,10 +677,22 @@ def _check_format(found: Any, where: str) -> None:
     raise CheckpointCorruptedError(f"attempt record {where} has format {found!r}, which no version wrote")
 
 
-def read_record(store: Store, attempt: str, rank: int) -> AttemptRecord:
-    """Rank ``rank``'s record of ``attempt``; ``FileNotFoundError`` when there is none."""
+def read_record(store: Store, attempt: str, rank: int, spool: str | None = None) -> AttemptRecord:
+    """Rank ``rank``'s record of ``attempt``: this node's spooled copy when it went further than the store's (see
+    :func:`spool_folder`), else the store's; ``FileNotFoundError`` when there is none."""
+    spooled = _read_spooled(spool, attempt, rank)
     rel = record_name(attempt, rank)
-    return parse_record(store.read(rel), store.url(rel))
+    try:
+        stored = parse_record(store.read(rel), store.url(rel), attempt=attempt, rank=rank)
+    except FileNotFoundError:
+        if spooled is None:
+            raise
+        return spooled
+    except Exception:
+        if spooled is None:
+            raise
+        return spooled
+    return spooled if spooled is not None and _further(spooled, stored) else stored
 
 
 _OPEN: weakref.WeakSet[AttemptLog] = weakref.WeakSet()  # the logs of this process between start() and close()
@@ -482,13 +716,18 @@ class AttemptLog:
     """
 
     def __init__(self, store: Store, record: AttemptRecord, *, flush_seconds: float,
-                 flush_steps: int | None) -> None:
+                 flush_steps: int | None, spool: str | None = None) -> None:
         self.store = store
         self.record = record
         self.rel = record_name(record.attempt, record.rank)
         self.flush_seconds = flush_seconds
         self.flush_steps = flush_steps
         self.local = isinstance(store, LocalStore)
+        # The file every step is appended to as it ends: the record itself on local disk, else the spool's copy (a
+        # node-local folder, see spool_folder) that the background thread ships to the store.
+        self.spool = None if self.local else spool
+        self.path: str | None = (store.path(self.rel) if self.local else
+                                 None if spool is None else os.path.join(spool, _basename(self.rel)))
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
         self._unflushed = 0  # steps not yet on the store
@@ -504,8 +743,9 @@ class AttemptLog:
     # -- training thread -------------------------------------------------------------------------------------------
     def start(self) -> None:
         _OPEN.add(self)
-        if self.local:
+        if self.path is not None:
             self._rewrite_local()
+        if self.local:
             return
         self._dirty = True  # the header: written with the first steps (or at close)
         self._thread = threading.Thread(target=self._run, name="lightning_resilient-audit", daemon=True)
@@ -516,9 +756,9 @@ class AttemptLog:
             self.record.steps.append(step)
             self._unflushed += 1
             due = self.flush_steps is not None and self._unflushed >= self.flush_steps
-        if self.local:
+        if self.path is not None:
             self._append(step.to_json())
-        elif due:
+        if not self.local and due:
             self._wake.set()
 
     def update(self, **fields: Any) -> None:
@@ -527,9 +767,9 @@ class AttemptLog:
         with self._lock:
             self.record = replace(self.record, **fields)
             self._dirty = True
-        if self.local:
+        if self.path is not None:
             self._append_update({k: _json(v) for k, v in fields.items()})
-        else:
+        if not self.local:
             self._wake.set()
 
     def progress(self, progress: Progress) -> None:
@@ -540,9 +780,9 @@ class AttemptLog:
             self._dirty = True
             self._progressed += 1
             due = self.flush_steps is not None and self._progressed >= self.flush_steps
-        if self.local:
+        if self.path is not None:
             self._append_update({"progress": progress.to_json()})
-        elif due:
+        if not self.local and due:
             self._wake.set()
 
     def _append_update(self, changes: dict[str, Any]) -> None:
@@ -559,7 +799,7 @@ class AttemptLog:
             if len(kept) == len(self.record.steps):
                 return
             self.record.steps[:] = kept
-        if self.local:
+        if self.path is not None:
             self._rewrite_local()
 
     def close(self) -> None:
@@ -589,19 +829,21 @@ class AttemptLog:
 
     # -- local disk ------------------------------------------------------------------------------------------------
     def _append(self, value: Any) -> None:
+        assert self.path is not None
         try:
             if self._file is None:
-                self._file = open(self.store.path(self.rel), "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
             self._file.write(_line(value))
             self._file.flush()  # in the kernel: a SIGKILL of this process loses nothing written
-            self.writes += 1
+            self.writes += self.local  # (the spool's lines are not writes to the store)
             self._ok()
         except OSError as exc:
             self._failed(exc)
 
     def _rewrite_local(self) -> None:
         """The whole record, replacing the file atomically (a kill leaves the old one or the new one)."""
-        path = self.store.path(self.rel)
+        path = self.path
+        assert path is not None
         try:
             if self._file is not None:
                 self._file.close()
@@ -619,13 +861,15 @@ class AttemptLog:
                     os.unlink(tmp)
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
             self._appended_updates = 0
-            self.writes += 1
+            self.writes += self.local
             self._ok()
         except OSError as exc:
             self._failed(exc)
 
     # -- object stores: the background thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        if self.spool is not None:
+            ship_spooled(self.store, self.spool, self.record.rank, keep=self.record.attempt)
         while not self._stopping.is_set():
             self._wake.wait(self.flush_seconds if math.isfinite(self.flush_seconds) else None)
             self._wake.clear()

@@ -47,8 +47,9 @@ from lightning_resilient.state.attempts import (
     read_record,
 )
 
-__all__ = ["RankOutcome", "Replay", "ResumeAudit", "SLICE", "SampleReplay", "add_sample_sets", "audit_line",
-           "changed_facts", "digest_batch", "digest_indices", "digest_sample_set", "nothing_line", "sample_line"]
+__all__ = ["RankOutcome", "Replay", "ResumeAudit", "SLICE", "STATE_ELEMENTS", "STATE_TENSORS", "SampleReplay",
+           "add_sample_sets", "audit_line", "changed_facts", "digest_batch", "digest_indices", "digest_sample_set",
+           "digest_state", "nothing_line", "sample_line", "sample_state", "StateSampler"]
 
 _log = logging.getLogger(__name__)
 
@@ -88,6 +89,99 @@ def digest_sample_set(indices: Sequence[Any]) -> str:
 def add_sample_sets(a: str, b: str) -> str:
     """The :func:`digest_sample_set` of two batches together."""
     return f"{(int(a, 16) + int(b, 16)) % (1 << 64):016x}"
+
+
+STATE_TENSORS = 8  # parameter tensors sampled after each step (the first, the last and evenly between)
+STATE_ELEMENTS = 64  # elements of each, strided over the tensor
+
+
+def sample_state(module: torch.nn.Module) -> str | list[torch.Tensor] | None:
+    """A small sample of ``module``'s trainable parameters as they are now (see :class:`StateSampler`, which keeps
+    the choice of tensors between steps: this is one step's worth, for a one-off)."""
+    return StateSampler(module)()
+
+
+class StateSampler:
+    """A small sample of a module's trainable parameters after each step: up to :data:`STATE_TENSORS` tensors (the
+    first, the last, evenly between), of each up to :data:`STATE_ELEMENTS` elements strided over it. What changes any
+    update of those tensors (a different gradient, learning rate or optimizer state) changes its digest.
+
+    The tensors are chosen once (walking a module's parameters costs more than the sample). Parameters on the CPU are
+    read through NumPy views of their storage, made once: the optimizer updates them in place, so each call digests
+    the current values (:func:`digest_state`'s digest, a few microseconds); a parameter whose storage moved (replaced,
+    not updated) makes the choice anew. On an accelerator the sampled elements are copied there and read by
+    :meth:`ResumeAudit._settle` steps later (reading them now would wait for the device). A sharded parameter (a
+    DTensor) is sampled from this rank's shard."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._chosen: list[torch.Tensor] = []
+        self._places: list[int] = []
+        self._views: list[tuple[bytes, np.ndarray]] | None = None  # CPU: (dtype and shape, strided view) per tensor
+
+    def _choose(self) -> None:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if len(params) > STATE_TENSORS:
+            step = (len(params) - 1) / (STATE_TENSORS - 1)
+            params = [params[round(i * step)] for i in range(STATE_TENSORS)]
+        chosen = []
+        for p in params:
+            t = p.detach()
+            to_local = getattr(t, "to_local", None)
+            if callable(to_local):  # a DTensor: this rank's shard (reading the whole would be a collective)
+                t = to_local()
+            if t.numel():
+                chosen.append(t)
+        self._chosen = chosen
+        self._places = [t.data_ptr() for t in chosen]
+        self._views = None
+        if chosen and all(t.device.type == "cpu" and t.is_contiguous() for t in chosen):
+            try:
+                strided = [(t.dtype, _strided(_bits(t).reshape(-1))) for t in chosen]
+                # (the head digest_state gives the same elements copied to the host: their dtype, the sample's shape)
+                self._views = [(f"{dtype}{tuple(view.shape)}".encode(), view) for dtype, view in strided]
+            except (TypeError, KeyError, RuntimeError):  # a dtype without NumPy bits: the tensor path below
+                self._views = None
+
+    def __call__(self) -> str | list[torch.Tensor] | None:
+        if not self._chosen or [t.data_ptr() for t in self._chosen] != self._places:
+            self._choose()
+        if not self._chosen:
+            return None
+        if self._views is not None:
+            h = hashlib.blake2b(digest_size=_DIGEST)
+            for head, view in self._views:
+                h.update(head)
+                h.update(view.tobytes())
+            return h.hexdigest()
+        with torch.no_grad():
+            return [_strided(t.reshape(-1)).clone() for t in self._chosen]
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor's storage: its values, or for a dtype NumPy does not have (bfloat16, float8) its
+    bits as ints of the same size."""
+    try:
+        return t.numpy()
+    except TypeError:
+        return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
+
+
+def _strided(flat: Any) -> Any:
+    """At most :data:`STATE_ELEMENTS` elements strided over a flat tensor or array (a view)."""
+    stride = max(1, len(flat) // STATE_ELEMENTS)
+    return flat[::stride][:STATE_ELEMENTS]
+
+
+def digest_state(sample: list[torch.Tensor]) -> str:
+    """The digest of a sample of parameters (:func:`sample_state`): of each tensor its dtype, shape and the bits of at
+    most :data:`STATE_ELEMENTS` elements strided over it (read to the host)."""
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    for t in sample:
+        t = t.detach().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(_strided(np.ascontiguousarray(_bits(t)).reshape(-1)).tobytes())
+    return h.hexdigest()
 
 
 def digest_batch(batch: Any) -> str:
@@ -154,7 +248,8 @@ class RankOutcome:
     last_step: int | None  # global step of the last compared step
     difference: tuple[int, int, int, str] | None  # (global step, epoch, batch_idx, what) of the first difference
     identical_before: int  # compared steps before that difference (all of them when there is none)
-    fields: tuple[bool, bool, bool]  # whether sample indices, input bytes, loss were compared (on every step)
+    # whether sample indices, input bytes, loss and the parameters after the step were compared (on every step)
+    fields: tuple[bool, bool, bool, bool]
 
 
 class Replay:
@@ -172,7 +267,7 @@ class Replay:
         self.last_step: int | None = None
         self.difference: tuple[int, int, int, str] | None = None
         self._identical_before = 0
-        self._fields = [True, True, True]
+        self._fields = [True, True, True, True]
 
     def check(self, step: StepDigest) -> None:
         if self._first_key is None:
@@ -183,7 +278,8 @@ class Replay:
         self.compared += 1
         self.first_step = step.step if self.first_step is None else self.first_step
         self.last_step = step.step
-        pairs = ((then.indices, step.indices), (then.data, step.data), (then.loss, step.loss))
+        pairs = ((then.indices, step.indices), (then.data, step.data), (then.loss, step.loss),
+                 (then.state, step.state))
         for i, (a, b) in enumerate(pairs):
             self._fields[i] = self._fields[i] and a is not None and b is not None
         if self.difference is not None:
@@ -195,6 +291,9 @@ class Replay:
             what = "data (input bytes)"
         elif then.loss is not None and step.loss is not None and not _same_float(then.loss, step.loss):
             what = f"loss ({then.loss!r} then, {step.loss!r} now)"
+        elif then.state is not None and step.state is not None and then.state != step.state:
+            # Same data and loss, another update: what changed came after the loss (the gradients, the optimizer).
+            what = "parameters after the step (same data and loss: the gradients or the optimizer's update)"
         if what is not None:
             self.difference = (step.step, step.epoch, step.batch, what)
             self._identical_before = self.compared - 1
@@ -204,7 +303,8 @@ class Replay:
         expected = sum(1 for k in self.expected if first is None or k >= first)
         before = self.compared if self.difference is None else self._identical_before
         return RankOutcome(self.rank, self.had_record, expected, self.compared, self.first_step, self.last_step,
-                           self.difference, before, (self._fields[0], self._fields[1], self._fields[2]))
+                           self.difference, before,
+                           (self._fields[0], self._fields[1], self._fields[2], self._fields[3]))
 
 
 def _same_float(a: float, b: float) -> bool:
@@ -293,12 +393,24 @@ def sample_line(then: list[tuple[int, str]], now: Sequence[Sequence[tuple[int, s
                             f" {world_now} now: their batches do not line up){hint}")
     first, last = steps
     span = (f"global step {first}" if first == last else f"global steps {first} to {last}") if first is not None else ""
-    short = (f" (this run stopped before training the interrupted attempt's last {seen and max(seen) - compared})"
-             if seen and max(seen) > compared else "")
-    line = (f"resume audit: the {compared} samples this run trained after the checkpoint of step {resumed_step}"
-            f" ({span} on {world_now} rank(s)) are the same samples, stretch by stretch of the epoch's order, as those"
-            f" the interrupted attempt {interrupted} trained after it on {world_then} rank(s){short}: sample ids"
-            " compared across the change of world size (input bytes and losses are not comparable across it).")
+    # Say only what was compared. Sample sets add up, so they compare only at a count where a stretch ends in both
+    # attempts: where this run's stretches are wider or cut elsewhere (2 ranks now where 1 was), the interrupted
+    # attempt's last samples may fall between two such counts although this run trained past them. This run's own
+    # count is what its ranks trained while the comparison ran (it stops once its share covers theirs, or at the
+    # end of its fit or of the epoch), over the steps ``steps`` spans.
+    trained, then_total = total, max(seen)
+    ours = f"the {compared}" if trained == compared else f"the first {compared} of the {trained}"
+    theirs = "those" if then_total == compared else f"the first {compared} of the {then_total}"
+    rest = ""
+    if then_total > compared:
+        why = (f"this run's batches and its never end at the same count of samples past the first {compared}, and"
+               " sample sets are compared only where both end" if trained >= then_total else
+               f"this run's comparison ended after {trained} samples of the epoch, fewer than its {then_total}")
+        rest = f" (its other {then_total - compared} samples were not compared: {why})"
+    line = (f"resume audit: {ours} samples this run trained after the checkpoint of step {resumed_step}"
+            f" ({span} on {world_now} rank(s)) are the same samples, stretch by stretch of the epoch's order, as"
+            f" {theirs} the interrupted attempt {interrupted} trained after it on {world_then} rank(s){rest}: sample"
+            " ids compared across the change of world size (input bytes and losses are not comparable across it).")
     return AuditResult("identical", line, compared)
 
 
@@ -333,8 +445,8 @@ def audit_line(outcomes: list[RankOutcome], *, interrupted: str, changed: list[s
     if compared == 0:
         return nothing_line(f"the interrupted attempt {interrupted} recorded no training step at or after this"
                             f" run's first (it stopped at the checkpoint of step {resumed_step})")
-    fields = [name for name, on in zip(("sample indices", "input bytes", "loss"),
-                                       (all(o.fields[i] for o in outcomes if o.compared) for i in range(3)),
+    fields = [name for name, on in zip(("sample indices", "input bytes", "loss", "parameters after each step"),
+                                       (all(o.fields[i] for o in outcomes if o.compared) for i in range(4)),
                                        strict=True) if on]
     what = ", ".join(fields[:-1]) + (" and " if len(fields) > 1 else "") + fields[-1] if fields else "steps"
     first_steps = [o.first_step for o in outcomes if o.first_step is not None]
@@ -363,6 +475,7 @@ class _Decided:
     reason: str | None  # why there is nothing to compare (with interrupted None)
     world_then: int | None
     facts_then: dict[str, Any]
+    root_id: str | None = None  # the root's incarnation as rank 0 knows it (None: not known yet, a fresh root)
 
 
 class ResumeAudit:
@@ -388,24 +501,34 @@ class ResumeAudit:
         self.decided: _Decided | None = None
         self.resumed_step = 0
         self.reported = False
-        self._pending: list[tuple[StepDigest, torch.Tensor | None]] = []  # steps whose loss is still on the device
+        # Steps whose loss (or parameter sample) may still be on the device: read _LAG steps later.
+        self._pending: list[tuple[StepDigest, torch.Tensor | None, list[torch.Tensor] | None]] = []
         self._saves: list[tuple[int, int] | None] = []  # the last recorded key at each save
         self._last_key: tuple[int, int] | None = None
+        self.spool: str | None = None  # this node's spool of the records (object stores), see start()
+        self.root_id: str | None = None
 
     # -- start -----------------------------------------------------------------------------------------------------
     def start(self, store: Store | None, *, facts: dict[str, Any], resumed_step: int | None,
-              resumed_from: str | None) -> AuditResult | None:
+              resumed_from: str | None, spool: str | None = None, root_id: str | None = None) -> AuditResult | None:
         """Open this attempt's record; on a resume, find the interrupted attempt's record and read this rank's part.
+        ``spool``: this node's folder of the records on an object store (``attempts.spool_folder``), where each step
+        is appended as it ends; ``root_id``: the root's incarnation, recorded, and a record of another one ignored.
         Returns, on rank 0, the line to log when there is nothing to compare (None otherwise, or elsewhere)."""
+        self.spool, self.root_id = spool, root_id
         decided = self._decide(store, resumed_step if self.compare else None) if self.rank == 0 else None
+        if decided is not None:
+            decided = dataclasses.replace(decided, root_id=root_id)
         decided = self.gather(decided)[0]
         if not isinstance(decided, _Decided):  # no rank 0 among the ranks gathered: nothing is known
             decided = _Decided(None, None, "rank 0 of this run decided nothing", None, {})
         self.decided = decided
+        self.root_id = decided.root_id
         if store is not None and decided.attempt is not None:
             record = AttemptRecord(decided.attempt, self.rank, self.world, time.time(), resumed_step,
-                                   resumed_from, facts)
-            self.log = AttemptLog(store, record, flush_seconds=self.flush_seconds, flush_steps=self.flush_steps)
+                                   resumed_from, facts, root_id=root_id)
+            self.log = AttemptLog(store, record, flush_seconds=self.flush_seconds, flush_steps=self.flush_steps,
+                                  spool=spool)
             self.log.start()
         if resumed_step is None or not self.compare:
             self.reported = True  # a fresh start (or no audit): nothing to compare
@@ -453,7 +576,7 @@ class ResumeAudit:
         records = []
         for rank in range(world_then):
             try:
-                records.append(read_record(store, interrupted, rank))
+                records.append(read_record(store, interrupted, rank, self.spool))
             except Exception as exc:  # missing, damaged, newer: nothing to compare across ranks
                 return (f"rank {rank}'s record of the interrupted attempt {interrupted} could not be read ({exc}), and"
                         f" after a change of world size ({world_then} rank(s) then, {self.world} now) the samples"
@@ -476,8 +599,8 @@ class ResumeAudit:
         if store is None:
             return _Decided(None, None, "the checkpoint root could not be opened (see the warning above)", None, {})
         try:
-            attempts = list_attempts(store)
-            attempt = new_attempt_id(store)
+            attempts = list_attempts(store, self.spool)
+            attempt = new_attempt_id(store, self.spool)
         except Exception as exc:  # the audit never stops training
             _warn_store(store, exc)
             return _Decided(None, None, f"the attempts under {store.url()} could not be listed ({exc})", None, {})
@@ -488,15 +611,29 @@ class ResumeAudit:
         if resumed_step is None:
             return _Decided(attempt, None, None, None, {})
         skipped: list[str] = []
+        foreign: list[str] = []
+        past: list[AttemptRecord] = []  # the newest first, each with a step at or after the checkpoint
         for earlier in reversed(attempts[-_SEARCH:]):
             try:
-                record = read_record(store, earlier, 0)
+                record = read_record(store, earlier, 0, self.spool)
             except Exception as exc:  # damaged, newer, unreadable: reported and skipped
                 _log.warning("the resume audit skipped the record of attempt %s: %s", earlier, exc)
                 skipped.append(earlier)
                 continue
+            if self.root_id and record.root_id and record.root_id != self.root_id:
+                foreign.append(earlier)  # copied from another root, or from before this one was recreated
+                continue
             if any(s.step >= resumed_step for s in record.steps):
-                return _Decided(attempt, earlier, None, record.world_size, record.facts)
+                past.append(record)
+        if foreign:
+            _log.warning("the resume audit ignored the record(s) of attempt(s) %s: they belong to another root (or to"
+                         " an earlier incarnation of %s, deleted and written again), not to the run resumed here",
+                         ", ".join(foreign), store.url())
+        # The attempt this one continues trained from the checkpoint on: its record holds the step that started at
+        # it (a newer one that resumed a later checkpoint, after a rollback to this one, does not); else the newest.
+        chosen = next((r for r in past if any(s.step == resumed_step for s in r.steps)), past[0] if past else None)
+        if chosen is not None:
+            return _Decided(attempt, chosen.attempt, None, chosen.world_size, chosen.facts)
         if attempts:
             newest = attempts[-1]
             reason = (f"no earlier attempt recorded a training step after step {resumed_step}, the checkpoint this run"
@@ -506,13 +643,15 @@ class ResumeAudit:
         else:
             reason = (f"no earlier attempt left a record under {store.url()} (the checkpoint was written by a run"
                       " without the audit, or its records were deleted); the next resume will be audited")
+        if foreign:
+            reason += f" (the records of {', '.join(foreign)} belong to another root and were ignored)"
         return _Decided(attempt, None, reason, None, {})
 
     def _read_previous(self, store: Store | None, decided: _Decided) -> AttemptRecord | None:
         if store is None or decided.interrupted is None:
             return None
         try:
-            return read_record(store, decided.interrupted, self.rank)
+            return read_record(store, decided.interrupted, self.rank, self.spool)
         except FileNotFoundError:
             return None  # this rank did not exist then (the world size changed), or its record was never written
         except Exception as exc:  # damaged, newer, unreadable: reported and skipped
@@ -525,12 +664,18 @@ class ResumeAudit:
                                            f", or before its record was next written: every {self.flush_seconds:g} s")
 
     # -- each step -------------------------------------------------------------------------------------------------
-    def step(self, digest: StepDigest, loss: torch.Tensor | None) -> bool:
-        """Record a step (and compare it, on a resume). True when the replay just ended: call :meth:`report`."""
+    def step(self, digest: StepDigest, loss: torch.Tensor | None,
+             state: str | list[torch.Tensor] | None = None) -> bool:
+        """Record a step (and compare it, on a resume); ``state``: a sample of the parameters after it
+        (:func:`sample_state`: its digest, or tensors on the device to digest later). True when the replay just
+        ended: call :meth:`report`."""
         if loss is not None and loss.device.type == "cpu":
             digest = dataclasses.replace(digest, loss=float(loss))
             loss = None
-        self._pending.append((digest, loss))
+        if isinstance(state, str):
+            digest = dataclasses.replace(digest, state=state)
+            state = None
+        self._pending.append((digest, loss, state))
         done = not self.reported and self.end is not None and digest.key >= self.end
         if self.samples is not None and not self.reported:
             done = self.samples.check(digest)
@@ -541,10 +686,13 @@ class ResumeAudit:
     def _settle(self, keep: int) -> None:
         """Record and compare the pending steps whose loss is read, and all but the last ``keep`` of the others
         (reading their losses: by then the device has long computed them)."""
-        while self._pending and (len(self._pending) > keep or self._pending[0][1] is None):
-            digest, loss = self._pending.pop(0)
+        while self._pending and (len(self._pending) > keep or (self._pending[0][1] is None
+                                                                and self._pending[0][2] is None)):
+            digest, loss, state = self._pending.pop(0)
             if loss is not None:
                 digest = dataclasses.replace(digest, loss=float(loss))
+            if state is not None:
+                digest = dataclasses.replace(digest, state=digest_state(state))
             if self.log is not None:
                 self.log.add(digest)
             if self.replay is not None and not self.reported:
@@ -581,6 +729,14 @@ class ResumeAudit:
                              resumed_step=self.resumed_step, changed=changed_facts(decided.facts_then, facts_now))
         self._keep(result)
         return result
+
+    def learned_root_id(self, root_id: str) -> None:
+        """The root's incarnation, known once this job claimed a root that had none (a fresh one): recorded, so that
+        a copy of this record in another root is never taken for that root's."""
+        if self.root_id is None and root_id:
+            self.root_id = root_id
+            if self.log is not None:
+                self.log.update(root_id=root_id)
 
     def _keep(self, result: AuditResult) -> None:
         if self.log is not None:

@@ -59,7 +59,13 @@ from lightning_resilient.state._loader import (
 )
 from lightning_resilient.state._record import FORMAT, OrderReplay, RankRecord, ResumePlan, check_format
 from lightning_resilient.state.attempts import StepDigest
-from lightning_resilient.state.audit import ResumeAudit, digest_batch, digest_indices, digest_sample_set
+from lightning_resilient.state.audit import (
+    ResumeAudit,
+    StateSampler,
+    digest_batch,
+    digest_indices,
+    digest_sample_set,
+)
 from lightning_resilient.state.elastic import (
     OrderSpec,
     Rest,
@@ -296,6 +302,8 @@ class ResumeStateCallback(Callback):
         self._tracked: list[Any] = []  # every loader this fit tracked (Lightning may reload it), untracked at the end
         # The resume audit of this attempt, the global step at the current batch's start, and how the fit ended.
         self._audit: ResumeAudit | None = None
+        self._saved_since_start = False  # a save happened in this fit (the root is claimed: its incarnation known)
+        self._sampler: StateSampler | None = None  # a sample of the parameters after each step, for the audit
         self._digests = False  # the audit will run (there is a root to record in): digest each fetched batch
         self._step_at_start = 0
         self._failure: str | None = None
@@ -565,12 +573,15 @@ class ResumeStateCallback(Callback):
             return
         rank, world = _rank_and_world()
         store = _open_store(trainer, url)
+        self._saved_since_start = False
         audit = ResumeAudit(rank=rank, world=world, gather=_gather, flush_seconds=self.audit_flush_seconds,
                             flush_steps=self.audit_flush_steps, compare=self.audit)
         resumed = trainer.ckpt_path is not None
         result = audit.start(store, facts=self._facts(trainer, world),
                              resumed_step=trainer.global_step if resumed else None,
-                             resumed_from=str(trainer.ckpt_path) if resumed else None)
+                             resumed_from=str(trainer.ckpt_path) if resumed else None,
+                             spool=_spool(trainer, store),
+                             root_id=_root_id(trainer, url, read=True) if rank == 0 else None)
         self._audit = audit
         if self._timer is not None:
             last = _last_load(trainer)
@@ -1166,11 +1177,18 @@ class ResumeStateCallback(Callback):
         audit = self._audit
         if audit is None or not self.audit:
             return
+        if audit.root_id is None and trainer.global_rank == 0 and self._saved_since_start:
+            root_id = _root_id(trainer, _checkpoint_root(trainer), read=False)  # (in memory once this job claimed)
+            if root_id:
+                audit.learned_root_id(root_id)
         step = StepDigest(trainer.current_epoch, batch_idx, self._step_at_start,
                           None if indices is None else digest_indices(indices),
                           data if data is not None else digest_batch(batch), None,
                           None if indices is None else (len(indices), digest_sample_set(indices)))
-        if audit.step(step, _loss_of(outputs)):
+        # The parameters after the step: a change after the loss (to the gradients, the update) shows there.
+        if self._sampler is None or self._sampler.module is not pl_module:
+            self._sampler = StateSampler(pl_module)
+        if audit.step(step, _loss_of(outputs), self._sampler()):
             self._report(audit)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -1225,6 +1243,7 @@ class ResumeStateCallback(Callback):
             self._watch_validation = self._trainer.global_step if self._trainer is not None else 0
         if self._audit is not None:
             self._audit.saved()
+            self._saved_since_start = True
         ranks = _gather(mine.to_dict())
         seeding = self._seeding
         accumulate = self._trainer.accumulate_grad_batches if self._trainer is not None else None
@@ -1382,23 +1401,65 @@ def _checkpoint_root(trainer: Trainer) -> str | None:
     path = trainer.ckpt_path
     if path is None:
         return None
-    from lightning_resilient.io import _paths
+    from lightning_resilient.io import paths as _paths
 
     return _paths.dirname(str(path)) or None
+
+
+def _plugin_of(trainer: Trainer) -> Any:
+    """The Trainer's AtomicCheckpointIO (under any wrapper), or None."""
+    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
+
+    plugin = trainer.strategy.checkpoint_io
+    while not isinstance(plugin, AtomicCheckpointIO) and hasattr(plugin, "checkpoint_io"):  # AsyncCheckpointIO
+        plugin = plugin.checkpoint_io
+    return plugin if isinstance(plugin, AtomicCheckpointIO) else None
+
+
+def _spool(trainer: Trainer, store: Store | None) -> str | None:
+    """This node's spool of the attempt records of ``store`` (an object store; None on local disk), under the plugin's
+    local tier when it has one (see ``attempts.spool_folder``). None when it cannot be made (warned: the records
+    then reach the store at its flushes only)."""
+    from lightning_resilient.io.store import LocalStore
+    from lightning_resilient.state.attempts import spool_folder
+
+    if store is None or isinstance(store, LocalStore):
+        return None
+    plugin = _plugin_of(trainer)
+    try:
+        return spool_folder(store.url(), getattr(plugin, "local_tier", None))
+    except OSError as exc:
+        log.warning("the resume audit cannot keep its records on this node (%s): a kill loses the steps since the"
+                    " record's last flush to %s", exc, store.url())
+        return None
+
+
+def _root_id(trainer: Trainer, url: str | None, *, read: bool) -> str | None:
+    """The incarnation of the checkpoint root ``url`` (its pointer's ``root_id``): as the plugin's root holds it once
+    this job claimed, else (``read``) from the pointer; None when not known (a fresh root, another plugin)."""
+    plugin = _plugin_of(trainer)
+    if plugin is None or url is None:
+        return None
+    try:
+        root = plugin.root(url)
+        known = root.fence.root_id
+        if known or not read:
+            return str(known) if known else None
+        pointer, _ = root.read_pointer()
+        return pointer.root_id if pointer is not None and pointer.root_id else None
+    except Exception as exc:  # the audit never stops training
+        log.debug("could not read the root id of %s: %s", url, exc)
+        return None
 
 
 def _open_store(trainer: Trainer, url: str) -> Store | None:
     """The root's store, with the plugin's storage options and retries where it is ours; None (warned) on failure."""
     from lightning_resilient.io.catalog import normalize
-    from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
     from lightning_resilient.io.retry import RetryPolicy
     from lightning_resilient.io.store import open_store
 
-    plugin = trainer.strategy.checkpoint_io
-    while not isinstance(plugin, AtomicCheckpointIO) and hasattr(plugin, "checkpoint_io"):  # AsyncCheckpointIO
-        plugin = plugin.checkpoint_io
-    options, retry = ((plugin.storage_options, plugin.retry) if isinstance(plugin, AtomicCheckpointIO)
-                      else ({}, RetryPolicy()))
+    plugin = _plugin_of(trainer)
+    options, retry = (plugin.storage_options, plugin.retry) if plugin is not None else ({}, RetryPolicy())
     try:
         return open_store(normalize(url), options, retry)
     except Exception as exc:  # the audit never stops training

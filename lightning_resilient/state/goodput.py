@@ -23,7 +23,10 @@ Young's and Daly's interval (``planning/cadence.py``), which ``lightning-resilie
 ``CheckpointCadence(measured=True)`` uses.
 
 A record that cannot be read (damaged, or written by a newer version) is reported and skipped: the attempt is read
-from another rank's record, or left out with the reason.
+from another rank's record, or left out with the reason. A record is checked as it is read (``attempts.parse_record``:
+a header field that is not what a writer writes, a ``resumed_step`` past what the record itself reached, a later
+line that changes what the record is), and whatever text of a record is printed goes through :func:`printable`, so
+that a damaged or hostile record can neither move the figures unnoticed nor add a row or a line.
 """
 
 from __future__ import annotations
@@ -38,7 +41,20 @@ from lightning_resilient.io.store import Store
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
 from lightning_resilient.state.attempts import AttemptRecord, StragglerReport, end_kind, list_records, read_record
 
-__all__ = ["AttemptCost", "Goodput", "Interval", "measure", "measure_root"]
+__all__ = ["AttemptCost", "Goodput", "Interval", "measure", "measure_root", "printable"]
+
+
+def printable(value: object) -> str:
+    """``value`` (text read from an attempt record: an attempt id, how it ended, a path, a fact, why it was skipped)
+    as it may be printed in one table cell or on one line: every character that is not printable (a newline, a tab,
+    a terminal's escape sequence, a bidirectional override, a line separator) escaped as a Python string literal
+    writes it (backslash-n, backslash-x1b, ...), ``|`` and the backslash itself behind a backslash, so that no record
+    adds a row or a line, or moves the terminal's cursor. Used by the ``goodput`` table and by ``ls``."""
+    text = str(value)
+    if text.isprintable() and "|" not in text and "\\" not in text:
+        return text
+    return "".join("\\" + c if c in "\\|" else c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 @dataclass(frozen=True)
@@ -155,9 +171,9 @@ class Goodput:
             resumed = "fresh start" if a.resumed_step is None else f"step {a.resumed_step}"
             steps = "-" if a.last_step is None else f"{a.first_step} -> {a.last_step}"
             newest = i == len(self.attempts) - 1
-            ended = a.end or ("killed (or running)" if newest else "killed")
+            ended = printable(a.end) if a.end else "killed (or running)" if newest else "killed"
             lost = "-" if newest and a.end is None else str(a.lost_steps)
-            out.append(f"| {a.attempt} | {_when(a.started)} | {a.world_size} | {resumed} | {steps} | {ended} |"
+            out.append(f"| {printable(a.attempt)} | {_when(a.started)} | {a.world_size} | {resumed} | {steps} | {ended} |"
                        f" {_duration(a.downtime_seconds) if i else '-'} | {_duration(a.restore_seconds)} |"
                        f" {_duration(a.save_seconds)} ({a.saves}) | {lost} | {_duration(a.lost_seconds)} |"
                        f" {_duration(a.productive_seconds)} |")
@@ -195,8 +211,8 @@ class Goodput:
             seen.setdefault((attempt, s.rank), []).append(s)
         for (attempt, _), reports in seen.items():  # the latest report of each rank, and how often it was found
             again = f" (found at {len(reports)} saves, from step {reports[0].step})" if len(reports) > 1 else ""
-            out.append(f"straggler in {attempt}: {reports[-1].describe()}{again}")
-        out.extend(f"skipped: {why}" for why in self.skipped)
+            out.append(f"straggler in {printable(attempt)}: {reports[-1].describe()}{again}")
+        out.extend(f"skipped: {printable(why)}" for why in self.skipped)
         return "\n".join(out)
 
 

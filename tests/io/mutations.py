@@ -10,8 +10,10 @@ Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 For each mutation it copies the working tree (without ``.git``) into a temporary folder, applies the one edit there
 (the original line must occur exactly once, so a mutation never silently applies to nothing), runs pytest in the
 copy with ``PYTHONPATH`` pointing at it (subprocesses the tests start load the mutated package too), and reports
-which tests failed: a mutation no test catches *survived*. The real tree is never touched. The table of the last run
-is in ``docs/development.md``.
+which tests failed: a mutation no test catches *survived*. A mutation whose original line is no longer in its module
+(the code changed under it) *does not apply*: it is reported, the run goes on with the others, and it fails the run
+like a survivor (``tests/io/test_mutations.py`` catches that in the fast suite already). The real tree is never
+touched. The table of the last run is in ``docs/development.md``.
 """
 
 from __future__ import annotations
@@ -48,10 +50,10 @@ MUTATIONS = [
              related=("tests/io/test_lineage.py",)),
     Mutation("root-fallback", "fallback of a root URL ignoring lineage", "lightning_resilient/io/catalog.py",
              "return Resolved(as_root, candidates[0], candidates[1:], pinned=False)\n"
-             "\n    parent = root_for(_paths.dirname(url))",
+             "\n    parent = root_for(paths.dirname(url))",
              "return Resolved(as_root, candidates[0], [e for e in sorted(root_pointer.entries(), key=lambda e: e.order,"
              " reverse=True) if e.commit != candidates[0].commit], pinned=False)\n"
-             "\n    parent = root_for(_paths.dirname(url))",
+             "\n    parent = root_for(paths.dirname(url))",
              related=("tests/io/test_lineage.py",)),
     Mutation("gc-protections", "GC's live set ignoring holds and protections",
              "lightning_resilient/io/retention.py",
@@ -65,7 +67,7 @@ MUTATIONS = [
              related=("tests/io/test_gc.py",)),
     Mutation("gc-lineage", "GC deleting unreferenced commits inside the lineage",
              "lightning_resilient/io/retention.py",
-             "elif self._outside(lineage, folder):", "else:",
+             "elif self._outside(lineage, folder, incarnation):", "else:",
              related=("tests/io/test_gc.py", "tests/io/test_lineage.py")),
     Mutation("pointer-rebuild", "a missing pointer not rebuilt before an update", "lightning_resilient/io/fencing.py",
              "base = scan.pointer()", "base = Pointer()",
@@ -90,15 +92,27 @@ MUTATIONS = [
 ]
 
 
+def stale(mutation: Mutation, tree: Path = ROOT) -> str | None:
+    """Why ``mutation`` does not apply to ``tree`` (its original line is not in its module exactly once), else None."""
+    module = tree / mutation.path
+    count = module.read_text().count(mutation.before) if module.is_file() else 0
+    if count == 1:
+        return None
+    return (f"the original line occurs {count} times in {mutation.path}, not once: the mutation is out of date"
+            f" (find the line that now carries the rule)\n  {mutation.before}")
+
+
+def mutated(mutation: Mutation, tree: Path = ROOT) -> str:
+    """The text of ``mutation``'s module in ``tree`` with the mutation applied (it must apply: see :func:`stale`)."""
+    text = (tree / mutation.path).read_text()
+    return text.replace(mutation.before, mutation.after, 1)
+
+
 def apply(mutation: Mutation, tree: Path) -> None:
     """Apply ``mutation`` to the copy ``tree`` (the original must occur exactly once)."""
-    module = tree / mutation.path
-    text = module.read_text()
-    count = text.count(mutation.before)
-    if count != 1:
-        raise SystemExit(f"{mutation.name}: the original line occurs {count} times in {mutation.path}, not once:"
-                         f" the mutation is out of date\n  {mutation.before}")
-    module.write_text(text.replace(mutation.before, mutation.after))
+    if (why := stale(mutation, tree)) is not None:
+        raise ValueError(f"{mutation.name}: {why}")
+    (tree / mutation.path).write_text(mutated(mutation, tree))
 
 
 def copy_tree(into: Path, root: Path = ROOT) -> Path:
@@ -109,13 +123,16 @@ def copy_tree(into: Path, root: Path = ROOT) -> Path:
 
 
 def run(tree: Path, tests: list[str], extra: list[str], timeout: float,
-        verbose: bool = False) -> tuple[int, list[str], float]:
-    """Run pytest in ``tree``; returns (exit status, failed test ids, seconds)."""
+        verbose: bool = False) -> tuple[int | None, list[str], float]:
+    """Run pytest in ``tree``; returns (exit status, None if it ran past ``timeout``; failed test ids; seconds)."""
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "-rf", "-p", "no:cacheprovider",
-                           "-p", "no:randomly", *extra], cwd=tree, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "-rf", "-p", "no:cacheprovider",
+                               "-p", "no:randomly", *extra], cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, [], time.monotonic() - started
     if verbose:
         print(proc.stdout[-6000:], proc.stderr[-2000:], sep="\n")
     # A strict xfail that passes under a mutation (XPASS) fails the run without catching anything: not counted.
@@ -141,25 +158,34 @@ def main() -> int:
     args = parser.parse_args()
     chosen = [m for m in MUTATIONS if args.only is None or m.name in args.only]
     extra = (["-x"] if args.x else []) + args.pytest_args
-    rows = []
+    rows: list[tuple[Mutation, str, list[str], float]] = []  # (mutation, outcome, failed tests, seconds)
+    # Said first, before the minutes of the baseline run: the code under these changed, so they break nothing.
+    out_of_date = {m.name: why for m in chosen if (why := stale(m, args.root)) is not None}
+    for name, why in out_of_date.items():
+        print(f"{name}: DOES NOT APPLY: {why}", flush=True)
     scratch = tempfile.mkdtemp(prefix="mutations-")
     try:
         if not args.no_baseline:
             baseline = copy_tree(Path(scratch) / "baseline", args.root)
             status, failed, seconds = run(baseline, args.tests, extra, args.timeout, args.verbose)
-            print(f"unmutated: exit {status}, {len(failed)} failed, {seconds:.0f} s", flush=True)
+            print(f"unmutated: exit {'(timed out)' if status is None else status}, {len(failed)} failed,"
+                  f" {seconds:.0f} s", flush=True)
             if status != 0:
                 print("the unmutated tree fails already:", *failed, sep="\n  ")
                 return 2
             shutil.rmtree(baseline)
         for mutation in chosen:
+            if mutation.name in out_of_date:
+                rows.append((mutation, "does not apply", [], 0.0))
+                continue
             tree = copy_tree(Path(scratch) / mutation.name, args.root)
             apply(mutation, tree)
             tests = args.tests + [t for t in mutation.related if args.related and t not in args.tests]
             status, failed, seconds = run(tree, tests, extra, args.timeout, args.verbose)
-            caught = bool(failed)
-            rows.append((mutation, caught, failed, seconds))
-            print(f"{mutation.name}: {'caught' if caught else 'SURVIVED'} ({seconds:.0f} s)"
+            # A run past --timeout names no test: reported as such (not as caught), and the run goes on.
+            outcome = "caught" if failed else "timed out" if status is None else "survived"
+            rows.append((mutation, outcome, failed, seconds))
+            print(f"{mutation.name}: {outcome if failed else outcome.upper()} ({seconds:.0f} s)"
                   + "".join(f"\n  {f}" for f in failed) + (f"\n  copy kept in {tree}" if args.keep else ""),
                   flush=True)
             if not args.keep:
@@ -168,10 +194,10 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     print("\n| mutation | rule broken | caught by |\n|---|---|---|")
-    for mutation, caught, failed, _ in rows:
-        by = ", ".join(f.split("::", 1)[-1] for f in failed) if caught else "**survived**"
+    for mutation, outcome, failed, _ in rows:
+        by = ", ".join(f.split("::", 1)[-1] for f in failed) if outcome == "caught" else f"**{outcome}**"
         print(f"| `{mutation.name}` | {mutation.rule} | {by} |")
-    return 0 if all(caught for _, caught, _, _ in rows) else 1
+    return 0 if all(outcome == "caught" for _, outcome, _, _ in rows) else 1
 
 
 if __name__ == "__main__":

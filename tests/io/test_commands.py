@@ -214,3 +214,29 @@ def test_ls_says_what_gc_does_with_folders_without_a_manifest(filled, capsys):
     assert "nothing to delete" in capsys.readouterr().out
     assert run(filled, "gc", filled.root, "--dry-run", "--grace", "0") == 0
     assert "0badf00d" in capsys.readouterr().out
+
+
+def test_ls_prints_what_an_attempt_record_says_escaped_and_names_a_damaged_one(local_backend, capsys):
+    """Issue 39: a record's texts (how the attempt ended, its audit line) printed as they are could add rows to the
+    attempts table, or clear the terminal; a record whose header names another attempt (here with a newline and
+    ``|`` in it) is reported as unreadable, escaped too."""
+    from lightning_resilient.io.retry import RetryPolicy
+    from lightning_resilient.io.store import open_store
+    from lightning_resilient.state.attempts import AttemptRecord, AuditResult, record_name
+
+    store = open_store(local_backend.root, {}, RetryPolicy())
+    forged_row = "\n| a000009-ffffff | 1 s ago | 2 | fresh start | 9 | finished | identical |"
+    ended = AttemptRecord("a000001-abcdef", 0, 1, 1_700_000_000.0, ended=f"stopped by RuntimeError: boom{forged_row}",
+                          audit=AuditResult("nothing", f"resume audit: nothing to compare: \x1b[2J{forged_row}", 0))
+    store.write(record_name(ended.attempt, 0), ended.to_bytes())
+    hostile = AttemptRecord(f"a000002-abcdef{forged_row}", 0, 1, 1_700_000_000.0)
+    store.write(record_name("a000002-abcdef", 0), hostile.to_bytes())
+    assert main(["ls", local_backend.root]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and not [line for line in out.splitlines() if line.startswith("| a000009")]
+    rows = [line for line in out.splitlines() if line.startswith("| a0")]
+    assert len(rows) == 2 and all(row.count("|") - row.count("\\|") == 8 for row in rows), rows  # 7 cells each
+    assert "| stopped by RuntimeError: boom\\n\\| a000009-ffffff \\| 1 s ago \\|" in rows[0]
+    assert "\\x1b[2J\\n\\| a000009-ffffff" in rows[0]
+    assert rows[1].startswith("| a000002-abcdef | | | | | | unreadable, skipped: attempt record ") and (
+        "attempt is an attempt id" in rows[1]), rows[1]

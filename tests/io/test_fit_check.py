@@ -14,7 +14,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
-from lightning_resilient.io import _paths
+from lightning_resilient.io import paths
 
 from ..conftest import Backend
 from ..models import TinyModel, tiny_loader
@@ -54,7 +54,7 @@ def test_a_resume_says_once_which_commit_it_continues_instead_of_lightnings_not_
     trainer, caught = fit(store, make_io, 4, ckpt_path=latest)
     assert trainer.global_step == 4
     assert not [w for w in caught if NOT_EMPTY in str(w.message)]  # Lightning said it on every resume
-    commit = _paths.basename(latest)
+    commit = paths.basename(latest)
     assert said(caplog) == [(f"AtomicCheckpointIO: resuming the run in {store.root} from its checkpoint"
                              f" epoch=0-step=2.ckpt (commit {commit})")]
     (saver,) = trainer.checkpoint_callbacks
@@ -113,11 +113,11 @@ def test_a_save_cut_off_before_its_manifest_is_no_checkpoint_of_its_name_for_lig
     trainer, _ = fit(store, make_io, 2)
     fs = store.fs()
     leftover = store.path("epoch=0-step=4.ckpt/c1796526551869-e1-a9ebdd84/shard-00000.bin")
-    fs.makedirs(_paths.dirname(leftover), exist_ok=True)
+    fs.makedirs(paths.dirname(leftover), exist_ok=True)
     fs.pipe_file(leftover, b"half an upload")  # (no manifest: never committed)
     fs.invalidate_cache()
     resumed, _ = fit(store, make_io, 4, ckpt_path=find_latest_checkpoint(store.root, store.storage_options))
-    names = {_paths.basename(p) for p in resumed.checkpoint_callback.best_k_models} | {
-        _paths.basename(resumed.checkpoint_callback.best_model_path)}
+    names = {paths.basename(p) for p in resumed.checkpoint_callback.best_k_models} | {
+        paths.basename(resumed.checkpoint_callback.best_model_path)}
     assert "epoch=0-step=4.ckpt" in names and not any("-v1" in n for n in names), names
     assert "file_exists" not in vars(trainer.checkpoint_callback)  # (the callback is itself again after the fit)

@@ -4,7 +4,9 @@ deleting what it did not create, never changing a copy under a reader (in-proces
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -137,3 +139,23 @@ def test_a_copy_is_never_deleted_while_a_reader_holds_it(memory_backend, tmp_pat
     thread.join(30)
     filler.join(30)
     assert done.is_set() and copies(cache) != [copy]
+
+
+@pytest.mark.parametrize("planted", ["copy", "lock"])
+def test_a_symlink_planted_in_the_private_folder_is_never_followed_the_load_reads_the_store(
+        s3_backend, tmp_path, make_io, planted):
+    """A symlink where this checkpoint's copy (or its lock) goes, in the job's private folder: the load reads the
+    store, with a warning that names the link, and writes nothing where the link points."""
+    root, (commit,) = saved(make_io, s3_backend, 20)
+    cache = NodeCache(str(tmp_path / "cache"), root.url, job="job-1")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    key = hashlib.sha256(commit.encode()).hexdigest()[:24]  # where NodeCache.load puts this commit's copy
+    link = os.path.join(cache.directory, key if planted == "copy" else f"{key}.lock")
+    os.symlink(victim if planted == "copy" else victim / "precious.txt", link)
+    for _ in range(2):  # and again: still the store's checkpoint, still nothing followed
+        with pytest.warns(RuntimeWarning, match=rf"{re.escape(link)} is a symlink.*read from the store.*remove it"):
+            assert_same(load(cache, root, commit), make_checkpoint(20))
+    assert sorted(os.listdir(victim)) == ["precious.txt"] and (victim / "precious.txt").read_text() == "keep me"
+    assert os.path.islink(link)  # left for the user to look at: it is not ours

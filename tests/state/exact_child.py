@@ -8,7 +8,8 @@ Options: workers, accumulate, epochs, callback (add ResumeStateCallback), callba
 (ModelCheckpoint arguments), augment (None | "raw": drawn from Python's, NumPy's and torch's global RNGs in
 ``__getitem__`` | "seeded": the same in PerSampleSeeded), schedule (read estimated_stepping_batches in
 configure_optimizers), trainer (extra Trainer arguments), loader ("plain" | "stateful": torchdata
-StatefulDataLoader), step_sleep (seconds each step waits after printing it: time for a kill to land)."""
+StatefulDataLoader), step_sleep (seconds each step waits after printing it: time for a kill to land), pause_at
+(global steps whose batch prints ``BEGIN <step>`` at its start, then waits 3 s: a kill part-way through a step)."""
 
 from __future__ import annotations
 
@@ -82,9 +83,16 @@ class Net(LightningModule):
 
 
 class Record(Callback):
-    def __init__(self, out: str, step_sleep: float) -> None:
+    def __init__(self, out: str, step_sleep: float, pause_at: list[int]) -> None:
         self.out = out
         self.step_sleep = step_sleep
+        self.pause_at = pause_at
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 0 and trainer.global_step in self.pause_at:
+            # Part-way through the batch that starts at this global step: a window for the parent's SIGKILL.
+            print(f"BEGIN {trainer.global_step}", flush=True)
+            time.sleep(3)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank != 0:
@@ -110,7 +118,7 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     loader_cls = StatefulDataLoader if options.get("loader") == "stateful" else DataLoader
     loader = loader_cls(dataset, batch_size=4, shuffle=True, num_workers=options["workers"],
                         persistent_workers=options["workers"] > 0)
-    callbacks: list[Callback] = [Record(out, options.get("step_sleep", 0.0)),
+    callbacks: list[Callback] = [Record(out, options.get("step_sleep", 0.0), options.get("pause_at", [])),
                                  ModelCheckpoint(dirpath=root, save_top_k=-1, **options["ckpt"])]
     if options["callback"]:
         callbacks.insert(0, ResumeStateCallback(**options.get("callback_args", {})))

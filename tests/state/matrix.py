@@ -136,6 +136,20 @@ class StopLater(Callback):
             raise Stop(f"stopped {self.io.overrun} batch(es) after save {self.io.saves}")
 
 
+class GradNoise(Callback):
+    """Adds noise to every gradient of the optimizer step that ends at global step ``step`` (after the backward: the
+    loss of that step is unchanged, the update is not)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == self.step:
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    p.grad.add_(1e-3 * torch.randn_like(p.grad))
+
+
 class UserSaver(Callback):
     """A user's own saver (not a Checkpoint subclass): ``trainer.save_checkpoint`` from its batch-end hook."""
 
@@ -173,6 +187,7 @@ class Config:
     collate_noise: bool = False  # a collate_fn that draws random numbers (noisy_collate)
     resume_state: bool = True  # ResumeStateCallback in the Trainer (False: stock Lightning's resume)
     stepping_batches: bool = False  # configure_optimizers reads estimated_stepping_batches (Lightning #20550)
+    grad_noise_at: int | None = None  # GradNoise at the optimizer step from this global step
 
 
 @dataclass
@@ -223,6 +238,7 @@ def run(cfg: Config, root: Path, stop_after: int | None, resume: bool) -> Result
     callbacks += [ResumeStateCallback(**cfg.callback)] if cfg.resume_state else []
     callbacks += [ModelCheckpoint(dirpath=root, **{"save_top_k": -1, **cfg.ckpt}),
                   StopLater(io)]
+    callbacks += [GradNoise(cfg.grad_noise_at)] if cfg.grad_noise_at is not None else []
     if cfg.on_exception:
         callbacks.append(OnExceptionCheckpoint(dirpath=str(root), filename="on-exception"))
     trainer_args = {"max_epochs": 3, "limit_val_batches": 3, **cfg.trainer}

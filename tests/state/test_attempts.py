@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from lightning_resilient.state.attempts import (
     read_attempts,
     read_record,
     record_name,
+    spool_folder,
 )
 
 
@@ -49,7 +51,7 @@ def record(attempt: str = "a000001-abcdef", **kwargs) -> AttemptRecord:
 
 
 def test_a_record_round_trips_with_every_field_and_exact_floats():
-    original = record(resumed_step=5, resumed_from="s3://b/root/last.ckpt", facts={"batch_size": 4},
+    original = record(resumed_step=1, resumed_from="s3://b/root/last.ckpt", facts={"batch_size": 4},
                       audit=AuditResult("identical", "resume audit: ...", 3), ended="finished",
                       steps=[step(1, 0.1 + 0.2), step(2, math.inf), StepDigest(0, 3, 3, None, "ab", None),
                              StepDigest(0, 4, 4, "cd", "ef", 0.25, (4, "00ff00ff00ff00ff"))])
@@ -260,3 +262,114 @@ def test_on_an_object_store_progress_counts_toward_flush_steps(memory_backend):
         assert read_record(store, "a000001-abcdef", 0).progress == Progress(2, 2.0)
     finally:
         log.close()
+
+
+# -- issue 39: a malformed or hostile record is damaged, never believed ----------------------------------------------
+def line_of(value) -> bytes:
+    return (json.dumps(value) + "\n").encode()
+
+
+@pytest.mark.parametrize(("field_name", "bad"), [
+    ("attempt", "a000001-abcdef\n| a000009-ffffff | forged row |"), ("attempt", "a000001-abcdef\n"),
+    ("attempt", "../a000001-abcdef"), ("attempt", 7), ("rank", -1), ("rank", True), ("rank", 2), ("rank", "0"),
+    ("world_size", 0), ("world_size", 2.0), ("started", "yesterday"), ("started", math.inf), ("started", None),
+    ("resumed_step", -3), ("resumed_step", 2.5), ("resumed_step", "4"), ("resumed_step", True),
+    ("resumed_from", 12), ("facts", [1, 2]), ("facts", {"batch_size": [4]}), ("facts", {"seed": math.nan}),
+    ("ended", {"text": "finished"}),
+])
+def test_a_header_field_that_is_not_what_a_writer_writes_makes_the_record_damaged(field_name, bad):
+    header = {**record(resumed_step=2).header(), field_name: bad}  # (rank 0 of 2)
+    with pytest.raises(CheckpointCorruptedError, match=f"damaged header.*{field_name}"):
+        parse_record(line_of(header), "here")
+    del header[field_name]
+    if field_name not in ("resumed_step", "resumed_from", "facts", "ended"):  # (those may be left out)
+        with pytest.raises(CheckpointCorruptedError, match=f"damaged header.*{field_name}"):
+            parse_record(line_of(header), "here")
+
+
+@pytest.mark.parametrize("bad", [[-1, 0, 0, None, None, None], [0, -1, 0, None, None, None],
+                                 [0, 0, -1, None, None, None], [0, 0, 0, None, None, None, [-4, "00ff00ff00ff00ff"]],
+                                 "nested"])
+def test_a_step_with_a_negative_number_or_nested_too_deep_makes_the_record_damaged(bad):
+    line = b"[" * 100_000 + b"\n" if bad == "nested" else line_of(bad)  # (deeper than json reads: no crash either)
+    data = line_of(record().header()) + line_of(step(1).to_json()) + line + line_of(step(3).to_json())
+    with pytest.raises(CheckpointCorruptedError, match="damaged at line 3" + ("" if bad == "nested" else ".*>= 0")):
+        parse_record(data, "here")
+
+
+@pytest.mark.parametrize(("field_name", "other"), [
+    ("record", "lightning_resilient.other"), ("format", 0), ("attempt", "a000009-ffffff"), ("rank", 1),
+    ("world_size", 4), ("started", 1_800_000_000.0), ("resumed_step", 0), ("resumed_step", None),
+    ("resumed_from", "s3://b/other/last.ckpt"), ("facts", {"batch_size": 8}),
+])
+def test_a_later_line_that_changes_what_the_attempt_is_makes_the_record_damaged(field_name, other):
+    header = record(resumed_step=5, resumed_from="s3://b/root/last.ckpt", facts={"batch_size": 4}).header()
+    data = line_of(header) + line_of(step(5).to_json()) + line_of({"ended": "finished", field_name: other})
+    with pytest.raises(CheckpointCorruptedError, match=f"here is damaged at line 3: it changes {field_name}"):
+        parse_record(data, "here")
+    # The same value again changes nothing; the fields that are updated by design (and a later version's) are.
+    same = line_of(header) + line_of(step(5).to_json()) + line_of({"ended": "finished", field_name: header[field_name]})
+    assert parse_record(same, "here").ended == "finished"
+    updates = [{"audit": {"outcome": "identical", "line": "resume audit: the 1 replayed ...", "compared": 1}},
+               {"progress": [6, 1_700_000_001.0]}, {"timings": Timings(first_step=5, steps=1).to_json()},
+               {"stragglers": [[6, 1, 0.5, 0.1, 8]]}, {"end": "finished", "ended": "finished"}, {"network": 1},
+               {"network": 2}]
+    back = parse_record(line_of(header) + line_of(step(5).to_json()) + b"".join(map(line_of, updates)), "here")
+    assert (back.progress, back.end, back.extra, back.stragglers[0].rank) == (
+        Progress(6, 1_700_000_001.0), "finished", {"network": 2}, 1)
+
+
+def test_a_forged_resumed_step_past_what_the_record_itself_reached_makes_it_damaged():
+    """resumed_step moves the lost steps the goodput ledger counts for the attempt before: one past the record's
+    own first step, progress or first step timed cannot be what the attempt resumed from."""
+    assert parse_record(ledger_record(steps=[step(16)]).to_bytes(), "here").resumed_step == 5  # first step 5, at 17
+    for forged, what in [(17, "first recorded step"), (18, "progress"), (6, "first step timed")]:
+        data = ledger_record(steps=[step(16)] if forged == 17 else []).to_bytes()
+        header, rest = data.split(b"\n", 1)
+        forged_header = {**json.loads(header), "resumed_step": forged}
+        with pytest.raises(CheckpointCorruptedError, match=f"resumed_step {forged} is past .*{what}"):
+            parse_record(line_of(forged_header) + rest, "here")
+
+
+def test_a_record_whose_header_names_another_attempt_or_rank_than_its_name_is_damaged(local_backend):
+    store = store_of(local_backend)
+    store.write(record_name("a000002-abcdef", 0), record("a000001-abcdef").to_bytes())  # a copy, or a forgery
+    with pytest.raises(CheckpointCorruptedError, match="attempt is 'a000001-abcdef', but the record is a000002-abcdef"):
+        read_record(store, "a000002-abcdef", 0)
+    store.write(record_name("a000001-abcdef", 1), record("a000001-abcdef").to_bytes())  # rank 0's, as rank 1's
+    with pytest.raises(CheckpointCorruptedError, match="rank is 0, but the record is rank 1's"):
+        read_record(store, "a000001-abcdef", 1)
+    assert isinstance(dict(read_attempts(store))["a000002-abcdef"], CheckpointCorruptedError)  # reported, skipped
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_what_attempt_log_writes_today_passes_the_checks(kind, request, tmp_path):
+    """Every update AttemptLog makes (the audit, the ledger's timings, progress and stragglers, the end, a prune's
+    rewrite) reads back through the checks: on local disk (appended lines, a rewrite) and on an object store (whole
+    objects written by the thread, and this node's spool of appended lines)."""
+    store = store_of(request.getfixturevalue(f"{kind}_backend"))
+    spool = None if kind == "local" else spool_folder(store.url(), str(tmp_path))
+    first = AttemptRecord("a000002-abcdef", 1, 2, 1_700_000_000.0, resumed_step=5, resumed_from="last.ckpt",
+                          facts={"world_size": 2, "batch_size": 4, "dataset": "Augmented[64]", "sample_seed": None,
+                                 "per_sample_seeding": True, "accumulate_grad_batches": 1})
+    log = AttemptLog(store, first, flush_seconds=math.inf, flush_steps=3, spool=spool)
+    log.start()
+    try:
+        log.update(timings=Timings(fit_started=1_700_000_000.0, first_step=5, first_step_at=1_700_000_002.0))
+        for i in range(5, 12):
+            log.add(StepDigest(0, i, i, f"{i:016x}", f"{i + 100:016x}", 0.5, (4, f"{i + 200:016x}")))
+            log.progress(Progress(i + 1, 1_700_000_002.0 + i))
+            if i == 8:
+                log.prune((0, 6))  # a save: the steps up to the one before it are forgotten
+        log.update(audit=AuditResult("identical", "resume audit: the 2 replayed training step(s) ...", 2))
+        log.update(stragglers=[StragglerReport(9, 1, 0.5, 0.1, 8)])
+        log.update(ended="stopped by RuntimeError: boom", end="error",
+                   timings=Timings(fit_started=1_700_000_000.0, first_step=5, steps=7, saves=1))
+    finally:
+        log.close()
+    expected = log.record
+    assert [s.batch for s in expected.steps] == list(range(7, 12)) and expected.end == "error"
+    assert read_record(store, "a000002-abcdef", 1) == expected  # the store's copy
+    if spool is not None:  # the spool's appended lines
+        with open(os.path.join(spool, "a000002-abcdef.r1.jsonl"), "rb") as f:
+            assert parse_record(f.read(), "spooled", attempt="a000002-abcdef", rank=1) == expected

@@ -29,6 +29,7 @@ from lightning_resilient.state.audit import (
     digest_sample_set,
     sample_line,
 )
+from lightning_resilient.state.elastic import split_rest
 
 from .matrix import Config, first_difference, run
 
@@ -93,6 +94,42 @@ def test_across_a_change_of_world_size_the_samples_are_compared_where_both_attem
     unknown = sample_line(then, [[None]], interrupted="a1", world_then=2, world_now=1, steps=(3, 3),
                           resumed_step=3, changed=[])
     assert unknown.outcome == "nothing"
+
+
+def test_after_two_to_one_to_two_processes_the_line_says_what_was_compared_not_that_the_run_stopped():
+    """Issue 39: a job of 2 ranks (4 per batch) saved at step 3 and was killed; it resumed on 1 rank, which saved at
+    step 9 (48 of the epoch's 64 samples trained) and was killed after 3 more batches (12 samples); the job resumed on 2
+    ranks from step 9 and trained the rest of the epoch, 2 stretches of 8. The interrupted attempt's counts (4, 8, 12)
+    and this run's (8, 16) meet only at 8: its last 4 samples cannot be compared, but this run did train them. The
+    stretches are cut as ResumeStateCallback cuts them (elastic.split_rest)."""
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+
+    def batches(start: int, world: int, rank: int) -> list[tuple[int, str]]:
+        split = split_rest(order, start, world=world, rank=rank, batch_size=4, drop_last=False).batches
+        return parts(*split)
+
+    then = batches(24, 1, 0)[6:9]  # the 1-rank attempt's batches after its save at step 9 (its 7th to 9th)
+    now = [batches(48, 2, rank) for rank in (0, 1)]
+    result = sample_line(then, now, interrupted="a000002-abcdef", world_then=1, world_now=2, steps=(9, 10),
+                         resumed_step=9, changed=[])
+    assert result.outcome == "identical" and result.compared == 8, result.line
+    assert "stopped" not in result.line, result.line  # it trained the rest of the epoch: 16 samples
+    assert result.line.startswith(
+        "resume audit: the first 8 of the 16 samples this run trained after the checkpoint of step 9 (global steps 9"
+        " to 10 on 2 rank(s)) are the same samples, stretch by stretch of the epoch's order, as the first 8 of the 12"
+        " the interrupted attempt a000002-abcdef trained after it on 1 rank(s) (its other 4 samples were not"
+        " compared: this run's batches and its never end at the same count of samples past the first 8, and sample"
+        " sets are compared only where both end)"), result.line
+
+    # Where this run did stop first (its fit ended after one stretch), the line says how far it got.
+    short = sample_line(then, [b[:1] for b in now], interrupted="a000002-abcdef", world_then=1, world_now=2,
+                        steps=(9, 9), resumed_step=9, changed=[])
+    assert short.outcome == "identical" and short.compared == 8, short.line
+    assert short.line.startswith(
+        "resume audit: the 8 samples this run trained after the checkpoint of step 9 (global step 9 on 2 rank(s)) are"
+        " the same samples, stretch by stretch of the epoch's order, as the first 8 of the 12 the interrupted attempt"
+        " a000002-abcdef trained after it on 1 rank(s) (its other 4 samples were not compared: this run's comparison"
+        " ended after 8 samples of the epoch, fewer than its 12)"), short.line
 
 
 # -- the comparison and its line -----------------------------------------------------------------------------------
@@ -176,6 +213,39 @@ def test_a_resume_with_a_changed_run_differs_at_the_first_replayed_step(tmp_path
         assert [w for w in resumed.warnings if "seed_everything gave this run 2" in w]
         (restored,) = [x for x in resumed.lines if "restored the data position" in x]
         assert "Not restored: the per-sample seed (1 then, 2 now" in restored and "continues exactly" not in restored
+
+
+def test_a_gradient_changed_in_the_last_replayed_step_differs_though_its_data_and_loss_are_the_same(tmp_path):
+    """Noise added to the gradients of the last replayed step only (after its backward): its data and loss are what
+    the interrupted attempt recorded, its update is not. The digest of a sample of the parameters after each step
+    finds it; the first replayed step is identical."""
+    resumed = resume_with(tmp_path, Config("first"), Config("then", grad_noise_at=6))
+    line = audit_of(resumed)
+    assert ("first at global step 6 (epoch 0, batch 6) on rank 0: parameters after the step (same data and loss: the"
+            " gradients or the optimizer's update) differ; 1 replayed step(s) before it were identical") in line, line
+    clean = resume_with(tmp_path / "clean", Config("first"), Config("then"))
+    assert "same sample indices, input bytes, loss and parameters after each step" in audit_of(clean)
+
+
+def test_records_copied_from_another_root_are_ignored_never_taken_for_the_interrupted_attempt(tmp_path, caplog):
+    """Root A's attempt records copied into root B (a folder copied whole, say) before B's run: B's interrupted
+    attempt stopped at its save, A's (the same training) ran past it. Each record names its root's incarnation, so B's
+    resume ignores A's (with a warning) and says it has nothing to compare, never "identical to" an attempt that never
+    ran there."""
+    import shutil
+
+    from lightning_resilient.io.folders import ATTEMPTS_DIR
+
+    cfg = Config("first")
+    run(cfg, tmp_path / "a", 1, resume=False)  # stopped two batches after its save at step 5
+    shutil.copytree(tmp_path / "a" / ATTEMPTS_DIR, tmp_path / "b" / ATTEMPTS_DIR)
+    run(Config("at the save", overrun=0), tmp_path / "b", 1, resume=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = run(cfg, tmp_path / "b", None, resume=True)
+    line = audit_of(resumed)
+    assert line.startswith("resume audit: nothing to compare") and "a000001" in line and "another root" in line, line
+    assert "ignored the record(s) of attempt(s) a000001" in caplog.text
 
 
 def test_without_per_sample_seeding_worker_augmentation_differs_and_no_line_claims_otherwise(tmp_path):

@@ -182,3 +182,27 @@ def test_one_process_with_accumulation_killed_mid_epoch_resumes_on_two_with_a_st
     assert "8 samples per optimizer step then, 16 now" in line
     audit = line_of(log, "resume audit:")
     assert audit.startswith("resume audit: nothing to compare") and "did not say its sample indices" in audit, audit
+
+
+@pytest.mark.slow
+def test_two_then_one_then_two_processes_the_audit_says_which_samples_it_compared(tmp_path):
+    """Issue 39: 2 nodes killed at step 5 (saved at 3), resumed on 1 process, which saved at 6 and 9 and was killed at
+    step 12 (3 batches, 12 samples, after its save at 9), resumed on 2 nodes again, which train the last 16 samples of
+    the epoch in 2 stretches of 8. Every sample of the epoch once; the audit compares the first 8 samples (the only
+    count where a stretch ends in both) and says that the interrupted attempt's other 4 were not compared, never that
+    this run stopped before training them."""
+    root, out = tmp_path / "root", tmp_path / "part"
+    run(root, out, {"nodes": 2, "epochs": 1, "every": 3, "attempt": 1, "kill_at": 5})
+    run(root, out, {"epochs": 1, "every": 3, "attempt": 2, "kill_at": 12})
+    log = run(root, out, {"nodes": 2, "epochs": 1, "every": 3, "attempt": 3})
+    done = batches(out)
+    kept = (before_the_checkpoint([b for b in done if b["attempt"] == 1], 3)
+            + before_the_checkpoint([b for b in done if b["attempt"] == 2], 9))
+    last = [b for b in done if b["attempt"] == 3]
+    assert_each_sample_once(kept + last)
+    assert len(last) == 2 * 2  # 2 batches on each of 2 ranks: the rest of the epoch
+    audit = line_of(log, "resume audit:")
+    assert audit.startswith("resume audit: the first 8 of the 16 samples this run trained after the checkpoint of step"
+                            " 9 (global steps 9 to 10 on 2 rank(s)) are the same samples"), audit
+    assert "as the first 8 of the 12 the interrupted attempt" in audit and "its other 4 samples were not compared" in (
+        audit) and "stopped" not in audit, audit

@@ -19,6 +19,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -169,25 +171,52 @@ def test_ddp_worker_augmentation_resumes_bit_exact_audited_on_every_rank_and_on_
 
 
 @pytest.mark.slow
-def test_the_audit_record_survives_a_sigkill_on_s3_up_to_its_flush_interval(tmp_path, s3_endpoint):
-    """On an object store the record is rewritten by a background thread every audit_flush_steps=2 steps: a SIGKILL
-    at STEP 6 (the batch of step 5 just recorded, its flush just started) loses at most that flush interval, so the
-    record holds at least up to step 3 (each step lasts 0.2 s: the flush before had time to finish), and the resumed
-    job's audit compares the steps it holds."""
+def test_every_finished_step_survives_a_sigkill_on_s3_and_the_ledger_counts_every_lost_step(tmp_path, s3_endpoint):
+    """On an object store the record reaches the store every 30 s (the default flush), but every step is appended to
+    the node's spool as it ends. Killed part-way through a step 1, 2 and 4 steps after a save (three attempts), each
+    restart on this node compares every step the killed attempt finished after its checkpoint (identical), and the
+    ledger (read from the store, where each restart shipped the killed attempt's spooled record) counts exactly the
+    steps each attempt lost: the kill step minus the checkpoint step."""
+    from lightning_resilient.state.goodput import measure
     from tests.conftest import make_bucket
 
     root = f"s3://{make_bucket(s3_endpoint)}/run/ckpt"
     env = {**os.environ, "AWS_ENDPOINT_URL": s3_endpoint}
-    options = opts(epochs=1, step_sleep=0.2, callback_args={"audit_flush_steps": 2})
+    options = opts(epochs=2, ckpt={"every_n_train_steps": 5})
     part = tmp_path / "part"
-    launch(root, part, options, 3, 6, env=env)
-    store = open_store(root, {"client_kwargs": {"endpoint_url": s3_endpoint}}, RetryPolicy())
-    (attempt,) = list_attempts(store)
-    killed = read_record(store, attempt, 0)
-    assert killed.ended is None and max(s.step for s in killed.steps) >= 5 - 2
-    log = launch(root, part, options, None, env=env)
-    (audit,) = audit_lines(log)
-    assert "were identical on the only rank" in audit, audit
+    kills = [(5, 6), (10, 12), (15, 19)]  # (the save, the step whose batch the kill lands in)
+    audits = []
+    for save, at in kills:
+        audits += audit_lines(launch_until(root, part, {**options, "pause_at": [at]}, f"SAVED {save}", f"BEGIN {at}",
+                                           env=env))
+    audits += audit_lines(launch(root, part, options, None, env=env))
+    assert len(audits) == 3, audits
+    for (save, at), audit in zip(kills, audits, strict=True):
+        steps = at - save
+        assert f"the {steps} replayed training step(s)" in audit and "were identical on the only rank" in audit, audit
+    ledger = measure(open_store(root, {"client_kwargs": {"endpoint_url": s3_endpoint}}, RetryPolicy()))
+    assert [a.lost_steps for a in ledger.attempts] == [1, 2, 4, 0], ledger.table()
+    assert ledger.lost_steps == 7
+
+
+def launch_until(root: str, out: Path, options: dict[str, Any], first: str, then: str,
+                 env: dict[str, str] | None = None) -> str:
+    """Run the child; SIGKILL it at the line ``then`` printed after ``first``; returns its log (stderr)."""
+    proc = procs.popen([sys.executable, str(CHILD), str(root), str(out), json.dumps(options)],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+    assert proc.stdout is not None
+    seen = False
+    for line in proc.stdout:
+        seen = seen or line.strip() == first
+        if seen and line.strip() == then:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, "the job ended before the point it should be killed at"
+    time.sleep(0.1)  # (the reader takes the last lines)
+    return "".join(err)
 
 
 # -- torchdata StatefulDataLoader ---------------------------------------------------------------------------------

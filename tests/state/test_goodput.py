@@ -23,7 +23,7 @@ from lightning_resilient.state.attempts import (
     list_attempts,
     record_name,
 )
-from lightning_resilient.state.goodput import measure
+from lightning_resilient.state.goodput import measure, printable
 
 from .matrix import Config, run
 
@@ -166,3 +166,43 @@ def test_the_goodput_command_prints_the_table_or_json_and_refuses_bad_input(tmp_
         assert main(["goodput", bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("lightning-resilient goodput: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_hostile_record_adds_no_row_and_moves_no_lost_step(store):
+    """Issue 39: an attempt id with a newline and ``|`` injected a table row, and a forged ``resumed_step`` silently
+    changed the lost steps. Each such record is reported and skipped (the attempt read from another rank's record),
+    and what a record says is printed escaped."""
+    write(store, attempt(1, **KILLED))  # killed at 250, the next attempt resumed its checkpoint of step 200: 50 lost
+    forged = attempt(2, **PREEMPTED)
+    forged.resumed_step = 250  # past the step it started from (200): would make the killed attempt lose none
+    write(store, forged)
+    write(store, attempt(2, **PREEMPTED, rank=1))
+    injected = attempt(3, **FINISHED)
+    injected.attempt = "a000003-abcdef\n| a000009-ffffff | 2023-11-14 | 2 | fresh start | 0 -> 9 | finished |"
+    store.write(record_name("a000003-abcdef", 0), injected.to_bytes())
+    odd = attempt(4, **{**FINISHED, "started": 410.0, "resumed": 500, "first": 500, "progress": (510, 420.0)})
+    odd.end = "finished\n| a000009-ffffff | 2023-11-14 | 2 | fresh start | 0 -> 9 | finished | \x1b[2J"
+    write(store, odd)
+    ledger = measure(store)
+    assert [(a.attempt, a.rank) for a in ledger.attempts] == [
+        ("a000001-abcdef", 0), ("a000002-abcdef", 1), ("a000004-abcdef", 0)]
+    assert ledger.attempts[0].lost_steps == 50
+    assert len(ledger.skipped) == 2
+    assert ledger.skipped[0].startswith("a000002-abcdef (rank 0): attempt record") and (
+        "resumed_step 250 is past the first step timed in its timings, global step 200") in ledger.skipped[0]
+    assert ledger.skipped[1].startswith("a000003-abcdef (rank 0): attempt record") and "attempt is an attempt id" in (
+        ledger.skipped[1])
+    table = ledger.table()
+    assert not [line for line in table.splitlines() if line.startswith("| a000009")]
+    rows = [line for line in table.splitlines() if line.startswith("| a0")]
+    assert len(rows) == 3 and all(row.count("|") - row.count("\\|") == 13 for row in rows)  # 12 cells each
+    assert "| finished\\n\\| a000009-ffffff \\| 2023-11-14 \\|" in rows[2] and "\\x1b[2J |" in rows[2]
+    assert "\x1b" not in table
+    assert [line for line in table.splitlines() if line.startswith("skipped: ")] == [
+        f"skipped: {printable(why)}" for why in ledger.skipped]
+
+
+def test_printable_escapes_what_would_end_a_cell_or_a_line():
+    assert printable("a000001-abcdef") == "a000001-abcdef"
+    assert printable("a|b\\c\nd\te\x1b[2J\u202efin\u2028") == "a\\|b\\\\c\\nd\\te\\x1b[2J\\u202efin\\u2028"
+    assert printable(3) == "3" and printable("stopped by RuntimeError: élan") == "stopped by RuntimeError: élan"

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from lightning_resilient.io._paths import join
+from lightning_resilient.io.paths import join
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store.errors import translate_error
 

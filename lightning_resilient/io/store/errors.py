@@ -17,7 +17,7 @@ from lightning_resilient.errors import (
     StoreSetupError,
     StoreURLError,
 )
-from lightning_resilient.io._paths import split_protocol
+from lightning_resilient.io.paths import split_protocol
 
 __all__ = ["LOCAL_PROTOCOLS", "check_default_client", "check_store_extra", "check_url", "credentials_error",
            "is_unknown_protocol", "open_error", "permission_error", "translate_error"]
@@ -173,9 +173,17 @@ def check_url(url: str) -> None:
     - a local path with a folder named like a protocol (``/home/me/s3:/bucket/run``): what such a URL becomes once made
       a local path (``ModelCheckpoint`` makes its dirpath absolute; ``pathlib.Path("s3://b")`` is ``s3:/b``).
 
+    - a blank location (``" "``), or one with a blank folder or whitespace at either end (``"/data/ /run"``, ``"run "``):
+      a stray space in a config, which would quietly make a folder named with spaces;
+    - an S3 or GCS URL without a bucket (``s3://``, ``s3:///run``: an empty variable in ``s3://${BUCKET}/run``), which
+      the client would send as it is and refuse in its own words;
+    - an S3 or GCS URL with a query or fragment (``s3://bucket/run?versionId=1``): s3fs and gcsfs read it as an
+      object's version, and a checkpoint location is a folder (or a file) in the bucket as it is now.
+
     The message names the URL most likely meant. A plain path, a URL fsspec knows and fsspec's chained URLs
     (``simplecache::s3://...``) pass; a known protocol whose filesystem is not installed is reported when the store
     is opened (``open_error``)."""
+    _check_blank(url)
     if "::" in url:
         return
     match = _SCHEME.fullmatch(url)
@@ -192,10 +200,47 @@ def check_url(url: str) -> None:
     from fsspec import available_protocols
 
     if scheme in available_protocols():
+        if scheme in _CLOUD:
+            _check_bucket_url(url, scheme, slashes[2:] + rest)
         return
     what = ("protocols are lower case" if scheme.lower() in available_protocols()
             else f"fsspec knows no protocol {scheme!r}")
     raise _url_error(url, what, _meant(scheme, slashes[2:] + rest))
+
+
+def _check_blank(url: str) -> None:
+    """Refuse a blank location, whitespace at either end of it, or a folder whose name is only whitespace."""
+    if not url.strip():
+        raise StoreURLError(f"cannot open {url!r}: the checkpoint location is blank, which would make a folder"
+                            " named with spaces in the working folder. Set the ModelCheckpoint dirpath (or the root)"
+                            f" to a folder or URL. {_USE}")
+    stripped = url.strip()
+    if stripped != url:
+        raise _url_error(url, "it has whitespace at its start or end (a stray space in a config?), which would"
+                              " become part of a folder's name", stripped)
+    blank = next((part for part in url.split("/") if part and not part.strip()), None)
+    if blank is not None:
+        meant = "/".join(part for part in url.split("/") if part == "" or part.strip())
+        raise _url_error(url, f"it has a folder named {blank!r}, only whitespace (a stray space in a config?)", meant)
+
+
+def _check_bucket_url(url: str, scheme: str, after: str) -> None:
+    """Refuse an S3/GCS URL without a bucket, or with a query or fragment (``after``: what follows ``scheme://``)."""
+    bucket, _, key = after.partition("/")
+    if not bucket:
+        raise StoreURLError(
+            f"cannot open {url!r}: it names no bucket ({scheme}://BUCKET/prefix; an empty variable in the config?)."
+            f" Put the bucket right after '{scheme}://'. {_USE}")
+    cut = min((i for i in (after.find("?"), after.find("#")) if i >= 0), default=-1)
+    if cut >= 0:
+        meant = f"{scheme}://{after[:cut].rstrip('/')}"
+        raise _url_error(url, f"{after[cut:]!r} is a query or fragment, which {_CLIENT[scheme]} would read as an"
+                              " object version; a checkpoint location is a folder (or file) of the bucket as it is"
+                              " now, without one", meant)
+
+
+# The filesystem that reads each cloud protocol's URLs.
+_CLIENT = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 
 
 def _check_path(path: str) -> None:

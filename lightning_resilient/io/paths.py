@@ -1,6 +1,7 @@
 """URL helpers: remote paths stay strings and are joined with posixpath, never ``pathlib.Path``.
 
-``Path("s3://b/k")`` becomes ``s3:/b/k``; everything here keeps the protocol intact.
+``Path("s3://b/k")`` becomes ``s3:/b/k``; everything here keeps the protocol intact. Public: the packages above
+``io/`` that name a folder of a root (``state/``'s attempt records) use these too.
 """
 
 from __future__ import annotations
