@@ -586,7 +586,7 @@ _IDENTITY = ("record", "format", "attempt", "rank", "world_size", "started", "re
 """The header fields that say what a record is, written once in its header: a later line that changes one makes the
 record damaged. Later lines update the others (``audit``, ``ended``, ``progress``, ``timings``, ``end``,
 ``stragglers``, a later version's fields) and set ``root_id`` once (:data:`_SET_ONCE`)."""
-_SET_ONCE = ("root_id",)  # learned after the header was written: a later line sets it where it was unset, never changes it
+_SET_ONCE = ("root_id",)  # learned after the header was written: a later line may set it where unset, never change it
 
 
 def _check_update(header: Mapping[str, Any], update: Mapping[str, Any], where: str, number: int) -> None:

@@ -48,8 +48,8 @@ from lightning_resilient.state.attempts import (
 )
 
 __all__ = ["RankOutcome", "Replay", "ResumeAudit", "SLICE", "STATE_ELEMENTS", "STATE_TENSORS", "SampleReplay",
-           "add_sample_sets", "audit_line", "changed_facts", "digest_batch", "digest_indices", "digest_sample_set",
-           "digest_state", "nothing_line", "sample_line", "sample_state", "StateSampler"]
+           "StateSampler", "add_sample_sets", "audit_line", "changed_facts", "digest_batch", "digest_indices",
+           "digest_sample_set", "digest_state", "nothing_line", "sample_line", "sample_state"]
 
 _log = logging.getLogger(__name__)
 
@@ -365,7 +365,9 @@ def sample_line(then: list[tuple[int, str]], now: Sequence[Sequence[tuple[int, s
                 changed: list[str]) -> AuditResult:
     """The line comparing which samples the interrupted attempt's ranks trained after the checkpoint (``then``:
     its stretches) with those this attempt's ranks trained (``now``: each rank's batches), across a change of world
-    size: at every count of samples both have trained, the same samples or not."""
+    size: at every count of samples both have trained, the same samples or not. The line says how many samples were
+    compared, of how many each side trained, and why the rest was not (never that this run stopped where it did
+    not)."""
     hint = f" Changed since then: {'; '.join(changed)}." if changed else ""
     stretches = _stretches(now)
     if stretches is None:

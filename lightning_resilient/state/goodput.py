@@ -173,8 +173,8 @@ class Goodput:
             newest = i == len(self.attempts) - 1
             ended = printable(a.end) if a.end else "killed (or running)" if newest else "killed"
             lost = "-" if newest and a.end is None else str(a.lost_steps)
-            out.append(f"| {printable(a.attempt)} | {_when(a.started)} | {a.world_size} | {resumed} | {steps} | {ended} |"
-                       f" {_duration(a.downtime_seconds) if i else '-'} | {_duration(a.restore_seconds)} |"
+            out.append(f"| {printable(a.attempt)} | {_when(a.started)} | {a.world_size} | {resumed} | {steps} |"
+                       f" {ended} | {_duration(a.downtime_seconds) if i else '-'} | {_duration(a.restore_seconds)} |"
                        f" {_duration(a.save_seconds)} ({a.saves}) | {lost} | {_duration(a.lost_seconds)} |"
                        f" {_duration(a.productive_seconds)} |")
         share = self.goodput
