@@ -39,7 +39,6 @@ import logging
 import platform
 import re
 import sys
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -50,6 +49,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from lightning_resilient._checks import check_number
 from lightning_resilient._namespaces import LIGHTNING_PYTORCH, PYTORCH_LIGHTNING, namespace_of
+from lightning_resilient._warnings import warn
 
 __all__ = ["AutoPrecision", "CHOICES", "PrecisionChoice", "PrecisionName", "choose_for_device", "detect_facts",
            "select_precision"]
@@ -372,7 +372,7 @@ class AutoPrecision(Precision):
         else:
             message = f"resuming a {saved} checkpoint under {current}"
         log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warn(message, RuntimeWarning)
 
 
 def _delegate(name: str) -> Any:

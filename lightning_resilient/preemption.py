@@ -32,12 +32,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilient._checks import check_bool, check_int, check_number
 from lightning_resilient._namespaces import require_lightning_pytorch
+from lightning_resilient._warnings import warn
 
 __all__ = ["AWS_SPOT_URL", "GCE_PREEMPTED_URL", "Notice", "PreemptedExit", "PreemptionCheckpoint"]
 
@@ -184,8 +185,8 @@ class PreemptionCheckpoint(Callback):
                 self._previous[signum] = signal.getsignal(signum)
                 signal.signal(signum, self._on_signal)
         elif self.signals:
-            rank_zero_warn("PreemptionCheckpoint: fit runs outside the main thread, where signal handlers cannot be"
-                           " set; only the pollers give notices")
+            warn("PreemptionCheckpoint: fit runs outside the main thread, where signal handlers cannot be"
+                 " set; only the pollers give notices", rank_zero=True)
 
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # The sanity check (and the validation loader it builds) runs before training: covered as well.
@@ -222,9 +223,9 @@ class PreemptionCheckpoint(Callback):
         self._acted = True
         self.saved = {"step": trainer.global_step, "path": None, "seconds": 0.0, "committed": False,
                       "earlier_error": None}
-        rank_zero_warn(f"PreemptionCheckpoint: preemption notice ({self.notice.what}) {when}: no training step was"
-                       " taken, so there is nothing new to save; the restart resumes where this fit began. Exiting"
-                       f" with status {self.unsaved_exit_code}.")
+        warn(f"PreemptionCheckpoint: preemption notice ({self.notice.what}) {when}: no training step was"
+             " taken, so there is nothing new to save; the restart resumes where this fit began. Exiting"
+             f" with status {self.unsaved_exit_code}.", rank_zero=True)
         self._exit(trainer, self.unsaved_exit_code)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -279,7 +280,8 @@ class PreemptionCheckpoint(Callback):
         left = notice.deadline - (time.monotonic() - notice.at)
         root = self.dirpath or _first_dirpath(trainer)
         if root is None:
-            rank_zero_warn("PreemptionCheckpoint: no dirpath and no ModelCheckpoint with a dirpath: nothing saved")
+            warn("PreemptionCheckpoint: no dirpath and no ModelCheckpoint with a dirpath: nothing saved",
+                 rank_zero=True)
             self._exit(trainer, self.unsaved_exit_code)
         path = f"{root.rstrip('/')}/{self.filename}"
         io = _checkpoint_plugin(trainer)
@@ -287,9 +289,9 @@ class PreemptionCheckpoint(Callback):
         if trainer.world_size > 1:
             estimate, left = trainer.strategy.broadcast((estimate, left), src=0)
         if estimate is not None and estimate > left:
-            rank_zero_warn(f"PreemptionCheckpoint: {left:.1f} s left of the {notice.deadline:.0f} s after the notice"
-                           f" ({notice.what}), a save takes about {estimate:.1f} s here: no emergency checkpoint;"
-                           " the previous committed checkpoint stays the latest")
+            warn(f"PreemptionCheckpoint: {left:.1f} s left of the {notice.deadline:.0f} s after the notice"
+                 f" ({notice.what}), a save takes about {estimate:.1f} s here: no emergency checkpoint;"
+                 " the previous committed checkpoint stays the latest", rank_zero=True)
             self.saved = {"step": trainer.global_step, "path": path, "seconds": 0.0, "committed": False,
                           "earlier_error": None}
             self._exit(trainer, self.unsaved_exit_code)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -20,6 +19,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
 from lightning_resilient._checks import check_bool, check_choice, check_int, check_number, check_optional_int
+from lightning_resilient._warnings import warn
 
 __all__ = ["AccumulationAwareScheduler", "ScheduleKind", "warmup_schedule"]
 
@@ -143,13 +143,9 @@ class AccumulationAwareScheduler(LRScheduler):
         if self._warned_past_end:
             return
         self._warned_past_end = True
-        warnings.warn(
-            f"the LR schedule was sized for {sized} optimizer steps but training is at step {self._consumed}: the"
-            " schedule has ended and the LR stays at its final value. Size it from"
-            " trainer.estimated_stepping_batches or pass the right total_steps.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warn(f"the LR schedule was sized for {sized} optimizer steps but training is at step {self._consumed}: the"
+             " schedule has ended and the LR stays at its final value. Size it from"
+             " trainer.estimated_stepping_batches or pass the right total_steps.", RuntimeWarning)
 
     def get_last_lr(self) -> list[float | torch.Tensor]:
         last = getattr(self.scheduler, "get_last_lr", None)
@@ -170,9 +166,8 @@ class AccumulationAwareScheduler(LRScheduler):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("frequency", self.frequency) != self.frequency:
-            warnings.warn(f"resuming a schedule saved with frequency={state_dict['frequency']} under"
-                          f" frequency={self.frequency}: the schedule continues at the new frequency",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"resuming a schedule saved with frequency={state_dict['frequency']} under"
+                 f" frequency={self.frequency}: the schedule continues at the new frequency", RuntimeWarning)
         self.scheduler.load_state_dict(state_dict["scheduler"])
         self.optimizer_steps = int(state_dict["optimizer_steps"])
         self._consumed = int(state_dict["consumed"])
@@ -185,19 +180,16 @@ class AccumulationAwareScheduler(LRScheduler):
             planned, self.total_steps = self.total_steps, int(saved)
             if planned > saved:
                 self._warned_past_end = True  # said here, before the steps it concerns
-                warnings.warn(f"the resumed LR schedule (OneCycleLR, restored from the checkpoint) ends after {saved}"
-                              f" optimizer steps but training now runs {planned}: the last steps train at the final"
-                              " LR. To follow a longer schedule, start its LR schedule anew (a new run).",
-                              RuntimeWarning, stacklevel=2)
+                warn(f"the resumed LR schedule (OneCycleLR, restored from the checkpoint) ends after {saved}"
+                     f" optimizer steps but training now runs {planned}: the last steps train at the final"
+                     " LR. To follow a longer schedule, start its LR schedule anew (a new run).", RuntimeWarning)
             else:
-                warnings.warn(f"the resumed LR schedule (OneCycleLR, restored from the checkpoint) ends after {saved}"
-                              f" optimizer steps but training now runs {planned}: it will never decay fully",
-                              RuntimeWarning, stacklevel=2)
+                warn(f"the resumed LR schedule (OneCycleLR, restored from the checkpoint) ends after {saved}"
+                     f" optimizer steps but training now runs {planned}: it will never decay fully", RuntimeWarning)
         else:
-            warnings.warn(f"the LR schedule was sized for {saved} optimizer steps when saved and for"
-                          f" {self.total_steps} now: the resumed run follows the new length from step"
-                          f" {self._consumed} on, so the LR changes from the saved trajectory",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"the LR schedule was sized for {saved} optimizer steps when saved and for"
+                 f" {self.total_steps} now: the resumed run follows the new length from step"
+                 f" {self._consumed} on, so the LR changes from the saved trajectory", RuntimeWarning)
             if isinstance(self.scheduler, LambdaLR):
                 # The optimizer came back with the saved schedule's LR for this step; LambdaLR's LR is a closed
                 # form of its position, so recomputing the current position gives the new schedule's LR from the
@@ -263,11 +255,11 @@ def warmup_schedule(
         if total_steps is None:
             total_steps = planned
         elif total_steps < planned:
-            warnings.warn(f"the LR schedule ends after {total_steps} optimizer steps but training runs {planned}:"
-                          " the last steps train at the final LR", RuntimeWarning, stacklevel=2)
+            warn(f"the LR schedule ends after {total_steps} optimizer steps but training runs {planned}:"
+                 " the last steps train at the final LR", RuntimeWarning)
         elif total_steps > planned * 1.1:
-            warnings.warn(f"training ends after {planned} optimizer steps, far before the LR schedule's"
-                          f" {total_steps}: it will never decay fully", RuntimeWarning, stacklevel=2)
+            warn(f"training ends after {planned} optimizer steps, far before the LR schedule's"
+                 f" {total_steps}: it will never decay fully", RuntimeWarning)
     assert total_steps is not None
     frequency = check_int("frequency", frequency, minimum=1, hint="optimizer steps")
     steps = check_number("warmup_steps", warmup_steps, minimum=0,

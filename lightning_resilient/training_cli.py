@@ -23,11 +23,12 @@ import warnings
 from typing import Any
 
 from jsonargparse import Namespace
-from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from lightning_resilient._warnings import warn
 from lightning_resilient.io import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.store import check_default_client, check_store_extra, check_url
 
@@ -195,13 +196,13 @@ def resume_path(trainer: Any) -> str | None:
     """The checkpoint a rerun of ``trainer``'s fit should resume from, or None to start fresh."""
     roots = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
     if not roots:
-        rank_zero_warn("auto_resume: no ModelCheckpoint with a dirpath is configured, so there is no checkpoint root"
-                       " to resume from; training starts fresh. Set dirpath on the ModelCheckpoint callback.")
+        warn("auto_resume: no ModelCheckpoint with a dirpath is configured, so there is no checkpoint root"
+             " to resume from; training starts fresh. Set dirpath on the ModelCheckpoint callback.", rank_zero=True)
         return None
     io = trainer.strategy.checkpoint_io
     if not isinstance(io, AtomicCheckpointIO):
-        rank_zero_warn(f"auto_resume needs lightning_resilient.AtomicCheckpointIO in trainer.plugins (this run uses"
-                       f" {type(io).__name__}); training starts fresh. Add it, or pass --ckpt_path.")
+        warn(f"auto_resume needs lightning_resilient.AtomicCheckpointIO in trainer.plugins (this run uses"
+             f" {type(io).__name__}); training starts fresh. Add it, or pass --ckpt_path.", rank_zero=True)
         return None
     root = str(roots[0])
     latest = find_latest_checkpoint(root, io.storage_options, local_tier=io.local_tier)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from lightning_resilient._warnings import warn
 from lightning_resilient.errors import BucketNotFoundError, CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import paths
 from lightning_resilient.io.folders import REPLACED_DIR, writer_epoch_of
@@ -207,9 +207,9 @@ def resolve(url: str, root_for: Callable[[str], CheckpointRoot], *, shown: str |
     scanned = as_root.scan().pointer() if as_root.store.list_dir("") else None
     if scanned is not None and scanned.candidates():
         candidates = scanned.candidates()
-        warnings.warn(f"{as_root.store.url(POINTER_NAME)} is missing; loading the newest committed checkpoint found"
-                      f" by scanning, {candidates[0].commit}. lightning_resilient.repair_pointer({url!r}) restores"
-                      " the pointer.", RuntimeWarning, stacklevel=3)
+        warn(f"{as_root.store.url(POINTER_NAME)} is missing; loading the newest committed checkpoint found"
+             f" by scanning, {candidates[0].commit}. lightning_resilient.repair_pointer({url!r}) restores"
+             " the pointer.", RuntimeWarning)
         return Resolved(as_root, candidates[0], candidates[1:], pinned=False)
     raise FileNotFoundError(f"{NOT_FOUND}{shown}. It is not a checkpoint root (no {POINTER_NAME}), not a committed"
                             f" name in its parent's pointer, not a checkpoint folder (no {MANIFEST_NAME}), and not a"
@@ -345,7 +345,7 @@ def _load_first_valid(root: CheckpointRoot, plan: _Plan, load: Callable[..., Loa
 
 def _loud(message: str) -> None:
     log.error(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=5)
+    warn(message, RuntimeWarning)
 
 
 def latest_in_root(checkpoint_root: CheckpointRoot, shown: str) -> str | None:
@@ -376,10 +376,9 @@ def _find_latest(checkpoint_root: CheckpointRoot, shown: str) -> str | object | 
         unreadable = dict(scan.unreadable)
         if scan.manifests:
             pointer = scan.pointer()
-            warnings.warn(f"{store.url(POINTER_NAME)} is missing but {len(scan.manifests)} committed checkpoint(s)"
-                          f" exist under {store.root_url}; using the newest of the current run. Call"
-                          f" lightning_resilient.repair_pointer({store.root_url!r}) to restore the pointer.",
-                          RuntimeWarning, stacklevel=3)
+            warn(f"{store.url(POINTER_NAME)} is missing but {len(scan.manifests)} committed checkpoint(s)"
+                 f" exist under {store.root_url}; using the newest of the current run. Call"
+                 f" lightning_resilient.repair_pointer({store.root_url!r}) to restore the pointer.", RuntimeWarning)
     for entry in pointer.candidates() if pointer is not None else []:
         try:
             checkpoint_root.read_manifest(entry.commit)
@@ -387,7 +386,7 @@ def _find_latest(checkpoint_root: CheckpointRoot, shown: str) -> str | object | 
             if was_retired(checkpoint_root, entry):
                 return _RETIRED  # not damaged: the pointer has moved on, read it again
             unreadable[entry.commit] = str(exc)
-            warnings.warn(f"skipping {store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=3)
+            warn(f"skipping {store.url(entry.commit)}: {exc}", RuntimeWarning)
             continue
         return store.url(entry.commit)
     if pointer is not None and not unreadable and pointer.abandoned():

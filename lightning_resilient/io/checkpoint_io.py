@@ -17,13 +17,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
 from lightning_resilient._checks import check_bool, check_number, check_optional_bool
 from lightning_resilient._namespaces import register_checkpoint_io, trainer_on_stack
+from lightning_resilient._warnings import warn
 from lightning_resilient.errors import CheckpointCorruptedError, RunExistsError, SettingTypeError
 from lightning_resilient.io import paths
 from lightning_resilient.io.async_save import AsyncSaver, SaveStats, WrappedSaves
@@ -954,11 +954,11 @@ class AtomicCheckpointIO(CheckpointIO):
             else:
                 bound = f"{url} may hold up to {keep} + {int(kept)} checkpoints"
                 fix = f"lower save_top_k, or set keep_last to at least {int(kept)} (or None)"
-            rank_zero_warn(
-                f"AtomicCheckpointIO(keep_last={keep}) is smaller than what the ModelCheckpoint(s) writing {url} keep"
-                f" ({settings}). Retention never deletes a checkpoint a ModelCheckpoint still reports (best_model_path,"
-                " best_k_models, last_model_path): keep_last keeps the newest checkpoints, and those reported ones"
-                f" older than them besides, so {bound}. To settle it, {fix}.", category=RuntimeWarning)
+            warn(f"AtomicCheckpointIO(keep_last={keep}) is smaller than what the ModelCheckpoint(s) writing {url} keep"
+                 f" ({settings}). Retention never deletes a checkpoint a ModelCheckpoint still reports"
+                 " (best_model_path, best_k_models, last_model_path): keep_last keeps the newest checkpoints, and those"
+                 " reported ones"
+                 f" older than them besides, so {bound}. To settle it, {fix}.", RuntimeWarning, rank_zero=True)
 
     def _reported_by_trainer(self, folder: str) -> list[str] | None:
         """The names in ``folder`` that the ModelCheckpoints of this plugin's fit report now, read from the Trainer (a

@@ -496,11 +496,15 @@ def _print_attempts(root: CheckpointRoot) -> None:
         if isinstance(record, Exception):
             print(f"| {printable(attempt)} | | | | | | unreadable, skipped: {printable(record)} |")
             continue
-        last = record.last_step
+        # The global step reached: the ledger's progress (every optimizer step; kept whole in a finished record, whose
+        # step digests are pruned to the last saves, and recorded with the audit off); else the last recorded step.
+        last = record.progress.step if record.progress is not None else (
+            record.last_step.step if record.last_step is not None else None)
         resumed = "fresh start" if record.resumed_step is None else f"step {record.resumed_step}"
         audit = "-" if record.audit is None else printable(_audit_summary(record.audit.outcome, record.audit.line))
         started = _age(record.started) + " ago" if record.started == record.started else "?"
-        print(f"| {printable(attempt)} | {started} | {record.world_size} | {resumed} | {last.step if last else '-'} |"
+        reached = "-" if last is None else last
+        print(f"| {printable(attempt)} | {started} | {record.world_size} | {resumed} | {reached} |"
               f" {printable(record.ended or 'killed (or running)')} | {audit} |")
 
 

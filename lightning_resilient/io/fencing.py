@@ -16,10 +16,10 @@ import random
 import re
 import time
 import uuid
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 
+from lightning_resilient._warnings import warn
 from lightning_resilient.errors import CheckpointError, StaleWriterError, UnfencedStoreError
 from lightning_resilient.io.folders import writer_identity
 from lightning_resilient.io.lineage import ORIGINS_DIR, Origin, origin_record_name
@@ -288,22 +288,20 @@ class WriterFence:
         self.pending_resume_elsewhere = False
         self.pending_fork = None
         if fresh_over and fork is not None:
-            warnings.warn(
-                f"this job forked {fork.root}'s checkpoint {fork.commit} (step {fork.step}) into {self.url}, which"
-                f" holds another run up to step {fresh_over[0].step}; that run is kept as an abandoned branch (until"
-                " gc --abandoned). Give the fork a ModelCheckpoint dirpath of its own to keep the two apart.",
-                RuntimeWarning, stacklevel=3)
+            warn(f"this job forked {fork.root}'s checkpoint {fork.commit} (step {fork.step}) into {self.url}, which"
+                 f" holds another run up to step {fresh_over[0].step}; that run is kept as an abandoned branch (until"
+                 " gc --abandoned). Give the fork a ModelCheckpoint dirpath of its own to keep the two apart.",
+                 RuntimeWarning)
         elif fresh_over:
             # Legitimate (a new experiment in the same folder), but more often a resume that found nothing:
             # ckpt_path="last" on S3/GCS (Lightning lists last*.ckpt without the protocol and finds none) or a
             # forgotten ckpt_path. Nothing is lost: the old run stays, an abandoned branch, until gc --abandoned.
-            warnings.warn(
-                f"this job started from scratch (no checkpoint loaded) in {self.url}, which holds a run up to step"
-                f" {fresh_over[0].step}; that run is kept as an abandoned branch. To resume it instead, pass"
-                f" ckpt_path=find_latest_checkpoint({self.url!r}) (ckpt_path=\"last\" finds nothing on S3/GCS:"
-                " Lightning"
-                " lists last.ckpt without its protocol); with Lightning Fabric, load it with the same plugin before"
-                " the first save: fabric.load(find_latest_checkpoint(root), state).", RuntimeWarning, stacklevel=3)
+            warn(f"this job started from scratch (no checkpoint loaded) in {self.url}, which holds a run up to step"
+                 f" {fresh_over[0].step}; that run is kept as an abandoned branch. To resume it instead, pass"
+                 f" ckpt_path=find_latest_checkpoint({self.url!r}) (ckpt_path=\"last\" finds nothing on S3/GCS:"
+                 " Lightning"
+                 " lists last.ckpt without its protocol); with Lightning Fabric, load it with the same plugin before"
+                 " the first save: fabric.load(find_latest_checkpoint(root), state).", RuntimeWarning)
         log.info("claimed %s as writer epoch %d (%s), %s", self.url, self.writer_epoch, self.writer,
                  f"resuming {resumed_from.commit}" if resumed_from else
                  f"forked from {fork.root}/{fork.commit}" if fork else "starting fresh")
@@ -358,11 +356,10 @@ class WriterFence:
                 " AtomicCheckpointIO(allow_unfenced_store=True).")
         if self.url not in _warned_fencing:
             _warned_fencing.add(self.url)
-            warnings.warn(
-                f"writer fencing is OFF for {self.url}: {reason} (the store ignores {ignored}), so two jobs writing"
-                " this root at once can overwrite each other's pointer (last writer wins); allowed by"
-                " allow_unfenced_store=True. Checkpoints stay atomic and verified; make sure only one job writes the"
-                " root (stop the old one before starting its replacement).", RuntimeWarning, stacklevel=5)
+            warn(f"writer fencing is OFF for {self.url}: {reason} (the store ignores {ignored}), so two jobs writing"
+                 " this root at once can overwrite each other's pointer (last writer wins); allowed by"
+                 " allow_unfenced_store=True. Checkpoints stay atomic and verified; make sure only one job writes the"
+                 " root (stop the old one before starting its replacement).", RuntimeWarning)
 
     def adopt(self, epoch: int, origin: Origin, origins: dict[int, Origin], lineage_id: str = "") -> Pointer:
         """Write this root as writer epoch ``epoch`` of another root: the node-local tier of a durable root whose

@@ -28,11 +28,11 @@ import os
 import shutil
 import stat
 import tempfile
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
 from typing import Any
 
+from lightning_resilient._warnings import warn
 from lightning_resilient.errors import CheckpointCorruptedError
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
 from lightning_resilient.io.root import CheckpointRoot, Loaded
@@ -105,7 +105,7 @@ class NodeCache:
                        f" is read from the store instead of this node's copy. To use the cache again, remove it"
                        f" (rm {planted})")
             log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warn(message, RuntimeWarning)
             return root.load(commit, manifest=manifest, **load_kwargs)
         with self._locked(key, fcntl.LOCK_SH):
             if self._complete(folder, root, commit):

@@ -48,7 +48,6 @@ import datetime
 import functools
 import logging
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_resilient._warnings import warn
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import layout, parts
 from lightning_resilient.io.collectives import named
@@ -538,7 +538,7 @@ class Replicator:
             message = (f"copying local checkpoints between nodes stopped: {exc}. Training goes on; each node's local"
                        " tier keeps what it holds, and the durable root what was persisted")
             log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warn(message, RuntimeWarning)
 
     # -- every leader ------------------------------------------------------------------------------------------
     def _follow(self) -> None:
@@ -898,7 +898,7 @@ def load_across_nodes(url: str, *, shown: str, nodes: Nodes, local_tier: str,
                 message = (f"loaded the previous committed checkpoint {candidate.commit} (step {candidate.step}) of"
                            f" {durable_url} instead of {first}, which no node could load from any source")
                 log.error(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                warn(message, RuntimeWarning)
             return NodeLoad(candidate, durable, done[0], done[1])
         first = first or candidate.commit
     raise CheckpointCorruptedError(
@@ -951,7 +951,7 @@ def _load_candidate(candidate: Entry, reports: list[_Report], *, nodes: Nodes, d
                        " tries its next copy (another node's replica, then the durable root), then the previous"
                        " committed checkpoint")
             log.error(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn(message, RuntimeWarning)
         for rank, (_, local_bad, durable_bad) in enumerate(verdicts):
             node = nodes.node_of(rank)
             if local_bad:

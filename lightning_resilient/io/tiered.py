@@ -30,7 +30,6 @@ import re
 import threading
 import time
 import uuid
-import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_resilient._checks import check_int, check_number, check_optional_int
+from lightning_resilient._warnings import warn
 from lightning_resilient.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -539,7 +539,7 @@ class TieredRoot:
                    f" persisted again at the first save after {delay:.0f} s")
         log.warning(message)
         if failures == 1:  # once per outage: each later failure is logged
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warn(message, RuntimeWarning)
         self._check_bounds()
 
     def _check_bounds(self) -> None:
@@ -807,8 +807,8 @@ def set_aside_if_foreign(local: CheckpointRoot, durable_url: str, root_id: str) 
     aside = f"{path}.set-aside-{int(time.time())}-{uuid.uuid4().hex[:8]}"
     os.rename(path, aside)
     local.fence.writer_epoch = local.fence.root_id = local.fence.lineage_id = None  # set aside: the next save adopts
-    warnings.warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
-                  " you no longer need it.", RuntimeWarning, stacklevel=5)
+    warn(f"the local tier {path} was moved to {aside}: {why}. Nothing of it is resumed; delete it once"
+         " you no longer need it.", RuntimeWarning)
 
 
 #: Beside a local tier root: the persist status of the job writing it (``ls --local-tier`` shows it).
@@ -976,8 +976,8 @@ def _local_pointer(local: CheckpointRoot, durable: Pointer | None) -> Pointer | 
     try:
         pointer, _ = local.read_pointer()
     except CheckpointError as exc:
-        warnings.warn(f"the local tier {local.url} is unreadable ({exc}); resuming from the durable tier. The next"
-                      " job that saves moves it aside.", RuntimeWarning, stacklevel=4)
+        warn(f"the local tier {local.url} is unreadable ({exc}); resuming from the durable tier. The next"
+             " job that saves moves it aside.", RuntimeWarning)
         return None
     return pointer
 
@@ -1032,7 +1032,7 @@ def load_tiered(found: TieredResolved, local_tier: str, root_for: Callable[[str]
                 last_error = exc
                 message = f"checkpoint {root.store.url(candidate.commit)} is corrupted and was NOT loaded: {exc}"
                 log.error(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                warn(message, RuntimeWarning)
         ok = loaded is not None
         if together is not None:
             ok = together.all_true(ok)
@@ -1044,7 +1044,7 @@ def load_tiered(found: TieredResolved, local_tier: str, root_for: Callable[[str]
                 message = (f"loaded the previous committed checkpoint {candidate.commit} (step {candidate.step}) of"
                            f" {found.durable_url} instead of {first}, which no tier could load")
                 log.error(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                warn(message, RuntimeWarning)
             return candidate, source, loaded
         first = first or candidate.commit
         if not errors and loaded is None:
@@ -1065,7 +1065,7 @@ def find_latest_tiered(durable: CheckpointRoot, local: CheckpointRoot) -> str | 
             try:
                 root.read_manifest(entry.commit)
             except CheckpointCorruptedError as exc:
-                warnings.warn(f"skipping {root.store.url(entry.commit)}: {exc}", RuntimeWarning, stacklevel=3)
+                warn(f"skipping {root.store.url(entry.commit)}: {exc}", RuntimeWarning)
                 continue
             return durable.store.url(entry.commit)
     return None

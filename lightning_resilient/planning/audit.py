@@ -25,13 +25,14 @@ from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import torch
-from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_resilient._checks import check_bool, check_positive_int
 from lightning_resilient._namespaces import require_lightning_pytorch
+from lightning_resilient._warnings import warn
 from lightning_resilient.planning._units import plural
 
 __all__ = ["KINDS", "SYNC_MESSAGE", "TransferAudit", "TransferAuditWarning", "TransferKind"]
@@ -259,7 +260,7 @@ class TransferAudit(Callback):
 
     @staticmethod
     def _emit(message: str) -> None:
-        rank_zero_warn(message, category=TransferAuditWarning, stacklevel=2)
+        warn(message, TransferAuditWarning, rank_zero=True)
 
     def _auditing(self) -> bool:
         return self.active and (self.max_batches is None or self.batches < self.max_batches)

@@ -20,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilient._checks import check_bool, check_non_negative, check_positive, check_positive_int
 from lightning_resilient._namespaces import require_lightning_pytorch
+from lightning_resilient._warnings import warn
 from lightning_resilient.planning._units import format_duration, format_percent, plural
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
 
@@ -227,9 +228,9 @@ class CheckpointCadence(Callback):
         trainer.save_checkpoint = timed_save_checkpoint  # type: ignore[method-assign]
         if self.adapt and not self._step_checkpoints(trainer):
             self._warned_nothing_to_adapt = True
-            rank_zero_warn("CheckpointCadence: adapt=True but no ModelCheckpoint saves by every_n_train_steps, so there"
-                           " is nothing to adapt; use ModelCheckpoint(every_n_train_steps=...) to let it set the"
-                           " cadence", category=RuntimeWarning)
+            warn("CheckpointCadence: adapt=True but no ModelCheckpoint saves by every_n_train_steps, so there"
+                 " is nothing to adapt; use ModelCheckpoint(every_n_train_steps=...) to let it set the"
+                 " cadence", RuntimeWarning, rank_zero=True)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.mtbf_seconds, self.mtbf_source = self.given_mtbf_seconds, "given"
@@ -399,8 +400,8 @@ class CheckpointCadence(Callback):
         if not targets:
             if not self._warned_nothing_to_adapt:
                 self._warned_nothing_to_adapt = True
-                rank_zero_warn("CheckpointCadence: adapt=True but no ModelCheckpoint saves by every_n_train_steps;"
-                               " nothing to adapt", category=RuntimeWarning)
+                warn("CheckpointCadence: adapt=True but no ModelCheckpoint saves by every_n_train_steps;"
+                     " nothing to adapt", RuntimeWarning, rank_zero=True)
             return
         if m.interval_steps is None:
             rank_zero_info("CheckpointCadence: keeping every_n_train_steps for now: no optimizer step timed yet")

@@ -28,13 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.loop import _Loop
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_resilient._checks import check_bool, check_number, check_optional_int
 from lightning_resilient._namespaces import require_lightning_pytorch
+from lightning_resilient._warnings import warn
 from lightning_resilient.io.fit_check import add_fit_start_check
 from lightning_resilient.io.store import Store
 from lightning_resilient.state._loader import (
@@ -635,10 +636,9 @@ class ResumeStateCallback(Callback):
         elastic, self._elastic = self._elastic, None
         if len(loaders) != 1:
             self._loader = self._kind = None
-            warnings.warn(
-                "ResumeStateCallback restores the data position of a single training loader; this run has"
-                f" {len(loaders)}: RNG states are restored but each resumed epoch starts from its first batch",
-                RuntimeWarning, stacklevel=2)
+            warn("ResumeStateCallback restores the data position of a single training loader; this run has"
+                 f" {len(loaders)}: RNG states are restored but each resumed epoch starts from its first batch",
+                 RuntimeWarning)
             if pending is not None:
                 restore_rng(pending.now_rng)
             elif elastic is not None:
@@ -690,12 +690,11 @@ class ResumeStateCallback(Callback):
         saved = self._saved_seeding
         if saved is not None and saved[0] and saved[1] is not None and saved[1] != applied.seed:
             self._seed_change = (saved[1], applied.seed)
-            rank_zero_warn(
-                f"ResumeStateCallback: the checkpoint's run seeded each sample with seed {saved[1]}, but"
-                f" seed_everything gave this run {applied.seed}, which per-sample seeding uses: every sample's"
-                " random augmentation differs from the interrupted run's from here on. To continue that run"
-                f" exactly, call seed_everything({saved[1]}) (or not at all: the checkpoint's seed is then used).",
-                category=RuntimeWarning)
+            warn(f"ResumeStateCallback: the checkpoint's run seeded each sample with seed {saved[1]}, but"
+                 f" seed_everything gave this run {applied.seed}, which per-sample seeding uses: every sample's"
+                 " random augmentation differs from the interrupted run's from here on. To continue that run"
+                 f" exactly, call seed_everything({saved[1]}) (or not at all: the checkpoint's seed is then used).",
+                 RuntimeWarning, rank_zero=True)
 
     def _warn_about_the_data(self, loader: Any, kind: LoaderKind) -> None:
         """Once per fit, when it starts: what keeps a resume of this run from being exact, and the fix."""
@@ -706,57 +705,51 @@ class ResumeStateCallback(Callback):
         name = type(dataset).__name__
         workers = self._num_workers
         if kind == LoaderKind.ITERABLE and callable(getattr(dataset, "state_dict", None)):
-            warnings.warn(
-                f"the training {name} has state_dict()/load_state_dict(), but the plain"
-                f" DataLoader reads it in {loader.num_workers} worker processes, each with its own copy: the main"
-                " process cannot see their positions, so ResumeStateCallback saves no data position for it and a"
-                " mid-epoch resume restarts the iterable from its beginning. Use torchdata's StatefulDataLoader"
-                " (it collects every worker's dataset state) or num_workers=0.", RuntimeWarning, stacklevel=3)
+            warn(f"the training {name} has state_dict()/load_state_dict(), but the plain"
+                 f" DataLoader reads it in {loader.num_workers} worker processes, each with its own copy: the main"
+                 " process cannot see their positions, so ResumeStateCallback saves no data position for it and a"
+                 " mid-epoch resume restarts the iterable from its beginning. Use torchdata's StatefulDataLoader"
+                 " (it collects every worker's dataset state) or num_workers=0.", RuntimeWarning)
         elif kind == LoaderKind.ITERABLE:
-            rank_zero_warn(
-                f"ResumeStateCallback cannot make a resume of this run exact: the training dataset {name} is an"
-                " IterableDataset without state_dict()/load_state_dict(), so a resume restores the RNG states and"
-                " the loop's epoch and step but restarts the data from its beginning, and per-sample seeding does"
-                f" not apply to it. {_FIX} Draw its random numbers from a generator kept in that state.",
-                category=RuntimeWarning)
+            warn(f"ResumeStateCallback cannot make a resume of this run exact: the training dataset {name} is an"
+                 " IterableDataset without state_dict()/load_state_dict(), so a resume restores the RNG states and"
+                 " the loop's epoch and step but restarts the data from its beginning, and per-sample seeding does"
+                 f" not apply to it. {_FIX} Draw its random numbers from a generator kept in that state.",
+                 RuntimeWarning, rank_zero=True)
         elif kind == LoaderKind.OTHER and not has_state(loader):
             what = ("without automatic batching (batch_size=None)" if isinstance(loader, DataLoader)
                     else "that is not a DataLoader")
-            rank_zero_warn(
-                f"ResumeStateCallback cannot make a resume of this run exact: the training data is a"
-                f" {type(loader).__name__} {what}, without state_dict()/load_state_dict(), so a resume restores the"
-                " RNG states and the loop's epoch and step but restarts the data from its beginning. Fix: a"
-                " DataLoader with a batch_size over a map-style dataset, or an iterable with"
-                " state_dict()/load_state_dict().", category=RuntimeWarning)
+            warn(f"ResumeStateCallback cannot make a resume of this run exact: the training data is a"
+                 f" {type(loader).__name__} {what}, without state_dict()/load_state_dict(), so a resume restores the"
+                 " RNG states and the loop's epoch and step but restarts the data from its beginning. Fix: a"
+                 " DataLoader with a batch_size over a map-style dataset, or an iterable with"
+                 " state_dict()/load_state_dict().", RuntimeWarning, rank_zero=True)
         elif isinstance(dataset, IterableDataset) and workers:
-            rank_zero_warn(
-                f"ResumeStateCallback: random numbers the {workers} worker(s) of the IterableDataset {name} draw from"
-                " the global RNGs are not restored by a resume (per-sample seeding does not apply to an"
-                " IterableDataset, and the loader's state holds the workers' positions, not their RNGs), so a"
-                f" resume of this run is exact only if {name} draws none. Fix: draw them from a generator kept in"
-                f" {name}'s state_dict().", category=RuntimeWarning)
+            warn(f"ResumeStateCallback: random numbers the {workers} worker(s) of the IterableDataset {name} draw from"
+                 " the global RNGs are not restored by a resume (per-sample seeding does not apply to an"
+                 " IterableDataset, and the loader's state holds the workers' positions, not their RNGs), so a"
+                 f" resume of this run is exact only if {name} draws none. Fix: draw them from a generator kept in"
+                 f" {name}'s state_dict().", RuntimeWarning, rank_zero=True)
         elif self.per_sample_seeding and self._seeding is None and workers:
             fix = ("give the DataLoader a batch_size" if "batch_size=None" in (self._seeding_problem or "") else
                    "wrap the dataset yourself: DataLoader(lightning_resilient.PerSampleSeeded(dataset, seed=...),"
                    " ...)")
-            rank_zero_warn(
-                f"ResumeStateCallback: per-sample seeding cannot apply: {self._seeding_problem}. Random numbers"
-                f" drawn while reading it in the {workers} worker process(es) will differ after a resume, so a resume"
-                f" of this run is not exact if it draws any. Fix: {fix}, or read it with num_workers=0.",
-                category=RuntimeWarning)
+            warn(f"ResumeStateCallback: per-sample seeding cannot apply: {self._seeding_problem}. Random numbers"
+                 f" drawn while reading it in the {workers} worker process(es) will differ after a resume, so a resume"
+                 f" of this run is not exact if it draws any. Fix: {fix}, or read it with num_workers=0.",
+                 RuntimeWarning, rank_zero=True)
         stateful = kind == LoaderKind.LOADER
         custom = [s for s in custom_samplers(loader) if not (stateful and has_state(s))]
         self._custom = [type(s).__name__ for s in custom]
         if custom:
             names = ", ".join(self._custom)
-            rank_zero_warn(
-                f"ResumeStateCallback: the training loader's sampler {names} is not torch's, Lightning's or"
-                f" torchdata's{' and has no state_dict()/load_state_dict()' if stateful else ''}: a resume redraws"
-                " its order from the restored RNG states (the global RNGs and the torch.Generator objects it keeps"
-                " as .generator), which reproduces it only if that is all its randomness. A resume of this run is"
-                " therefore not claimed exact; the resume audit compares the sample indices it replays. Fix: give it"
-                " state_dict()/load_state_dict() and read the data with torchdata's StatefulDataLoader, which"
-                " restores it.", category=RuntimeWarning)
+            warn(f"ResumeStateCallback: the training loader's sampler {names} is not torch's, Lightning's or"
+                 f" torchdata's{' and has no state_dict()/load_state_dict()' if stateful else ''}: a resume redraws"
+                 " its order from the restored RNG states (the global RNGs and the torch.Generator objects it keeps"
+                 " as .generator), which reproduces it only if that is all its randomness. A resume of this run is"
+                 " therefore not claimed exact; the resume audit compares the sample indices it replays. Fix: give it"
+                 " state_dict()/load_state_dict() and read the data with torchdata's StatefulDataLoader, which"
+                 " restores it.", RuntimeWarning, rank_zero=True)
 
     def _plan_resume(self, saved: RankRecord, loader: Any, kind: LoaderKind) -> ResumePlan:
         """Check the saved record against this loader, load a stateful position, and say what the first epoch
@@ -781,9 +774,8 @@ class ResumeStateCallback(Callback):
         if problem is not None and mid:
             ends = (f" (Lightning still counts the {consumed} batch(es) trained before the save, so this epoch ends"
                     " that many batches early)" if self._batches is not None else "")
-            warnings.warn(
-                f"{problem}: the position in the epoch cannot be mapped; RNG states are restored and the resumed"
-                f" epoch's data starts from its first batch{ends}", RuntimeWarning, stacklevel=3)
+            warn(f"{problem}: the position in the epoch cannot be mapped; RNG states are restored and the resumed"
+                 f" epoch's data starts from its first batch{ends}", RuntimeWarning)
         elif mid and (kind == LoaderKind.ITERABLE or (kind == LoaderKind.OTHER and not has_state(loader))):
             # (Lightning itself restores an iterable that has state_dict/load_state_dict: rank 0's state.)
             what = (f"a {type(loader).__name__} " + ("without automatic batching (batch_size=None)"
@@ -792,12 +784,11 @@ class ResumeStateCallback(Callback):
                     f"a {type(loader.dataset).__name__}, an IterableDataset "
                     + ("read by worker processes" if callable(getattr(loader.dataset, "state_dict", None))
                        else "without state_dict()/load_state_dict()"))
-            warnings.warn(
-                f"ResumeStateCallback cannot restore the data position of this run's training data ({what})."
-                f" Resumed: the RNG states and the training loop's epoch and step (epoch {saved.epoch},"
-                f" {consumed} batch(es) into it). Not resumed: the data, which restarts from the beginning of the"
-                f" iterable, so the {consumed} batch(es) already trained on in this epoch are seen again. {_FIX}",
-                RuntimeWarning, stacklevel=3)
+            warn(f"ResumeStateCallback cannot restore the data position of this run's training data ({what})."
+                 f" Resumed: the RNG states and the training loop's epoch and step (epoch {saved.epoch},"
+                 f" {consumed} batch(es) into it). Not resumed: the data, which restarts from the beginning of the"
+                 f" iterable, so the {consumed} batch(es) already trained on in this epoch are seen again. {_FIX}",
+                 RuntimeWarning)
         exact = mid and problem is None and kind in (LoaderKind.MAP, *_STATEFUL)
         state = saved.loader_state if problem is None else None
         if kind == LoaderKind.LOADER:
@@ -884,15 +875,13 @@ class ResumeStateCallback(Callback):
             # (a stream without state restarts at any number of processes: resuming on the same one is no fix)
             restarts = kind == LoaderKind.ITERABLE or (kind == LoaderKind.OTHER and not has_state(loader))
             same = "" if restarts else f"resume on {world_then} process(es), or "
-            rank_zero_warn(
-                f"ResumeStateCallback: resumed {sizes}, and the rest of epoch {first.epoch} cannot be split among"
-                f" this run's processes: {rest}. Resumed: the model, the optimizer and the loop's epoch and step"
-                f" (epoch {first.epoch}, after {first.consumed} batch(es) per process of the checkpoint's job), and"
-                f" {self._rng_phrase(world_then, world)}. Not resumed: the data, which restarts from the beginning of"
-                " the epoch's order at this number of processes, so in this epoch some samples are trained twice and"
-                f" some not at all. To continue the epoch exactly, {same}read the data with a map-style DataLoader"
-                " whose sampler is torch's, Lightning's or torchdata's.",
-                category=RuntimeWarning)
+            warn(f"ResumeStateCallback: resumed {sizes}, and the rest of epoch {first.epoch} cannot be split among"
+                 f" this run's processes: {rest}. Resumed: the model, the optimizer and the loop's epoch and step"
+                 f" (epoch {first.epoch}, after {first.consumed} batch(es) per process of the checkpoint's job), and"
+                 f" {self._rng_phrase(world_then, world)}. Not resumed: the data, which restarts from the beginning of"
+                 " the epoch's order at this number of processes, so in this epoch some samples are trained twice and"
+                 f" some not at all. To continue the epoch exactly, {same}read the data with a map-style DataLoader"
+                 " whose sampler is torch's, Lightning's or torchdata's.", RuntimeWarning, rank_zero=True)
             return plan
         split = rest.split
         if split.per_rank == 0 or split.per_rank > length:  # nothing left (drop_last), or more than an epoch holds
@@ -997,10 +986,9 @@ class ResumeStateCallback(Callback):
             return
         world_then, accumulate_then, batch_then = saved
         if accumulate_then is None or batch_then is None or batch_size is None:
-            rank_zero_warn(
-                "ResumeStateCallback(keep_global_batch=True) cannot keep the global batch: the checkpoint does not say"
-                " its accumulate_grad_batches or batch size (written by an earlier version, or without a batch size);"
-                f" accumulate_grad_batches stays {trainer.accumulate_grad_batches}.", category=RuntimeWarning)
+            warn("ResumeStateCallback(keep_global_batch=True) cannot keep the global batch: the checkpoint does not say"
+                 " its accumulate_grad_batches or batch size (written by an earlier version, or without a batch size);"
+                 f" accumulate_grad_batches stays {trainer.accumulate_grad_batches}.", RuntimeWarning, rank_zero=True)
             self._saved_batch = None
             return
         _, world = _rank_and_world()
@@ -1336,13 +1324,12 @@ class ResumeStateCallback(Callback):
         after = capture_rng()
         if any(not _same(before.get(k), after.get(k)) for k in ("torch", "numpy", "python")):
             self._warned_validation = True
-            warnings.warn(
-                f"the validation that ran right after the checkpoint of step {step} drew random numbers from the"
-                " global RNG (torch, NumPy or Python: in validation_step, or a validation loader that shuffles); a"
-                " run resumed from that checkpoint skips this validation (as Lightning does), so from then on its"
-                " random numbers, and its training, differ from this run's. To resume exactly, give validation its"
-                " own torch.Generator (DataLoader(generator=...), and a NumPy Generator) or draw nothing in it.",
-                RuntimeWarning, stacklevel=2)
+            warn(f"the validation that ran right after the checkpoint of step {step} drew random numbers from the"
+                 " global RNG (torch, NumPy or Python: in validation_step, or a validation loader that shuffles); a"
+                 " run resumed from that checkpoint skips this validation (as Lightning does), so from then on its"
+                 " random numbers, and its training, differ from this run's. To resume exactly, give validation its"
+                 " own torch.Generator (DataLoader(generator=...), and a NumPy Generator) or draw nothing in it.",
+                 RuntimeWarning)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_format(state_dict)
@@ -1513,11 +1500,10 @@ def _rebuilds_buckets(trainer: Trainer) -> bool:
 def _warn_if_ddp_rebuilds_buckets(trainer: Trainer) -> None:
     if not _rebuilds_buckets(trainer):
         return
-    rank_zero_warn(
-        f"resumed under DDP with {trainer.world_size} processes: DDP rebuilds its gradient buckets after its first"
-        " iteration, so the first step after this resume reduces gradients in another order than the uninterrupted"
-        " run did, and the runs agree up to float rounding, not bit for bit. For bit-identical resumes use"
-        " DDPStrategy(find_unused_parameters=True), which keeps the buckets as built.", category=RuntimeWarning)
+    warn(f"resumed under DDP with {trainer.world_size} processes: DDP rebuilds its gradient buckets after its first"
+         " iteration, so the first step after this resume reduces gradients in another order than the uninterrupted"
+         " run did, and the runs agree up to float rounding, not bit for bit. For bit-identical resumes use"
+         " DDPStrategy(find_unused_parameters=True), which keeps the buckets as built.", RuntimeWarning, rank_zero=True)
 
 
 def _batches_of(loader: Any) -> int | None:

@@ -7,11 +7,12 @@ MPS where present). NumPy's state holds an ndarray, which ``weights_only`` refus
 from __future__ import annotations
 
 import random
-import warnings
 from typing import Any, TypeAlias
 
 import numpy as np
 import torch
+
+from lightning_resilient._warnings import warn
 
 __all__ = ["RngState", "capture_rng", "restore_rng"]
 
@@ -52,12 +53,10 @@ def restore_rng(state: RngState) -> None:
         if len(cuda_states) != count:
             # A restart on a node of another shape: the devices both runs have get their state back; the rest
             # cannot (their random numbers, e.g. dropout on those devices, differ from the uninterrupted run).
-            warnings.warn(
-                f"the checkpoint holds the RNG states of {len(cuda_states)} CUDA device(s) but this process sees"
-                f" {count}: restored devices 0-{min(count, len(cuda_states)) - 1}"
-                + (f", devices {len(cuda_states)}-{count - 1} keep fresh states" if count > len(cuda_states) else
-                   f", the saved states of devices {count}-{len(cuda_states) - 1} are not used")
-                + "; random numbers drawn on the others differ from the uninterrupted run",
-                RuntimeWarning, stacklevel=2)
+            warn(f"the checkpoint holds the RNG states of {len(cuda_states)} CUDA device(s) but this process sees"
+                 f" {count}: restored devices 0-{min(count, len(cuda_states)) - 1}"
+                 + (f", devices {len(cuda_states)}-{count - 1} keep fresh states" if count > len(cuda_states) else
+                 f", the saved states of devices {count}-{len(cuda_states) - 1} are not used")
+                 + "; random numbers drawn on the others differ from the uninterrupted run", RuntimeWarning)
     if "mps" in state and torch.backends.mps.is_available():
         torch.mps.set_rng_state(state["mps"])

@@ -327,7 +327,7 @@ def test_audit_off_records_nothing_and_says_nothing(tmp_path):
     assert resumed.audit() == [] and not (tmp_path / "part" / ATTEMPTS_DIR).exists()
 
 
-def test_audit_off_keeps_the_ledger_without_step_digests(tmp_path):
+def test_audit_off_keeps_the_ledger_without_step_digests(tmp_path, capsys):
     cfg = Config("ledger only", callback={"audit": False})
     resumed = resume_with(tmp_path, cfg, cfg)
     assert resumed.audit() == []  # no comparison, no line
@@ -336,6 +336,11 @@ def test_audit_off_keeps_the_ledger_without_step_digests(tmp_path):
     assert first.steps == [] and second.steps == [] and second.audit is None  # nothing digested
     assert first.progress is not None and first.progress.step == 7 and second.resumed_step == 5
     assert second.end == "finished" and second.timings is not None and second.timings.saves >= 1
+    # ls shows how far each attempt got from the ledger, with no step digests (it showed "-").
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "part")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| a00000")]
+    assert "| fresh start | 7 |" in rows[0] and "| step 5 | 30 | finished |" in rows[1], rows
 
 
 def test_ls_shows_each_attempt_and_its_audit(tmp_path, capsys):
@@ -348,8 +353,9 @@ def test_ls_shows_each_attempt_and_its_audit(tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| a00000")]
     assert len(rows) == 2
     # Stopped (by an exception here; a SIGKILLed attempt shows "killed (or running)") two batches after its save.
-    assert "| fresh start | 6 | stopped by Stop: stopped 2 batch(es) after save 1 | - |" in rows[0]
-    assert "| step 5 | 29 | finished | identical: 2 replayed training step(s) (global steps 5 to 6) |" in rows[1]
+    # "last step": the global step reached (the ledger's progress: the batch that started at step 6 ended at 7).
+    assert "| fresh start | 7 | stopped by Stop: stopped 2 batch(es) after save 1 | - |" in rows[0]
+    assert "| step 5 | 30 | finished | identical: 2 replayed training step(s) (global steps 5 to 6) |" in rows[1]
     store = open_store(str(tmp_path / "part"), {}, RetryPolicy())
     second = read_record(store, list_attempts(store)[1], 0)
     assert second.audit is not None and second.audit.outcome == "identical" and second.resumed_step == 5

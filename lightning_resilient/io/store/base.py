@@ -16,7 +16,6 @@ import hashlib
 import logging
 import threading
 import uuid
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from lightning_resilient._warnings import warn
 from lightning_resilient.io.paths import join
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store.errors import translate_error
@@ -319,14 +319,10 @@ class Store:
             first = key not in _warned_no_cas
             _warned_no_cas.add(key)
         if first:
-            warnings.warn(
-                f"the {type(self.fs).__name__} filesystem behind {self.root_url!r} has no conditional write that"
-                " lightning_resilient knows how to use: writer fencing is OFF (last writer wins). Two jobs"
-                " writing this root at once can overwrite each other's pointer. Use local disk, S3 or GCS for"
-                " fenced writes.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warn(f"the {type(self.fs).__name__} filesystem behind {self.root_url!r} has no conditional write that"
+                 " lightning_resilient knows how to use: writer fencing is OFF (last writer wins). Two jobs"
+                 " writing this root at once can overwrite each other's pointer. Use local disk, S3 or GCS for"
+                 " fenced writes.", RuntimeWarning)
         self.write(rel, data)
         return True
 
@@ -341,9 +337,9 @@ def probe_write(store: Store) -> None:
     try:
         store.remove_object(rel)
     except Exception as exc:
-        warnings.warn(f"{store.root_url} can be written but the probe {store.url(rel)} could not be deleted ({exc}):"
-                      " checkpoints will be saved, but keep_last, Lightning's top-k removals and gc cannot delete"
-                      " anything there", RuntimeWarning, stacklevel=3)
+        warn(f"{store.root_url} can be written but the probe {store.url(rel)} could not be deleted ({exc}):"
+             " checkpoints will be saved, but keep_last, Lightning's top-k removals and gc cannot delete"
+             " anything there", RuntimeWarning)
 
 
 def probe_fencing(store: Store, bogus_version: str, conditions: Conditions) -> str | None:
