@@ -56,25 +56,30 @@ def commands(case: str) -> list[list[str]]:
     return [shlex.split(line.format(repo=REPO)) for line in CASES[case]]
 
 
-def run_case(case: str, base: Path, work: Path) -> tuple[str, float, str | None]:
-    """(case, seconds, None) or (case, seconds, what failed with the tail of pip's output)."""
+def run_case(case: str, base: Path, work: Path) -> tuple[str, float, str | None, str]:
+    """(case, seconds, None, a note on backtracking) or (case, seconds, what failed with pip's last lines, "")."""
     venv = work / case.replace(",", "_")
     start = time.monotonic()
     # A hard-linked copy of the venv that has torch: pip replaces files, never writes into one, so the base stays
     # as it is, and each case pays the resolution and installs, not torch's 36 s again.
     subprocess.run(["cp", "-al", str(base), str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    steps = [[python, "-m", "pip", "install", *args] for args in commands(case)]
+    # --no-compile: the resolution and the files are the same, without a minute of byte-compiling per case.
+    steps = [[python, "-m", "pip", "install", "--no-compile", *args] for args in commands(case)]
     steps.append([python, "-m", "pip", "check"])
+    backtracked = []
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True)
-        failed = done.returncode != 0 or "ResolutionImpossible" in done.stdout + done.stderr
-        if failed:
-            tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-            shown = " ".join(shlex.quote(a) for a in step[1:])
-            return case, time.monotonic() - start, f"{shown} (exit {done.returncode}):\n{tail}"
+        output = done.stdout + done.stderr
+        shown = " ".join(shlex.quote(a) for a in step[3:])
+        if done.returncode != 0 or "ResolutionImpossible" in output:
+            tail = "\n".join(output.splitlines()[-30:])
+            return case, time.monotonic() - start, f"{shown} (exit {done.returncode}):\n{tail}", ""
+        if "is looking at multiple versions" in output:  # resolved, after trying versions one by one
+            backtracked.append(shown)
     shutil.rmtree(venv, ignore_errors=True)
-    return case, time.monotonic() - start, None
+    note = f" (pip backtracked in: {'; '.join(backtracked)})" if backtracked else ""
+    return case, time.monotonic() - start, None, note
 
 
 def main(argv: list[str]) -> int:
@@ -96,8 +101,8 @@ def main(argv: list[str]) -> int:
         failures = []
         # Two at a time: a case waits on the registry as much as on a core.
         with ThreadPoolExecutor(max_workers=int(os.environ.get("INSTALL_CHECK_JOBS", "2"))) as pool:
-            for case, seconds, failure in pool.map(lambda c: run_case(c, base, work), cases):
-                print(f"  {'ok  ' if failure is None else 'FAIL'} {case}: {seconds:.0f} s", flush=True)
+            for case, seconds, failure, note in pool.map(lambda c: run_case(c, base, work), cases):
+                print(f"  {'ok  ' if failure is None else 'FAIL'} {case}: {seconds:.0f} s{note}", flush=True)
                 if failure is not None:
                     failures.append(f"{case}: {failure}")
     for failure in failures:

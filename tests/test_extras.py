@@ -33,17 +33,68 @@ def names(requirements: list[str]) -> set[str]:
     return {r.split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower() for r in requirements}
 
 
+def expanded(extras: dict[str, list[str]], extra: str) -> list[str]:
+    """The requirements of ``extra`` with the extras of this package it names (``lightning_resilient[s3,cli]``)
+    replaced by theirs, as pip installs them."""
+    out: list[str] = []
+    for requirement in extras[extra]:
+        if requirement.startswith("lightning_resilient["):
+            for inner in requirement.split("[", 1)[1].rstrip("]").split(","):
+                out += expanded(extras, inner.strip())
+        else:
+            out.append(requirement)
+    return out
+
+
 def test_the_stores_are_extras_and_the_base_install_pulls_neither_client():
     project = pyproject()
     extras = project["optional-dependencies"]
+    every = {name: names(expanded(extras, name)) for name in extras}
     assert not names(project["dependencies"]) & {"s3fs", "gcsfs", "boto3", "botocore", "google-cloud-storage"}
-    assert names(extras["s3"]) == {"s3fs"} and names(extras["gcs"]) == {"gcsfs"}
-    assert names(extras["all"]) == {"s3fs", "gcsfs"}
-    assert {"s3fs", "gcsfs"} <= names(extras["test"])  # make test runs every store
-    assert "s3fs" in names(extras["demo"]) and "s3fs" in names(extras["bench"])  # both run on moto's S3
+    assert every["s3"] == {"s3fs", "botocore", "boto3"} and every["gcs"] == {"gcsfs"}
+    assert every["all"] == every["s3"] | every["gcs"]
+    assert every["s3"] | every["gcs"] <= every["test"]  # make test runs every store
+    assert every["s3"] <= every["demo"] and every["s3"] <= every["bench"]  # both run on moto's S3
     for extra, modules in EXTRAS.items():  # what the error names is what pip installs
-        assert {requirement.split("[")[0] for _, requirement in modules} <= names(extras[extra]), extra
+        assert {requirement.split("[")[0] for _, requirement in modules} <= every[extra], extra
     assert set(PROTOCOL_EXTRAS.values()) <= set(extras)
+
+
+def test_every_extra_that_brings_botocore_or_boto3_takes_them_from_the_s3_extra():
+    """[s3] holds botocore and boto3 to a band aiobotocore accepts (pyproject.toml says why): an extra that named
+    boto3 itself, unbounded, would bring back pip 23.2's ResolutionImpossible (tests/install_check.py)."""
+    extras = pyproject()["optional-dependencies"]
+    for extra, requirements in extras.items():
+        if extra != "s3":
+            assert not names(requirements) & {"s3fs", "boto3", "botocore", "aiobotocore"}, extra
+    pins = {r.split(">")[0]: r for r in extras["s3"] if r.startswith(("boto3", "botocore"))}
+    assert pins["boto3"].replace("boto3", "botocore") == pins["botocore"]  # boto3 X needs botocore >= X
+
+
+# Every way the docs install this package: a code line from the clone, or an extra named in a message or the prose.
+_INSTALL_LINE = re.compile(r"^pip install (.*?/path/to/lightning_resilient\[.*?)\s*(#.*)?$")
+_INSTALL_EXTRA = re.compile(
+    r"pip install (?:-e )?'(?:\.|lightning-resilient|/path/to/lightning_resilient)\[([a-z0-9,]+)\]'")
+
+
+def test_every_install_command_of_the_docs_is_checked_in_a_fresh_venv():
+    """tests/install_check.py (run by CI) installs each in a fresh venv with Python 3.11's stock pip; a command
+    added to the docs must be added there too."""
+    from tests.install_check import CASES
+
+    first = {lines[0] for lines in CASES.values()}
+    every = {line for lines in CASES.values() for line in lines}
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    lines, named = set(), set()
+    for doc in docs:
+        for line in doc.read_text().splitlines():
+            match = _INSTALL_LINE.match(line.strip())
+            if match:
+                lines.add(match.group(1).replace("/path/to/lightning_resilient", "{repo}"))
+            named.update(_INSTALL_EXTRA.findall(line))
+    assert lines and named >= {"s3", "gcs", "s3,cli", "demo"}  # (the patterns still find the README's)
+    assert lines <= first, sorted(lines - first)
+    assert {f"-e '{{repo}}[{extra}]'" for extra in named} <= every, sorted(named)
 
 
 @pytest.mark.parametrize(("extra", "root", "module"), STORES)

@@ -108,12 +108,32 @@ def translate_error(exc: Exception, url: str, what: str) -> Exception:
         if split_protocol(url)[0] in LOCAL_PROTOCOLS:
             return permission_error(url, what, detail)
         return credentials_error(url, what, detail=detail)
+    if isinstance(exc, NotADirectoryError) and split_protocol(url)[0] in LOCAL_PROTOCOLS:
+        blocker = _file_in_the_way(split_protocol(url)[1])
+        if blocker is not None:
+            return NotADirectoryError(
+                f"{blocker!r} is a file, not a folder, so no checkpoint can be saved or found under it ({what}"
+                f" {url}): a checkpoint root (the ModelCheckpoint dirpath) and every folder above it must be"
+                " folders. Choose another dirpath, or move the file away.")
     names_bucket = "bucket" in text.lower() or "NoSuchBucket" in text
     if isinstance(exc, FileNotFoundError) and protocol in _CLOUD and names_bucket:
         bucket = split_protocol(url)[1].split("/", 1)[0]
         return BucketNotFoundError(f"bucket {bucket!r} does not exist ({what} {url}): create it or fix the"
                                    " checkpoint dirpath")
     return exc
+
+
+def _file_in_the_way(path: str) -> str | None:
+    """The nearest existing entry at or above the local ``path`` when it is not a folder (what made an operation
+    under ``path`` fail with ENOTDIR); None when that entry is a folder."""
+    path = os.path.abspath(path)
+    while True:
+        if os.path.lexists(path):
+            return None if os.path.isdir(path) else path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
 
 
 def check_default_client(url: str, client: str = "ModelCheckpoint") -> None:
@@ -173,8 +193,8 @@ def check_url(url: str) -> None:
     - a local path with a folder named like a protocol (``/home/me/s3:/bucket/run``): what such a URL becomes once made
       a local path (``ModelCheckpoint`` makes its dirpath absolute; ``pathlib.Path("s3://b")`` is ``s3:/b``).
 
-    - a blank location (``" "``), or one with a blank folder or whitespace at either end (``"/data/ /run"``, ``"run "``):
-      a stray space in a config, which would quietly make a folder named with spaces;
+    - a blank location (``" "``), a folder named only with whitespace (``"/data/ /run"``), or whitespace at the start
+      (``" s3://bucket/run"``): a stray space in a config, which would quietly make a folder named with spaces;
     - an S3 or GCS URL without a bucket (``s3://``, ``s3:///run``: an empty variable in ``s3://${BUCKET}/run``), which
       the client would send as it is and refuse in its own words;
     - an S3 or GCS URL with a query or fragment (``s3://bucket/run?versionId=1``): s3fs and gcsfs read it as an
@@ -209,29 +229,31 @@ def check_url(url: str) -> None:
 
 
 def _check_blank(url: str) -> None:
-    """Refuse a blank location, whitespace at either end of it, or a folder whose name is only whitespace."""
+    """Refuse a blank location, whitespace at its start, or a folder whose name is only whitespace."""
     if not url.strip():
         raise StoreURLError(f"cannot open {url!r}: the checkpoint location is blank, which would make a folder"
                             " named with spaces in the working folder. Set the ModelCheckpoint dirpath (or the root)"
                             f" to a folder or URL. {_USE}")
-    stripped = url.strip()
-    if stripped != url:
-        raise _url_error(url, "it has whitespace at its start or end (a stray space in a config?), which would"
-                              " become part of a folder's name", stripped)
-    blank = next((part for part in url.split("/") if part and not part.strip()), None)
-    if blank is not None:
-        meant = "/".join(part for part in url.split("/") if part == "" or part.strip())
+    parts = url.split("/")
+    blank = next((part for part in parts if part and not part.strip()), None)
+    if blank is not None:  # ("/data/ /run": ModelCheckpoint(dirpath=" ") saves into "<working folder>/ ")
+        meant = "/".join(part for part in parts if part == "" or part.strip())
         raise _url_error(url, f"it has a folder named {blank!r}, only whitespace (a stray space in a config?)", meant)
+    if url.lstrip() != url:  # (" s3://bucket/run" would be the local folder " s3:"; a trailing space can be a name)
+        raise _url_error(url, "it starts with whitespace (a stray space in a config?), which would become part of a"
+                              " folder's name", url.lstrip())
 
 
 def _check_bucket_url(url: str, scheme: str, after: str) -> None:
     """Refuse an S3/GCS URL without a bucket, or with a query or fragment (``after``: what follows ``scheme://``)."""
-    bucket, _, key = after.partition("/")
+    bucket = after.partition("/")[0]
     if not bucket:
         raise StoreURLError(
             f"cannot open {url!r}: it names no bucket ({scheme}://BUCKET/prefix; an empty variable in the config?)."
             f" Put the bucket right after '{scheme}://'. {_USE}")
-    cut = min((i for i in (after.find("?"), after.find("#")) if i >= 0), default=-1)
+    # s3fs splits "?versionId=" off a key, gcsfs "?generation=" and "#<generation>" (a "#" is a name to s3fs).
+    marks = ("?", "#") if _CLIENT[scheme] == "gcsfs" else ("?",)
+    cut = min((i for i in (after.find(mark) for mark in marks) if i >= 0), default=-1)
     if cut >= 0:
         meant = f"{scheme}://{after[:cut].rstrip('/')}"
         raise _url_error(url, f"{after[cut:]!r} is a query or fragment, which {_CLIENT[scheme]} would read as an"
