@@ -145,7 +145,10 @@ def seeding_cost(runs: int) -> dict[str, float]:
     return {"plain_s": statistics.median(plain), "seeded_s": statistics.median(seeded)}
 
 
-_HOOKS = ("on_train_batch_start", "on_train_batch_end", "_before_fetch", "_after_fetch")
+# (owner, name): the callback's per-step hooks, and the fetch hooks of its data stream (state/_stream.py), which the
+# stream installs on the loader's iterator with these bound names.
+_HOOKS = (("callback", "on_train_batch_start"), ("callback", "on_train_batch_end"), ("stream", "_before_fetch"),
+          ("stream", "_after_fetch"))
 
 
 def trainer_step(audit: bool, steps: int, root: str) -> tuple[float, float, float]:
@@ -196,8 +199,8 @@ def trainer_step(audit: bool, steps: int, root: str) -> tuple[float, float, floa
     callback = ResumeStateCallback(audit=audit)
     spent: list[float] = []
 
-    def timed(name: str) -> None:
-        method = getattr(callback, name)
+    def timed(owner: Any, name: str) -> None:
+        method = getattr(owner, name)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             # The thread's CPU time: what the hook costs the training thread, not the time other processes on the
@@ -208,10 +211,11 @@ def trainer_step(audit: bool, steps: int, root: str) -> tuple[float, float, floa
             finally:
                 spent.append(time.thread_time() - started)
 
-        setattr(callback, name, run)  # on the instance: the callback hooks its loader with these bound names
+        setattr(owner, name, run)  # on the instance: the hooks are looked up there when the loader is hooked
 
-    for name in _HOOKS:
-        timed(name)
+    owners = {"callback": callback, "stream": callback._stream}
+    for owner, name in _HOOKS:
+        timed(owners[owner], name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,

@@ -209,9 +209,10 @@ class _Node:
     def __init__(self, rank: int, folder: str, nodes: Any = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        from lightning_resilient.io.local_tier import local_tier_url
         from lightning_resilient.io.replicas import Access, Nodes, Replicator
         from lightning_resilient.io.root import RootSettings, SerialExecutor, open_root
-        from lightning_resilient.io.tiered import TieredRoot, local_tier_url, save_key
+        from lightning_resilient.io.tiered import TieredRoot, save_key
 
         self.local_tier = os.path.join(folder, f"nvme{rank}")
         self.durable = os.path.join(folder, "root")
@@ -305,8 +306,8 @@ def _replicate(rank: int, node: _Node, loop: Loop, ckpt: Any, spec: dict[str, An
 def _restore(rank: int, node: _Node, ckpt: Any, folder: str) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from lightning_resilient.io.local_tier import local_tier_url
     from lightning_resilient.io.replicas import load_across_nodes
-    from lightning_resilient.io.tiered import local_tier_url
 
     if rank == 0:
         node.tiers_for(node.durable).save(ckpt, "step=1.ckpt")

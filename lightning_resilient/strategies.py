@@ -20,8 +20,9 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_resilient.errors import ShardedCheckpointError
+from lightning_resilient.io.calling_trainer import mark_resumed_step_saved
 from lightning_resilient.io.catalog import Together, load_resolved, normalize
-from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO, mark_resumed_step_saved
+from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
 from lightning_resilient.io.root import CheckpointRoot, Loaded
 from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded, own_errors, root_and_name, save_sharded
 

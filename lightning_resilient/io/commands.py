@@ -361,8 +361,8 @@ def _gc_hint(folders: list[str], root: CheckpointRoot, collectable: set[str], gc
 
 
 def _local_root(args: argparse.Namespace, root: CheckpointRoot) -> CheckpointRoot | None:
+    from lightning_resilient.io.local_tier import local_tier_url
     from lightning_resilient.io.root import INSPECTING, open_root
-    from lightning_resilient.io.tiered import local_tier_url
 
     path = local_tier_url(args.local_tier, root.url)
     if not os.path.isdir(path):
@@ -374,7 +374,7 @@ def _local_root(args: argparse.Namespace, root: CheckpointRoot) -> CheckpointRoo
 def _ls_local_tier(args: argparse.Namespace, root: CheckpointRoot) -> list[Entry]:
     """The local tier's checkpoints beside the durable root's: which are durable too, which only local (and which
     of those are being persisted), which are outside the durable lineage (never resumed). Returns the failing ones."""
-    from lightning_resilient.io.tiered import TierView
+    from lightning_resilient.io.tier_view import TierView
 
     local = _local_root(args, root)
     if local is None:
@@ -452,7 +452,7 @@ def _check_local(local: CheckpointRoot, entry: Entry, quick: bool) -> str:
 
 def _print_persist_status(local: CheckpointRoot) -> None:
     """The last persist of the job writing this local tier: done, pending, or failing (since when, and why)."""
-    from lightning_resilient.io.tiered import read_status
+    from lightning_resilient.io.persist_health import read_status
 
     status = read_status(local)
     if status is None:
@@ -662,7 +662,7 @@ def _gc(args: argparse.Namespace) -> int:
         # The local tier's checkpoints that no resume can take (outside the durable lineage: a fenced job's, an
         # abandoned branch's, another incarnation of the root's), then its debris (crashed saves, retired folders).
         # The job keeps it at the plugin's local_keep, so --keep-last applies to the durable root only.
-        from lightning_resilient.io.tiered import TierView
+        from lightning_resilient.io.tier_view import TierView
 
         view = TierView.read(root, local)
         usable = {e.commit for e in view.candidates()}

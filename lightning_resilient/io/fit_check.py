@@ -103,7 +103,8 @@ class _Check:
         plugin = _plugin(trainer)
         if plugin is None:
             return
-        from lightning_resilient.io.checkpoint_io import check_filenames, fit_roots
+        from lightning_resilient.io.calling_trainer import fit_roots
+        from lightning_resilient.io.plugin_checks import check_filenames
 
         self._say_what_resumes(trainer, plugin)  # first: Lightning's warning, if kept, comes before a refusal below
         check_filenames(trainer)
@@ -211,8 +212,8 @@ def _show(message: warnings.WarningMessage) -> None:
 def _resumed_root(trainer: Any, plugin: Any) -> str | None:
     """The root (as the plugin names it) of a checkpoint folder of this fit that the fit resumed from, or None."""
     from lightning_resilient.io import paths
+    from lightning_resilient.io.calling_trainer import fit_roots
     from lightning_resilient.io.catalog import normalize
-    from lightning_resilient.io.checkpoint_io import fit_roots
 
     ckpt_path = getattr(trainer, "ckpt_path", None)
     if ckpt_path is None or plugin.last_load is None:
@@ -242,7 +243,12 @@ class _CatalogExists:
         self.plugin = plugin
 
     def __call__(self, filepath: Any, trainer: Any) -> bool:
-        known = bool(self.plugin.knows_checkpoint(filepath)) if trainer.is_global_zero else False
+        known = False
+        if trainer.is_global_zero:
+            try:
+                known = bool(self.plugin.knows_checkpoint(filepath))
+            except Exception as exc:  # (a damaged pointer, a store that fails: the save says so, not this question)
+                log.debug("could not tell whether %s exists (%s): taken as not", filepath, exc)
         return bool(trainer.strategy.reduce_boolean_decision(known, all=False))
 
 

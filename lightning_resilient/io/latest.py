@@ -1,7 +1,7 @@
 """``find_latest_checkpoint``: the auto-resume idiom's one call, over the durable root and, when the plugin has
 one, its node-local tier.
 
-It sits above both ``catalog.py`` (one root) and ``tiered.py`` (the two tiers, which build on the catalog), so
+It sits above both ``catalog.py`` (one root) and ``tier_view.py`` (the two tiers, which build on the catalog), so
 neither imports the other back.
 """
 
@@ -11,7 +11,8 @@ import os
 from typing import Any
 
 from lightning_resilient.io.catalog import as_str, check_not_a_file, latest_in_root, reader
-from lightning_resilient.io.tiered import find_latest_tiered, local_tier_url
+from lightning_resilient.io.local_tier import local_tier_url
+from lightning_resilient.io.tier_view import find_latest_tiered
 
 __all__ = ["find_latest_checkpoint"]
 

@@ -61,20 +61,12 @@ from lightning_resilient._warnings import warn
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
 from lightning_resilient.io import layout, parts
 from lightning_resilient.io.collectives import named
+from lightning_resilient.io.local_tier import Claim, adopt_claim, local_tier_url
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest, chunk_digests
 from lightning_resilient.io.pointer import Entry
 from lightning_resilient.io.root import CheckpointRoot, Loaded
-from lightning_resilient.io.tiered import (
-    Claim,
-    TieredResolved,
-    TieredRoot,
-    TierView,
-    adopt_claim,
-    local_tier_url,
-    resolve_tiered,
-    retarget,
-    split_tiered,
-)
+from lightning_resilient.io.tier_view import TieredResolved, TierView, resolve_tiered, split_tiered
+from lightning_resilient.io.tiered import TieredRoot, retarget
 
 __all__ = ["Access", "DURABLE", "Load", "NodeLoad", "Nodes", "Plan", "Replicator", "Sources", "load_across_nodes",
            "plan_sources", "receive_objects", "save_sharded_tiered", "send_objects"]

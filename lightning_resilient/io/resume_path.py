@@ -33,7 +33,7 @@ import torch
 from lightning_resilient.errors import ResumeMismatchError
 from lightning_resilient.io.catalog import normalize, resolve
 from lightning_resilient.io.collectives import named
-from lightning_resilient.io.tiered import split_tiered
+from lightning_resilient.io.tier_view import split_tiered
 
 __all__ = ["AgreedRestore", "agree", "decide"]
 

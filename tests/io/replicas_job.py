@@ -46,10 +46,11 @@ class Job:
     wires up, see ``AtomicCheckpointIO.nodes_for``)."""
 
     def __init__(self, base: str, rank: int, node_of: list[int]) -> None:
+        from lightning_resilient.io.local_tier import local_tier_url
         from lightning_resilient.io.parts import spans_nodes
         from lightning_resilient.io.replicas import Access, Nodes, Replicator
         from lightning_resilient.io.root import RootSettings, SerialExecutor, open_root
-        from lightning_resilient.io.tiered import TieredRoot, local_tier_url, save_key
+        from lightning_resilient.io.tiered import TieredRoot, save_key
 
         node = node_of[rank]
         self.local_tier = os.path.join(base, f"nvme{node}")
@@ -92,7 +93,7 @@ def replica(job: Job, root: str, step: int, part: int) -> Path:
 
 def listed(job: Job, root: str, settle: bool = False) -> list[int]:
     """The steps this node's tier lists (after the copy a restore left to finish, with ``settle``)."""
-    from lightning_resilient.io.tiered import local_tier_url
+    from lightning_resilient.io.local_tier import local_tier_url
 
     local = job.root_for(local_tier_url(job.local_tier, root))
     if settle:
@@ -231,8 +232,8 @@ def _stall_writes_after_the_first() -> tuple[Any, list[int], threading.Event]:
 def _collected_while_written(base: str, rank: int, node_of: list[int], root: str, resume: Any, messages: Messages,
                              outcomes: dict[str, Any]) -> Job:
     from lightning_resilient.io import parts, replicas
+    from lightning_resilient.io.local_tier import local_tier_url
     from lightning_resilient.io.root import INSPECTING, open_root
-    from lightning_resilient.io.tiered import local_tier_url
 
     if rank == 2:
         shutil.rmtree(Path(base, "nvme2"))

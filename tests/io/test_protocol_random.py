@@ -77,12 +77,13 @@ from lightning_resilient.io.async_save import AsyncSaver, SaveStats
 from lightning_resilient.io.catalog import normalize, reader
 from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.lineage import ORIGINS_DIR
+from lightning_resilient.io.local_tier import local_tier_url
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.root import CheckpointRoot, RootSettings
 from lightning_resilient.io.store import open_store
-from lightning_resilient.io.tiered import TieredRoot, local_tier_url
+from lightning_resilient.io.tiered import TieredRoot
 from tests import procs
 
 from .protocol_model import Commit, Job, RootModel

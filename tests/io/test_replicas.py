@@ -41,10 +41,10 @@ from lightning_resilient.io import parts
 from lightning_resilient.io.catalog import reader
 from lightning_resilient.io.folders import part_record
 from lightning_resilient.io.lineage import Origin
+from lightning_resilient.io.local_tier import local_tier_url
 from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord, chunk_digests, object_digest
 from lightning_resilient.io.replicas import DURABLE, plan_sources
 from lightning_resilient.io.sharded import load_full
-from lightning_resilient.io.tiered import local_tier_url
 from tests import procs
 
 from .test_crash import _env

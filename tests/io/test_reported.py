@@ -310,7 +310,7 @@ def test_with_a_local_tier_both_tiers_keep_what_is_reported_and_the_end_of_the_f
     assert set(pointer.reported) == names and names <= set(pointer.checkpoints)
     for path in reported(trainer):
         loads(path, {})  # from the durable root, without the local tier
-    from lightning_resilient.io.tiered import local_tier_url
+    from lightning_resilient.io.local_tier import local_tier_url
 
     local = io.root(local_tier_url(io.local_tier, io.root(local_backend.root).url)).read_pointer()[0]
     assert local is not None and names <= set(local.checkpoints)

@@ -24,8 +24,9 @@ from lightning_resilient import (
 )
 from lightning_resilient.cli import main
 from lightning_resilient.io.catalog import reader
+from lightning_resilient.io.local_tier import local_tier_url
 from lightning_resilient.io.manifest import MANIFEST_NAME
-from lightning_resilient.io.tiered import TierView, local_tier_url, resolve_tiered
+from lightning_resilient.io.tier_view import TierView, resolve_tiered
 
 from ..conftest import Plugins
 from .helpers import assert_same, make_checkpoint

@@ -18,7 +18,8 @@ import torch
 from lightning.pytorch import seed_everything
 
 from lightning_resilient.io.catalog import reader
-from lightning_resilient.io.tiered import TierView, local_tier_url
+from lightning_resilient.io.local_tier import local_tier_url
+from lightning_resilient.io.tier_view import TierView
 from tests import procs
 
 from . import tiered_child

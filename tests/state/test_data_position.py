@@ -21,9 +21,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
+import lightning_resilient.state._stream as stream_module
 import lightning_resilient.state.callback as callback_module
 from lightning_resilient import PerSampleSeeded, ResumeStateCallback
 from lightning_resilient.errors import UnsupportedFormatError
+from lightning_resilient.state._stream import DataStream
 
 N = 40  # samples; batches of 4: 10 per epoch
 
@@ -146,7 +148,7 @@ def test_iterable_dataset_with_state_resumes_at_the_next_unconsumed_batch(tmp_pa
 
 def test_without_the_snapshot_before_each_fetch_an_iterable_resumes_one_batch_late(tmp_path, monkeypatch):
     # The mechanism off: the dataset's live state is saved, and it already counts the prefetched batch.
-    monkeypatch.setattr(ResumeStateCallback, "_before_fetch", lambda self, it: None)
+    monkeypatch.setattr(DataStream, "_before_fetch", lambda self, it: None)
     full, resumed, _ = interrupted(tmp_path, lambda: DataLoader(StatefulStream(), batch_size=4), 3)
     assert [ids for _, _, ids in resumed.seen[:2]] == [ids for _, _, ids in after(full, 4)[:2]]
 
@@ -264,7 +266,7 @@ def test_a_distributed_sampler_resumed_in_a_later_epoch_gets_that_epoch_first(tm
 
 @pytest.mark.parametrize("kind", ["workers2", "stateful"])
 def test_without_setting_the_sampler_epoch_first_the_resumed_epoch_differs(tmp_path, monkeypatch, kind):
-    monkeypatch.setattr(callback_module, "set_data_epoch", lambda loader, epoch: None)
+    monkeypatch.setattr(stream_module, "set_data_epoch", lambda loader, epoch: None)
     full, resumed, _ = interrupted(tmp_path, lambda: distributed(kind), 7, every=7)
     assert [ids for _, _, ids in resumed.seen] != [ids for _, _, ids in after(full, 7)]
 
@@ -332,7 +334,7 @@ def test_a_sampler_with_its_own_generator_resumes_in_a_later_epoch(tmp_path):
 
 
 def test_without_restoring_the_samplers_generator_a_later_epoch_differs(tmp_path, monkeypatch):
-    monkeypatch.setattr(ResumeStateCallback, "_set_generators", lambda self, states: None)
+    monkeypatch.setattr(DataStream, "_set_generators", lambda self, states: None)
     full, resumed, _ = interrupted(tmp_path, own_generator, 12)
     assert [ids for _, _, ids in resumed.seen] != [ids for _, _, ids in after(full, 12)]
 
@@ -349,7 +351,7 @@ def test_a_wrapped_sampler_is_drawn_once_per_epoch_so_a_later_epoch_resumes(tmp_
 
 
 def test_without_drawing_once_per_epoch_a_wrapped_sampler_resumes_another_order(tmp_path, monkeypatch):
-    monkeypatch.setattr(callback_module, "draw_once_per_epoch", lambda loader, drawing, before_draw=None: None)
+    monkeypatch.setattr(stream_module, "draw_once_per_epoch", lambda loader, drawing, before_draw=None: None)
     full, resumed, _ = interrupted(tmp_path, wrapped, 7, every=7)
     assert [ids for _, _, ids in resumed.seen] != [ids for _, _, ids in after(full, 7)]
 
@@ -362,7 +364,7 @@ def test_a_stateful_dataloader_saved_on_an_epochs_last_batch_resumes_into_the_ne
 
 
 def test_without_replaying_the_saved_state_to_its_end_the_next_epoch_is_empty(tmp_path, monkeypatch):
-    monkeypatch.setattr(ResumeStateCallback, "_replay_to_epoch_end", lambda self, loader, epoch: None)
+    monkeypatch.setattr(DataStream, "_replay_to_epoch_end", lambda self, loader, epoch: None)
     full, resumed, _ = interrupted(tmp_path, stateful, 10, every=5)
     assert len(resumed.seen) < len(after(full, 10))
 
