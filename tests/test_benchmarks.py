@@ -32,6 +32,7 @@ def test_precision_benchmark_smoke(tmp_path):
     assert written.startswith("# Mixed precision") and "Machine: " in written
 
 
+@pytest.mark.slow  # nine fresh interpreters (each command's --help): test_cli_first_hour.py checks the --help texts
 def test_first_hour_benchmark_smoke(tmp_path):
     """--help timings only (the demo is test_demo's); the suite time is recorded, not run."""
     text = load("first_hour").main(["--no-demo", "--runs", "1", "--out", str(tmp_path / "f"), "--suite-time", "17:18",

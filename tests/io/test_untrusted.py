@@ -117,7 +117,7 @@ def test_a_huge_object_at_the_default_chunk_size_is_damage_found_before_any_per_
 
 def test_a_tiny_chunk_size_cannot_turn_a_load_into_a_request_per_byte(backend, make_io):
     io = make_io(backend)
-    ckpt = make_checkpoint(1, size=2048)  # ~130 kB of tensors
+    ckpt = make_checkpoint(1, size=256)  # ~16 kB of tensors: 16k one-byte chunks, one request per object
     io.save_checkpoint(ckpt, backend.url("a.ckpt"))
 
     def per_byte(body, commit):
