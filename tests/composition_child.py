@@ -15,6 +15,7 @@ checkpoint a ModelCheckpoint reports (``LOADABLE <n>``), writes the final weight
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -66,6 +67,13 @@ class Announcing(AtomicCheckpointIO):
 class Report(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         say(f"START rank={trainer.global_rank} step={trainer.global_step}")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if os.environ.get("COMPOSITION_TRACE"):  # (debugging a setup: where a run first departs from another)
+            digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in pl_module.parameters()))
+            say(f"TRACE rank={trainer.global_rank} step={trainer.global_step} batch={batch[0].sum().item()!r}"
+                f" rng={hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12]}"
+                f" params={digest.hexdigest()[:12]}")
 
 
 def main(root: str, out: str, options: dict[str, Any]) -> None:

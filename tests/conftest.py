@@ -300,6 +300,25 @@ def _lightning_logs_reach_caplog() -> Iterator[None]:
     assert not changed, f"the test left Lightning's log levels changed: {', '.join(changed)}"
 
 
+# What Lightning's ``seed_everything`` writes into ``os.environ`` (the seed, and whether workers are seeded): every
+# training a later test starts in a subprocess inherits it. ``DistributedSampler`` shuffles with PL_GLOBAL_SEED, so a
+# DDP child started after ``seed_everything(2)`` in the same worker trained on another order than the reference run
+# made in another worker, and the composition tests failed "not bit-identical" only in a full run.
+SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_seed() -> Iterator[None]:
+    """Put back the seed variables a test's ``seed_everything`` set, so no later test's subprocess inherits them."""
+    before = {name: os.environ.get(name) for name in SEED_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_threads() -> Iterator[None]:
     """Fail a test that leaves one of our I/O threads running (teardown must stop them)."""

@@ -16,7 +16,8 @@ that closes its port, reached by Lightning's own client too). ``SETUPS`` covers 
 With a local tier, an outage does not stop the job: it trains through it (the store comes back after step 10's save)
 and ends as the uninterrupted run. Without one, the save that meets the outage ends the fit (bounded) and the run
 resumes once the store is back. A failure names its setup (the test id). ``COMPOSITION_LOG=<folder>`` keeps each
-process's whole stderr there, with the package's log at INFO (``composition_child.py``).
+process's whole stderr and stdout there, with the package's log at INFO; ``COMPOSITION_TRACE=1`` adds a line per step
+with a digest of the batch, the RNG and the weights on every rank (``composition_child.py``).
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ import pytest
 import torch
 
 from lightning_resilient.io.catalog import reader
-from lightning_resilient.io.tiered import TierView, local_tier_url
+from lightning_resilient.io.local_tier import local_tier_url
+from lightning_resilient.io.tier_view import TierView
 from lightning_resilient.testing import StoreProxy
 
 from . import procs
+from .conftest import SEED_VARIABLES
 
 CHILD = Path(__file__).parent / "composition_child.py"
 MAX_STEPS = 16
@@ -123,6 +126,8 @@ class Job:
                    "s3": setup.store == "s3", "max_steps": MAX_STEPS}
         nodes = 2 if setup.procs == "nodes" else 1
         port = str(_free_port())
+        # The same command as the reference run's: no seed a test of this worker left (DDP shuffles with it).
+        env = {k: v for k, v in env.items() if k not in SEED_VARIABLES}
         self.processes = []
         for node in range(nodes):
             (base / f"tmp{node}").mkdir(parents=True, exist_ok=True)
@@ -161,6 +166,7 @@ class Job:
             for i, p in enumerate(self.processes):
                 name = f"{self.setup.id}-{i}-{p.proc.pid}.err"
                 Path(os.environ["COMPOSITION_LOG"], name).write_text("\n".join(p.err))
+                Path(os.environ["COMPOSITION_LOG"], name[:-4] + ".out").write_text("\n".join(p.lines))
         return codes
 
     def stderr(self) -> str:
