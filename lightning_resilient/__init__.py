@@ -20,7 +20,7 @@ _WHERE = {
     "AtomicModelParallelStrategy": "lightning_resilient.strategies",
     "AutoPrecision": "lightning_resilient.precision",
     "BucketNotFoundError": "lightning_resilient.errors",
-    "CheckpointCadence": "lightning_resilient.planning",
+    "CheckpointCadence": "lightning_resilient.checkpoint_cadence",
     "CheckpointCorruptedError": "lightning_resilient.errors",
     "CheckpointError": "lightning_resilient.errors",
     "CollectiveError": "lightning_resilient.errors",
@@ -89,6 +89,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from lightning_resilient.checkpoint_cadence import CheckpointCadence
     from lightning_resilient.errors import (
         BucketNotFoundError,
         CheckpointCorruptedError,
@@ -111,7 +112,7 @@ if TYPE_CHECKING:
     from lightning_resilient.io.checkpoint_io import AtomicCheckpointIO
     from lightning_resilient.io.latest import find_latest_checkpoint
     from lightning_resilient.io.loading import export_checkpoint, load_checkpoint, load_from_checkpoint
-    from lightning_resilient.planning import CheckpointCadence, TransferAudit
+    from lightning_resilient.planning import TransferAudit
     from lightning_resilient.precision import AutoPrecision, select_precision
     from lightning_resilient.preemption import PreemptionCheckpoint
     from lightning_resilient.schedule import AccumulationAwareScheduler, warmup_schedule

@@ -122,7 +122,7 @@ def test_cost_names_the_file_and_the_field(capsys, tmp_path):
 
 def test_the_cost_help_shows_a_file_that_works(capsys, tmp_path):
     """The format in `cost --help` is a working file: cut out of the help, it runs."""
-    from lightning_resilient.planning.commands import COST_DESCRIPTION
+    from lightning_resilient.cli.planning_commands import COST_DESCRIPTION
 
     lines = COST_DESCRIPTION.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("  price_per_gpu_hour:"))

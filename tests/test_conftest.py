@@ -14,7 +14,7 @@ import pytest
 from tests import conftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULE = "tests/io/test_commands.py"  # store tests of every kind: the backend fixture's, a dynamic s3_backend
+MODULE = "tests/cli/test_root_commands.py"  # store tests of every kind: the backend fixture's, a dynamic s3_backend
 
 
 def collect(*args: str) -> subprocess.CompletedProcess[str]:

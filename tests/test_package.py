@@ -31,12 +31,14 @@ def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text())
 
 
-def _imports(name: str) -> set[str]:
-    """The package modules ``name`` imports anywhere in its text (module level or inside a function; not under
-    ``if TYPE_CHECKING``): a deferred import is still a dependency, and a circle through one is still a circle."""
+def _imports(name: str, *, type_only: bool = False) -> set[str]:
+    """The package modules ``name`` imports anywhere in its text (module level or inside a function; under ``if
+    TYPE_CHECKING`` only with ``type_only``): a deferred import is still a dependency, and a circle through one is
+    still a circle."""
     tree = _tree(MODULES[name])
-    checking = {id(n) for node in ast.walk(tree)
-                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    checking = set() if type_only else {
+        id(n) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     out = set()
     for node in ast.walk(tree):
         if id(node) in checking:
@@ -88,6 +90,71 @@ def test_the_circle_check_sees_a_deferred_import(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "lightning_resilient.a", a)
     monkeypatch.setitem(MODULES, "lightning_resilient.b", b)
     assert _circle() == ["lightning_resilient.a", "lightning_resilient.b", "lightning_resilient.a"]
+
+
+# The layers of CONTRIBUTING.md's module map, as what each package never imports: the storage protocol (io/) and the
+# planning tools (planning/) stand side by side, neither importing the other; exact resume (state/) builds on both;
+# the integrations and entry points (top-level modules, cli/, demo/) on all three. Nothing below points up, not even
+# through a deferred import: the command line's handlers and CheckpointCadence, which read state/'s records, live
+# above it (cli/, checkpoint_cadence.py).
+_INTEGRATIONS = ("checkpoint_cadence", "cli", "demo", "strategies", "training_cli", "watchdog")
+NEVER_IMPORTS = {
+    "io": ("planning", "state", *_INTEGRATIONS),
+    "planning": ("io", "state", *_INTEGRATIONS),
+    "state": _INTEGRATIONS,
+}
+
+
+def _depends_on(name: str) -> set[str]:
+    """The package modules ``name`` needs: those it imports (deferred and type-only imports included) and those it
+    names in a string, as the lazy exports' ``_WHERE`` and ``importlib.import_module`` do."""
+    named = {node.value for node in ast.walk(_tree(MODULES[name]))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES}
+    return (_imports(name, type_only=True) | named) - {name}
+
+
+def _points_up(target: str, above: list[str]) -> bool:
+    # The package's own __init__ holds the public names of every layer: importing from it points up too.
+    return target == PACKAGE.name or any(target == a or target.startswith(f"{a}.") for a in above)
+
+
+def _upward() -> list[str]:
+    out = []
+    for name in MODULES:
+        layer = name.split(".")[1] if "." in name else ""
+        above = [f"{PACKAGE.name}.{package}" for package in NEVER_IMPORTS.get(layer, ())]
+        if above:
+            out.extend(f"{name} imports {target}" for target in _depends_on(name) if _points_up(target, above))
+    return sorted(out)
+
+
+def test_layers_only_point_down():
+    # io/ and planning/ once reached up into state/ through imports inside functions (ls, goodput, cadence's
+    # measured=True): each layer could then be neither read nor tested without the ones above it.
+    assert _upward() == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path, monkeypatch):
+    # The check above must be able to fail: a deferred import, a type-only import, a lazy export and the package's
+    # public names, each pointing up, caught; an import down, allowed.
+    def module(name: str, text: str) -> None:
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        monkeypatch.setitem(MODULES, name, path)
+
+    module("lightning_resilient.io.x", "def f():\n    from lightning_resilient.state.goodput import measure\n"
+           "from lightning_resilient.errors import CheckpointError\n")
+    module("lightning_resilient.planning.x", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+           "    from lightning_resilient.cli import main\n"
+           "_WHERE = {'CheckpointCadence': 'lightning_resilient.checkpoint_cadence'}\n")
+    module("lightning_resilient.state.x", "from lightning_resilient import HangWatchdog\n"
+           "from lightning_resilient.io import paths\nfrom lightning_resilient.planning import cadence\n")
+    assert _upward() == [
+        "lightning_resilient.io.x imports lightning_resilient.state.goodput",
+        "lightning_resilient.planning.x imports lightning_resilient.checkpoint_cadence",
+        "lightning_resilient.planning.x imports lightning_resilient.cli",
+        "lightning_resilient.state.x imports lightning_resilient",
+    ]
 
 
 def _package_of(name: str) -> str:

@@ -4,12 +4,14 @@
   expected waste of any interval.
 - :mod:`~lightning_resilient.planning.tiers`: the same for a node-local tier in front of the durable store:
   the local interval and ``persist_every`` with the least expected waste, against the single-tier plan.
-- :class:`CheckpointCadence`: a callback that measures each save's blocking cost and the step time, reports
-  the optimal cadence and, with ``adapt=True``, sets it on ``ModelCheckpoint(every_n_train_steps=...)``.
 - :mod:`~lightning_resilient.planning.cost`: wall-clock hours and cost per cluster option, the value of time,
   and the scaling benchmark's JSON read into options.
 - :class:`TransferAudit`: a callback that flags pageable batch tensors, blocking host-to-device copies and
   host syncs inside the training step.
+
+``CheckpointCadence``, the callback that measures each save and applies these formulas in training, lives above
+this package, in :mod:`lightning_resilient.checkpoint_cadence`: it reads the goodput ledger of ``state/``, which
+builds on this package. ``planning/`` imports neither ``state/`` nor the command line.
 """
 
 from __future__ import annotations
@@ -18,16 +20,13 @@ from typing import TYPE_CHECKING
 
 from lightning_resilient._lazy import lazy_exports
 
-# Imported on first use (PEP 562): the callbacks import Lightning, which `lightning-resilient cadence` and `cost`
+# Imported on first use (PEP 562): TransferAudit imports Lightning, which `lightning-resilient cadence` and `cost`
 # (and their `--help`) do not need.
 _WHERE = {
-    "CadenceDecision": "lightning_resilient.planning.cadence_callback",
-    "CheckpointCadence": "lightning_resilient.planning.cadence_callback",
     "ClusterOption": "lightning_resilient.planning.cost",
     "Comparison": "lightning_resilient.planning.cost",
     "OptionCost": "lightning_resilient.planning.cost",
     "SCALING_SCHEMA": "lightning_resilient.planning.cost",
-    "SaveMeasurement": "lightning_resilient.planning.cadence_callback",
     "TierCosts": "lightning_resilient.planning.tiers",
     "TieredPlan": "lightning_resilient.planning.tiers",
     "TransferAudit": "lightning_resilient.planning.audit",
@@ -43,13 +42,10 @@ _WHERE = {
 }
 
 __all__ = [
-    "CadenceDecision",
-    "CheckpointCadence",
     "ClusterOption",
     "Comparison",
     "OptionCost",
     "SCALING_SCHEMA",
-    "SaveMeasurement",
     "TierCosts",
     "TieredPlan",
     "TransferAudit",
@@ -67,7 +63,6 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_resilient.planning.audit import TransferAudit, TransferAuditWarning
     from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
-    from lightning_resilient.planning.cadence_callback import CadenceDecision, CheckpointCadence, SaveMeasurement
     from lightning_resilient.planning.cost import (
         SCALING_SCHEMA,
         ClusterOption,

@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_resilient._checks import check_bool, check_positive_int
 from lightning_resilient._namespaces import require_lightning_pytorch
+from lightning_resilient._units import plural
 from lightning_resilient._warnings import warn
-from lightning_resilient.planning._units import plural
 
 __all__ = ["KINDS", "SYNC_MESSAGE", "TransferAudit", "TransferAuditWarning", "TransferKind"]
 

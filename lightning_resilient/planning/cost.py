@@ -35,7 +35,7 @@ from lightning_resilient._checks import (
     check_positive,
     check_positive_int,
 )
-from lightning_resilient.planning._units import (
+from lightning_resilient._units import (
     format_hours,
     format_hours_pair,
     format_money,

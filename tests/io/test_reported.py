@@ -23,9 +23,9 @@ from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint, repa
 from lightning_resilient.io.pointer import POINTER_NAME
 from lightning_resilient.io.reported import kept_by, reported_in, reported_names
 
+from ..cli.test_root_commands import run
 from ..models import TinyModel, tiny_loader
 from .helpers import make_checkpoint, read_pointer
-from .test_commands import run
 
 # val_acc per epoch: the best (epoch 0) is the oldest checkpoint for the whole run, and the top two change.
 ACCURACY = [0.9, 0.5, 0.4, 0.6, 0.3, 0.7, 0.2, 0.8, 0.1, 0.85]

@@ -1,4 +1,5 @@
-"""One real CPU training run shared by the callback tests: CheckpointCadence and TransferAudit side by side."""
+"""One real CPU training run shared by the callback tests: CheckpointCadence and TransferAudit side by side (the
+TransferAudit tests here, the CheckpointCadence tests in tests/test_checkpoint_cadence.py, which import it)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lightning_resilient.planning import CheckpointCadence, TransferAudit
+from lightning_resilient.checkpoint_cadence import CheckpointCadence
+from lightning_resilient.planning import TransferAudit
 
 from ..models import TinyModel, tiny_loader
 

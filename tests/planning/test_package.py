@@ -9,7 +9,7 @@ import pytest
 
 import lightning_resilient.planning as planning
 
-MODULES = ["audit", "cadence", "cadence_callback", "commands", "cost", "tiers"]
+MODULES = ["audit", "cadence", "cost", "tiers"]
 
 
 def test_public_names_import_and_all_is_sorted():

@@ -1,6 +1,11 @@
 """``lightning-resilient ls | verify | gc | export | goodput``: look at, check and clean a checkpoint root, and add up
 what its training run's attempts cost, without writing Python.
 
+This module owns these five commands, their options and their messages (``_guarded``: bad input exits 2 with one
+line). It drives the storage protocol (``io/``) and reads the attempt records and goodput ledger the training run
+keeps beside its checkpoints (``state/attempts.py``, ``state/goodput.py``); both sit below the command line, so
+neither imports this module. The protocol's modules that import torch are imported inside the commands.
+
 Exit status: 0 when all is well, 1 when a checkpoint fails verification (or the pointer is damaged), 2 for bad
 input (a URL no filesystem knows, a missing bucket, missing credentials, a checkpoint that does not exist, a file
 where a root should be), always as one line naming the fix.

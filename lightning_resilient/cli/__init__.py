@@ -1,8 +1,17 @@
-"""``lightning-resilient``: the operator's command line.
+"""``lightning-resilient``: the operator's command line, the package above every other.
 
-Each group of subcommands lives next to the code it drives and registers itself here through an
-``add_commands(subparsers)`` function; every subcommand sets ``func(args) -> int`` (the exit status). Those modules
-import torch, Lightning and the cloud clients only inside the commands, so ``--help`` answers at once.
+This module owns the parser and the entry point (``main``, ``build_parser``, and ``train``, which hands its arguments
+to LightningCLI). Each group of subcommands is a module that registers itself here through an
+``add_commands(subparsers)`` function, and every subcommand sets ``func(args) -> int`` (the exit status):
+
+- :mod:`~lightning_resilient.cli.root_commands`: ``ls``, ``verify``, ``gc``, ``export`` and ``goodput``, on a
+  checkpoint root (``io/``) and its training run's attempt records and goodput ledger (``state/``).
+- :mod:`~lightning_resilient.cli.planning_commands`: ``cadence`` and ``cost`` (``planning/``).
+- :mod:`lightning_resilient.demo`: ``demo``.
+
+The command line sits above ``io/``, ``planning/`` and ``state/``, so those import none of it and neither imports a
+layer above it. The command modules import torch, Lightning and the cloud clients only inside the commands, so
+``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -15,8 +24,8 @@ __all__ = ["build_parser", "main"]
 
 # Modules that contribute subcommands, each with ``add_commands(subparsers)``.
 _COMMAND_MODULES = (
-    "lightning_resilient.io.commands",
-    "lightning_resilient.planning.commands",
+    "lightning_resilient.cli.root_commands",
+    "lightning_resilient.cli.planning_commands",
     "lightning_resilient.demo",
 )
 
@@ -92,7 +101,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     return int(func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

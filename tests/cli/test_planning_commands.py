@@ -9,7 +9,7 @@ import pytest
 
 from lightning_resilient.cli import main
 
-from .test_cost import scaling_doc
+from ..planning.test_cost import scaling_doc
 
 WORKED_EXAMPLE = """\
 options:

@@ -10,17 +10,16 @@ import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_resilient.planning import (
-    CheckpointCadence,
-    daly_interval,
-    expected_waste,
-    steps_for_interval,
-    young_interval,
-)
-from lightning_resilient.planning._units import format_duration
+from lightning_resilient._units import format_duration
+from lightning_resilient.checkpoint_cadence import CheckpointCadence
+from lightning_resilient.planning import daly_interval, expected_waste, steps_for_interval, young_interval
 
-from ..models import TinyModel, tiny_loader
-from .conftest import MTBF_SECONDS, SlowIO
+from .models import TinyModel, tiny_loader
+from .planning import conftest as planning_run
+from .planning.conftest import MTBF_SECONDS, SlowIO
+
+# The one CPU training run the TransferAudit tests share (tests/planning/conftest.py), a fixture found here by pytest.
+cpu_run = planning_run.cpu_run
 
 
 def test_one_measurement_per_real_save(cpu_run):
@@ -224,7 +223,7 @@ def test_one_line_per_checkpoint_with_its_change_and_the_figures_behind_it_at_de
     assert info[0].endswith(f"; set every_n_train_steps 2 -> {at_2[-1].new_steps}")
     assert "(now every 2 steps: " in info[0]
     debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"
-             and r.name == "lightning_resilient.planning.cadence_callback"]
+             and r.name == "lightning_resilient.checkpoint_cadence"]
     assert len([line for line in debug if "blocked the loop" in line]) == len(cadence.measurements)
     assert any(line.startswith(f"CheckpointCadence: every_n_train_steps 2 -> {at_2[0].new_steps} at step 2")
                for line in debug)
@@ -246,7 +245,7 @@ def fit_with_ledger(root, cadence: CheckpointCadence, caplog) -> list[str]:
 def test_measured_uses_the_mtbf_the_roots_goodput_ledger_measured(tmp_path, caplog):
     from lightning_resilient.state.goodput import measure_root
 
-    from ..state.test_goodput import FINISHED, KILLED, attempt, store_of, write
+    from .state.test_goodput import FINISHED, KILLED, attempt, store_of, write
 
     store = store_of(tmp_path / "root")
     write(store, attempt(1, **KILLED))  # killed: a failure without notice
@@ -263,7 +262,7 @@ def test_measured_uses_the_mtbf_the_roots_goodput_ledger_measured(tmp_path, capl
 
 
 def test_measured_keeps_the_given_mtbf_until_a_failure_and_when_the_ledger_is_damaged(tmp_path, caplog):
-    from ..state.test_goodput import FINISHED, KILLED, attempt, store_of, write
+    from .state.test_goodput import FINISHED, KILLED, attempt, store_of, write
 
     cadence = CheckpointCadence(mtbf_hours=24, measured=True)
     (line,) = fit_with_ledger(tmp_path / "fresh", cadence, caplog)  # no earlier attempt at all

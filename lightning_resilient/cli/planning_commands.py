@@ -1,5 +1,9 @@
 """The planning subcommands of ``lightning-resilient``: ``cadence`` and ``cost``.
 
+This module owns the two commands, their options, the format of the cost file (:data:`COST_DESCRIPTION`) and
+reading it; the arithmetic is ``planning/``'s (``cadence.py``, ``tiers.py``, ``cost.py``), which imports none of
+this. It imports neither torch nor Lightning, so ``--help`` answers at once.
+
 ``lightning-resilient cadence --save-seconds 6 --mtbf-hours 2.8 [--restart-seconds R] [--step-seconds T]``
 prints Young's and Daly's checkpoint intervals, the waste at each and, with ``--step-seconds``, the matching
 ``every_n_train_steps``.
@@ -27,7 +31,7 @@ from typing import Any
 import yaml
 
 from lightning_resilient._checks import check_non_negative, check_positive
-from lightning_resilient.planning._units import format_duration, format_percent
+from lightning_resilient._units import format_duration, format_percent
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
 from lightning_resilient.planning.cost import ClusterOption, compare, load_scaling
 from lightning_resilient.planning.tiers import TierCosts, plan_tiers

@@ -6,8 +6,11 @@ callback times every call, times the optimizer steps in between, and from a give
 interval (:func:`~lightning_resilient.planning.cadence.daly_interval` by default) and the expected waste of the
 present cadence. With ``adapt=True`` it also sets the interval, in steps, on the trainer's step-based
 ``ModelCheckpoint`` callbacks. With ``measured=True`` the MTBF is the one the goodput ledger of the checkpoint root
-measured (``state/goodput.py``, read inside the function: the one import from a later group of the module map), once
-it has seen a failure; the given one until then.
+measured (``state/goodput.py``), once it has seen a failure; the given one until then.
+
+This module owns the callback and its records (``SaveMeasurement``, ``CadenceDecision``); the formulas are
+``planning/cadence.py``'s. It sits above both ``planning/`` and ``state/``, whose ledger it reads, so that
+``planning/`` never imports ``state/``.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_resilient._checks import check_bool, check_non_negative, check_positive, check_positive_int
 from lightning_resilient._namespaces import require_lightning_pytorch
+from lightning_resilient._units import format_duration, format_percent, plural
 from lightning_resilient._warnings import warn
-from lightning_resilient.planning._units import format_duration, format_percent, plural
 from lightning_resilient.planning.cadence import daly_interval, expected_waste, steps_for_interval, young_interval
+from lightning_resilient.state.goodput import measure_root
 
 __all__ = ["CadenceDecision", "CheckpointCadence", "Method", "SaveMeasurement"]
 
@@ -97,7 +101,7 @@ class CheckpointCadence(Callback):
     It logs one short line per checkpoint (all the saves of one step, such as a ``save_last`` copy, together), once
     they are done: ``CheckpointCadence: step 200 save 1.2 s; Daly: every 850 steps = 738.0 s (12.3 min), wastes
     1.20% (now every 100 steps: 2.90%)``, plus the change ``adapt`` made. The reasoning behind each number (the
-    checkpoint cost and step time estimates, the MTBF) goes to the ``lightning_resilient.planning.cadence_callback``
+    checkpoint cost and step time estimates, the MTBF) goes to the ``lightning_resilient.checkpoint_cadence``
     logger at DEBUG level, and :meth:`explain` gives it for the latest save; :attr:`measurements` and
     :attr:`decisions` hold every figure.
 
@@ -436,8 +440,6 @@ def _measured_mtbf(trainer: Trainer) -> tuple[float | None, str]:
                  if isinstance(cb, ModelCheckpoint) and cb.dirpath), None)
     if root is None:
         return None, "measured=True, but no ModelCheckpoint has a dirpath whose goodput ledger could be read"
-    from lightning_resilient.state.goodput import measure_root
-
     plugin = trainer.strategy.checkpoint_io
     while not hasattr(plugin, "storage_options") and hasattr(plugin, "checkpoint_io"):  # AsyncCheckpointIO
         plugin = plugin.checkpoint_io

@@ -9,8 +9,8 @@ import pytest
 from lightning_resilient.cli import main
 from lightning_resilient.io.manifest import MANIFEST_NAME
 
-from .helpers import make_checkpoint, put, read_pointer
-from .test_protocol import commits_on_store
+from ..io.helpers import make_checkpoint, put, read_pointer
+from ..io.test_protocol import commits_on_store
 
 
 @pytest.fixture(params=["local", "s3"])
