@@ -3,6 +3,7 @@ resuming bit for bit. Here in a shortened form (30 steps, killed while uploading
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -57,7 +58,17 @@ def test_demo_runs_end_to_end_and_reports(tmp_path):
 
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", int(port))) != 0
-    leftover = subprocess.run(["pgrep", "-f", "train fit -c demo_output/"],
-                              capture_output=True, text=True)
-    assert not leftover.stdout.strip()
+    assert not _demo_jobs_in(tmp_path)
     assert not (Path(tmp_path) / "lightning_logs").exists()
+
+
+def _demo_jobs_in(folder: Path) -> list[int]:
+    """The demo's training jobs still running in ``folder`` (a demo elsewhere on the machine is not this one's)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        with contextlib.suppress(psutil.Error):
+            if "train fit -c demo_output/" in " ".join(p.info["cmdline"] or []) and p.info["cwd"] == str(folder):
+                found.append(p.pid)
+    return found
