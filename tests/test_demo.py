@@ -72,3 +72,28 @@ def _demo_jobs_in(folder: Path) -> list[int]:
             if "train fit -c demo_output/" in " ".join(p.info["cmdline"] or []) and p.info["cwd"] == str(folder):
                 found.append(p.pid)
     return found
+
+
+def test_a_reference_that_parted_from_the_first_attempt_before_the_fault_is_trained_again(tmp_path):
+    """The demo compares the resumed run with an uninterrupted one, which must be the very training the first attempt
+    ran: one whose losses already differ before the fault (seen rarely on a loaded CPU with bf16) is not, and the
+    demo trains it once more on a root and record folder of its own (auto-resume would continue the first)."""
+    from lightning_resilient.demo.driver import Losses, _another_reference, _differs_before_the_fault
+
+    first = [(0, 0, 3.6514925956726074), (1, 1, 2.97), (1, 2, 2.70)]
+    run = Losses([first, [(1, 2, 2.70), (2, 3, 2.68)]])
+    assert _differs_before_the_fault(run, Losses([[*first, (2, 3, 2.68)]])) is None
+    assert _differs_before_the_fault(run, Losses([[(0, 0, 3.6515679359436035), *first[1:]]])) == 0
+    assert _differs_before_the_fault(run, Losses([[first[0], (1, 1, 2.98), first[2]]])) == 1
+
+    record = tmp_path / "demo_output" / "records-uninterrupted"
+    config = tmp_path / "demo_output" / "uninterrupted.yaml"
+    config.parent.mkdir()
+    config.write_text(f"dirpath: s3://lightning-resilient-demo/run-uninterrupted/checkpoints\nrecord_to: {record}\n"
+                      f"default_root_dir: {record}\n")
+    again, again_record = _another_reference(str(config), str(record))
+    assert again_record == f"{record}-again"
+    assert Path(again).read_text() == (
+        "dirpath: s3://lightning-resilient-demo/run-uninterrupted-again/checkpoints\n"
+        f"record_to: {record}-again\ndefault_root_dir: {record}-again\n")
+    assert config.read_text().count("-again") == 0  # the first reference's config is left as it was
