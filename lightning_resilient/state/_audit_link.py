@@ -231,7 +231,7 @@ def _spool(trainer: Trainer, store: Store | None) -> str | None:
         return None
     plugin = _plugin_of(trainer)
     try:
-        return spool_folder(store.url(), getattr(plugin, "local_tier", None))
+        return spool_folder(store.url(), getattr(plugin, "local_tier", None), store.endpoint())
     except OSError as exc:
         log.warning("the resume audit cannot keep its records on this node (%s): a kill loses the steps since the"
                     " record's last flush to %s", exc, store.url())

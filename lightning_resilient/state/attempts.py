@@ -106,10 +106,13 @@ def list_records(store: Store, spool: str | None = None) -> dict[str, list[int]]
 
 
 # -- the spool: every step's record on node-local disk before the next step ends (object stores) ----------------------
-def spool_folder(root_url: str, base: str | None = None) -> str:
+def spool_folder(root_url: str, base: str | None = None, endpoint: str | None = None) -> str:
     """The node-local folder where this node's ranks append the attempt records of the root ``root_url`` when it is on
     an object store: ``<base>/lightning_resilient-<uid>/attempts/<hash of the root URL>`` (``base``: the plugin's
-    local tier, else the system's temp folder), private to this user (mode 0700).
+    local tier, else the system's temp folder), private to this user (mode 0700). ``endpoint``: the server the store
+    is on, where the URL does not say it (``Store.endpoint``): one URL on two servers (an emulator started again, as
+    the demo does, or a staging and a production server) is two roots, whose attempts must not share numbers or
+    records.
 
     An object store cannot append, and a background thread rewrites the record only every ``flush_seconds``: the
     steps after the last save, exactly those a resume replays, would die with a killed process. Appended here as each
@@ -117,7 +120,8 @@ def spool_folder(root_url: str, base: str | None = None) -> str:
     the store (:func:`ship_spooled`), so the audit and the ledger see every finished step. A restart on another node
     reads what reached the store."""
     top = os.path.join(base or tempfile.gettempdir(), f"lightning_resilient-{os.getuid()}")
-    folder = os.path.join(top, "attempts", hashlib.sha256(root_url.encode()).hexdigest()[:16])
+    key = root_url if endpoint is None else f"{root_url} on {endpoint}"
+    folder = os.path.join(top, "attempts", hashlib.sha256(key.encode()).hexdigest()[:16])
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(top, 0o700)
     _drop_stale_spools(os.path.dirname(folder), keep=folder)

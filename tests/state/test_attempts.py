@@ -373,3 +373,22 @@ def test_what_attempt_log_writes_today_passes_the_checks(kind, request, tmp_path
     if spool is not None:  # the spool's appended lines
         with open(os.path.join(spool, "a000002-abcdef.r1.jsonl"), "rb") as f:
             assert parse_record(f.read(), "spooled", attempt="a000002-abcdef", rank=1) == expected
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_one_url_on_two_servers_has_two_spools(kind, request, tmp_path, monkeypatch):
+    """A node's spool of attempt records is per root: one URL on another server (an emulator started again, as each
+    demo run does, or a staging beside a production server) must not share attempt numbers or records with it."""
+    backend = request.getfixturevalue(f"{kind}_backend")
+    store = store_of(backend)
+    assert store.endpoint() == backend.endpoint  # the client's server, as the plugin's options give it
+    here = spool_folder(store.url(), str(tmp_path), store.endpoint())
+    assert spool_folder(store.url(), str(tmp_path), store.endpoint()) == here
+    assert spool_folder(store.url(), str(tmp_path), "http://127.0.0.1:1") != here
+    # Without a server of its own (AWS's, Google's), the key is the URL as before.
+    assert spool_folder(store.url(), str(tmp_path), None) == spool_folder(store.url(), str(tmp_path))
+    if kind == "s3":  # the environment's endpoint, which botocore uses when the options name none
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+        options = {k: v for k, v in backend.storage_options.items() if k != "client_kwargs"}
+        plain = open_store(backend.root, options, RetryPolicy(attempts=1))
+        assert plain.endpoint() == "http://127.0.0.1:9"

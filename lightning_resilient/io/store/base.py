@@ -116,6 +116,12 @@ class Store:
     def url(self, rel: str = "") -> str:
         return join(self.root_url, rel) if rel else self.root_url
 
+    def endpoint(self) -> str | None:
+        """The server this store's client talks to where the URL does not say it (an S3-compatible server, an
+        emulator), else None: two roots of one URL on two servers are two roots (a node's spool of their attempt
+        records keeps them apart)."""
+        return None
+
     def _call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
         try:
             return self.retry.call(f"{what} {self.url(rel)}", fn)

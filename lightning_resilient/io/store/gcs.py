@@ -22,6 +22,11 @@ class GCSStore(Store):
     supports_cas = True
     conditions = _GCS
 
+    def endpoint(self) -> str | None:
+        # gcsfs's endpoint: an emulator's (STORAGE_EMULATOR_HOST, endpoint_url), or Google's own (None).
+        found = getattr(self.fs, "_endpoint", None)
+        return None if not found or "storage.googleapis.com" in str(found) else str(found)
+
     def check_fencing(self) -> str | None:
         return probe_fencing(self, "1", _GCS)
 

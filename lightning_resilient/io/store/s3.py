@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +39,13 @@ class S3Store(Store):
 
     supports_cas = True
     conditions = _S3
+
+    def endpoint(self) -> str | None:
+        # Where botocore sends the requests: the filesystem's endpoint, else the environment's (AWS's default: None).
+        client_kwargs = getattr(self.fs, "client_kwargs", None) or {}
+        found = (getattr(self.fs, "endpoint_url", None) or client_kwargs.get("endpoint_url")
+                 or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+        return str(found) if found else None
 
     def check_fencing(self) -> str | None:
         return probe_fencing(self, '"00000000000000000000000000000000"', _S3)
