@@ -245,10 +245,15 @@ class _CatalogExists:
     def __call__(self, filepath: Any, trainer: Any) -> bool:
         known = False
         if trainer.is_global_zero:
+            from lightning_resilient.errors import CheckpointError, StoreSetupError
+
             try:
                 known = bool(self.plugin.knows_checkpoint(filepath))
-            except Exception as exc:  # (a damaged pointer, a store that fails: the save says so, not this question)
-                log.debug("could not tell whether %s exists (%s): taken as not", filepath, exc)
+            except (CheckpointError, StoreSetupError, OSError) as exc:
+                # A damaged pointer, a store that fails: the save that follows meets it and says so (or, behind a
+                # local tier, goes on); this question must not end the fit first, nor leave the other ranks waiting
+                # in the decision below. A bug is no such case: it propagates.
+                log.warning("could not tell whether %s is a committed checkpoint (%s): taken as not", filepath, exc)
         return bool(trainer.strategy.reduce_boolean_decision(known, all=False))
 
 

@@ -120,7 +120,8 @@ def spool_folder(root_url: str, base: str | None = None, endpoint: str | None = 
     the store (:func:`ship_spooled`), so the audit and the ledger see every finished step. A restart on another node
     reads what reached the store."""
     top = os.path.join(base or tempfile.gettempdir(), f"lightning_resilient-{os.getuid()}")
-    key = root_url if endpoint is None else f"{root_url} on {endpoint}"
+    # (one server however it was spelled: in the options or the environment, with a trailing slash or capitals)
+    key = root_url if not endpoint else f"{root_url} on {endpoint.strip().rstrip('/').lower()}"
     folder = os.path.join(top, "attempts", hashlib.sha256(key.encode()).hexdigest()[:16])
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(top, 0o700)

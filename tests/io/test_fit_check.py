@@ -121,3 +121,32 @@ def test_a_save_cut_off_before_its_manifest_is_no_checkpoint_of_its_name_for_lig
         paths.basename(resumed.checkpoint_callback.best_model_path)}
     assert "epoch=0-step=4.ckpt" in names and not any("-v1" in n for n in names), names
     assert "file_exists" not in vars(trainer.checkpoint_callback)  # (the callback is itself again after the fit)
+
+
+class _Asking:
+    """What ``_CatalogExists`` needs of a plugin and a one-process Trainer: ``knows_checkpoint`` raising ``error``."""
+
+    is_global_zero = True
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.strategy = self
+
+    def knows_checkpoint(self, filepath: Any) -> bool:
+        raise self.error
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # (Lightning's signature)
+        return decision
+
+
+def test_a_catalog_that_cannot_be_read_answers_not_there_and_a_bug_still_propagates(caplog):
+    from lightning_resilient.errors import CheckpointCorruptedError
+    from lightning_resilient.io.fit_check import _CatalogExists
+
+    for error in (CheckpointCorruptedError("pointer x is not valid JSON"), ConnectionError("store down")):
+        asking = _Asking(error)
+        assert _CatalogExists(asking)("s3://b/run/step=2.ckpt", asking) is False  # the save that follows says why
+    assert "could not tell whether s3://b/run/step=2.ckpt is a committed checkpoint (store down)" in caplog.text
+    asking = _Asking(KeyError("a bug"))
+    with pytest.raises(KeyError):
+        _CatalogExists(asking)("s3://b/run/step=2.ckpt", asking)

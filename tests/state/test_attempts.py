@@ -385,6 +385,7 @@ def test_one_url_on_two_servers_has_two_spools(kind, request, tmp_path, monkeypa
     here = spool_folder(store.url(), str(tmp_path), store.endpoint())
     assert spool_folder(store.url(), str(tmp_path), store.endpoint()) == here
     assert spool_folder(store.url(), str(tmp_path), "http://127.0.0.1:1") != here
+    assert spool_folder(store.url(), str(tmp_path), f"{store.endpoint()}/".upper()) == here  # one server, spelled so
     # Without a server of its own (AWS's, Google's), the key is the URL as before.
     assert spool_folder(store.url(), str(tmp_path), None) == spool_folder(store.url(), str(tmp_path))
     if kind == "s3":  # the environment's endpoint, which botocore uses when the options name none
