@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from fsspec.asyn import sync
-from s3fs.core import _error_wrapper
 
 from lightning_resilient.io.retry import is_transient
 from lightning_resilient.io.store.base import READ_PIECE, Conditions, Pieces, Store, probe_fencing
@@ -87,6 +86,8 @@ class S3Store(Store):
         reader. s3fs's own retries send the same reader again from where the failed try left it, and botocore, which
         takes the length from ``len(body)``, then announces every byte and sends none: the request hangs until its
         read timeout."""
+        from s3fs.core import _error_wrapper  # (here: this module is imported without the [s3] extra installed)
+
         await self.fs.set_session()
         client = await self.fs.get_s3(kwargs.get("Bucket"))
         call = getattr(client, method)
