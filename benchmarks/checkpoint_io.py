@@ -14,7 +14,10 @@ Methods (each measured in a fresh worker process, so peak RSS belongs to it alon
   = until the checkpoint is durable in the store (persisted from the local tier), load = a resume from the local
   tier; also recorded: until the local commit, and a resume from the store alone (a new node);
 - ``lightning``: stock ``TorchCheckpointIO``; ``lightning-async``: Lightning's ``AsyncCheckpointIO`` around it;
-- ``dcp``: ``torch.distributed.checkpoint`` with its fsspec writer (``thread_count`` = our concurrency) and reader.
+- ``dcp``: ``torch.distributed.checkpoint`` with its fsspec writer (``thread_count`` = our concurrency) and reader;
+- ``s3torchconnector``: AWS's ``S3LightningCheckpoint`` (s3torchconnector, CRT client), the CheckpointIO a Lightning
+  user on S3 is most likely to pick instead of ours (S3 stores only; installed for benchmarks only, never a dependency
+  of the package: ``pip install --no-deps -r benchmarks/requirements.txt``; without it the row is left out).
 
 Stores: ``local`` (a folder on this disk), ``s3`` (moto's server, in its own process, on loopback), and
 ``s3-latency``: the same server behind a loopback proxy that adds ``--latency`` seconds to every request and
@@ -48,10 +51,26 @@ from collections.abc import Iterator
 from typing import Any
 
 MB = 10**6
-METHODS = ["raw", "ours-sync", "ours-async", "ours-tiered", "lightning", "lightning-async", "dcp"]
+METHODS = ["raw", "ours-sync", "ours-async", "ours-tiered", "lightning", "lightning-async", "dcp", "s3torchconnector"]
 STORES = ["local", "s3", "s3-latency"]
 BUCKET = "bench"
-CONCURRENCY = 8
+# The plugin's defaults (AtomicCheckpointIO's max_concurrency and shard_size): raw and DCP get the same concurrency,
+# and raw writes the objects ours writes.
+CONCURRENCY = 16
+SHARD_SIZE = 8 * 2**20
+S3_ONLY = {"s3torchconnector"}
+
+
+def available(method: str, store: str) -> str | None:
+    """Why ``method`` cannot run on ``store`` here (None: it can)."""
+    if method in S3_ONLY and not store.startswith("s3"):
+        return f"{method} writes S3 only"
+    if method == "s3torchconnector":
+        import importlib.util
+
+        if importlib.util.find_spec("s3torchconnector") is None:
+            return "s3torchconnector is not installed (pip install --no-deps -r benchmarks/requirements.txt)"
+    return None
 
 
 # -- the worker: one method on one store, every run, in its own process --------------------------------------------
@@ -145,7 +164,11 @@ class Store:
     def fs(self) -> Any:
         import fsspec
 
-        return fsspec.core.url_to_fs(self.location, **self.options)[0]
+        from lightning_resilient.io.store import with_connections
+
+        # The client keeps as many connections as ours does (botocore's default of 10 would queue raw's uploads).
+        options = with_connections(self.options) if self.kind.startswith("s3") else self.options
+        return fsspec.core.url_to_fs(self.location, **options)[0]
 
     def clean(self) -> None:
         fs = self.fs()
@@ -194,6 +217,13 @@ class Runner:
 
             self.loader = TorchCheckpointIO()
             self.io = AsyncCheckpointIO(TorchCheckpointIO()) if method == "lightning-async" else self.loader
+        elif method == "s3torchconnector":
+            from s3torchconnector import S3ClientConfig
+            from s3torchconnector.lightning import S3LightningCheckpoint
+
+            # Its own CRT client: the endpoint (moto or the proxy) by argument, path-style addressing for moto.
+            self.io = self.loader = S3LightningCheckpoint("us-east-1", endpoint=store.endpoint,
+                                                          s3client_config=S3ClientConfig(force_path_style=True))
 
     def run(self, ckpt: dict[str, Any], size: int) -> dict[str, float]:
         """One save and one load; returns timings (s) and peak RSS increases (MB)."""
@@ -240,7 +270,7 @@ class Runner:
             out["durable_load"] = time.perf_counter() - t0
             _check(loaded["state_dict"], ckpt["state_dict"])
             out["durable_bytes"] = float(self.durable_loader.last_load.bytes)  # what one persist wrote to the store
-        elif method in ("lightning", "lightning-async"):
+        elif method in ("lightning", "lightning-async", "s3torchconnector"):
             path = f"{target}/step.ckpt"
             with _peak_rss(out, "save_rss"):
                 t0 = time.perf_counter()
@@ -301,7 +331,7 @@ def _raw(store: Store, ckpt: dict[str, Any], target: str, size: int) -> dict[str
     snapshot = layout.Snapshot(pin_memory=False)
     snapshot.fill(slots, total)
     view = snapshot.sources(total)
-    spans = layout.windows(total, layout.object_size(total, 64 * 2**20, CONCURRENCY))  # the objects ours writes
+    spans = layout.windows(total, layout.object_size(total, SHARD_SIZE, CONCURRENCY))  # the objects ours writes
     fs = store.fs()
     base = fsspec_path(target, store.options)
     if store.kind == "local":
@@ -468,12 +498,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], dict[str
 def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -> str:
     lines = [f"Machine: {machine}", "",
              ("| size | store | method | save s | blocked s | load s | save MB/s | save vs stock | save vs raw |"
-              " load vs stock | load vs raw | save RSS (x ckpt) | load RSS (x ckpt) |"),
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              " load vs stock | load vs raw | save vs s3torchconnector | load vs s3torchconnector | save RSS (x ckpt) |"
+              " load RSS (x ckpt) |"),
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (size_mb, store, method), m in sorted(summary.items(), key=lambda kv: (kv[0][0], STORES.index(kv[0][1]),
                                                                                METHODS.index(kv[0][2]))):
         stock = summary.get((size_mb, store, "lightning"))
         raw = summary.get((size_mb, store, "raw"))
+        peer = summary.get((size_mb, store, "s3torchconnector"))
         mb = m["bytes"] / MB
 
         def ratio(ref: dict[str, float] | None, key: str, m: dict[str, float] = m) -> str:
@@ -482,7 +514,8 @@ def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -
 
         lines.append(f"| {size_mb} MB | {store} | {method} | {m['save']:.3f} | {m['blocked']:.3f} | {m['load']:.3f} |"
                      f" {mb / m['save']:.0f} | {ratio(stock, 'save')} | {ratio(raw, 'save')} | {ratio(stock, 'load')} |"
-                     f" {ratio(raw, 'load')} | {m['save_rss'] * 2**20 / MB / mb:.2f} |"
+                     f" {ratio(raw, 'load')} | {ratio(peer, 'save')} | {ratio(peer, 'load')} |"
+                     f" {m['save_rss'] * 2**20 / MB / mb:.2f} |"
                      f" {m['load_rss'] * 2**20 / MB / mb:.2f} |")
     lines += ["", "Ratios are speed-ups: reference time / this method's time (1.00x = as fast; below 1 = slower).",
               ("RSS: peak resident memory during the save or load above the process's memory before it, over the"
@@ -491,12 +524,35 @@ def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -
     return "\n".join(lines)
 
 
-def targets(summary: dict[tuple[int, str, str], dict[str, float]]) -> str:
-    """The issue's targets, checked against the measured medians."""
+def targets(summary: dict[tuple[int, str, str], dict[str, float]], bandwidth: float | None = None) -> str:
+    """The issues' targets, checked against the measured medians (``bandwidth``: the modelled store's bytes/s per
+    connection, for the share of what its network allows)."""
     lines = ["| target | store | size | measured | met |", "|---|---|---|---:|---|"]
     for (size_mb, store, method), m in sorted(summary.items()):
         stock = summary.get((size_mb, store, "lightning"))
         raw = summary.get((size_mb, store, "raw"))
+        peer = summary.get((size_mb, store, "s3torchconnector"))
+        if method == "ours-sync" and peer:
+            r = peer["save"] / m["save"]
+            lines.append(f"| save >= 1.5x faster than s3torchconnector | {store} | {size_mb} MB | {r:.2f}x |"
+                         f" {'yes' if r >= 1.5 else 'NO'} |")
+            r = peer["load"] / m["load"]
+            lines.append(f"| load >= 5x faster than s3torchconnector | {store} | {size_mb} MB | {r:.2f}x |"
+                         f" {'yes' if r >= 5 else 'NO'} |")
+        if method == "ours-sync" and store == "s3-latency" and bandwidth:
+            # What the modelled network allows for the connections a save uses (one per object, at most
+            # CONCURRENCY), and what moto itself takes on this machine (raw on "s3": no proxy, no model).
+            objects = -(-m["bytes"] // min(SHARD_SIZE, max(4 * 2**20, m["bytes"] / CONCURRENCY)))
+            allowed = min(CONCURRENCY, objects) * bandwidth
+            r = m["bytes"] / m["save"] / allowed
+            lines.append(f"| save >= 0.7x of the modelled network ({min(CONCURRENCY, objects):.0f} connections x"
+                         f" {bandwidth / MB:.0f} MB/s) | {store} | {size_mb} MB | {r:.2f}x |"
+                         f" {'yes' if r >= 0.7 else 'NO'} |")
+            direct = summary.get((size_mb, "s3", "raw"))
+            if direct:
+                r, moto = direct["save"] / m["save"], m["bytes"] / MB / direct["save"]
+                lines.append(f"| save vs moto's own limit here (raw on s3, no proxy: {moto:.0f} MB/s) | {store} |"
+                             f" {size_mb} MB | {r:.2f}x | - |")
         if method == "ours-async" and stock:
             frac = m["blocked"] / stock["save"]
             lines.append(f"| async blocked <= 10% of stock sync save | {store} | {size_mb} MB | {frac:.1%} |"
@@ -633,6 +689,11 @@ def main(argv: list[str] | None = None) -> str:
         for size_mb in sizes:
             for store in args.stores:
                 for method in args.methods:
+                    why = available(method, store)
+                    if why is not None:
+                        if store.startswith("s3"):
+                            print(f"{size_mb} MB {store:10s} {method:16s} left out: {why}", file=sys.stderr, flush=True)
+                        continue
                     spec = {**servers.store(store, tmp), "method": method, "size": size_mb * MB, "runs": args.runs,
                             "pause": args.pause}
                     started = time.perf_counter()
@@ -652,7 +713,7 @@ def main(argv: list[str] | None = None) -> str:
     tiered_text = tiered(summary, args.cadence_minutes, args.persist_every)
     text = "\n\n".join([f"# Checkpoint save/load, medians of {args.runs} run(s)", table(summary, machine), proxy,
                         *(["## Tiered (local tier + store)", tiered_text] if tiered_text else []),
-                        "## Targets", targets(summary)]) + "\n"
+                        "## Targets", targets(summary, args.bandwidth)]) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".md", "w") as f:
         f.write(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, wait
 from typing import TypeVar
@@ -13,20 +14,38 @@ _R = TypeVar("_R")
 
 
 def map_in_lanes(pool: Executor, fn: Callable[[_T], _R], items: Sequence[_T], lanes: int) -> list[_R]:
-    """``[fn(item) for item in items]``, run on ``pool`` by at most ``lanes`` jobs at once (each takes every
-    ``lanes``-th item, in order), whatever the pool's size: a save writes a local disk with fewer threads than an
-    object store, from the same pool. The first exception is raised, once every lane has ended."""
+    """``[fn(item) for item in items]``, run on ``pool`` by at most ``lanes`` jobs at once, whatever the pool's size: a
+    save writes a local disk with fewer threads than an object store, from the same pool.
+
+    Each lane takes the next item no lane has taken yet, so a slow upload holds back no other (a store that answers
+    one request late, the last objects of a save). After an error no lane starts another item; the first error (in
+    item order) is raised once every lane has ended."""
     lanes = max(1, min(lanes, len(items)))
     if lanes <= 1:
         return [fn(item) for item in items]
-
-    def lane(first: int) -> list[_R]:
-        return [fn(items[i]) for i in range(first, len(items), lanes)]
-
-    futures = [pool.submit(lane, first) for first in range(lanes)]
-    wait(futures)
-    done = [f.result() for f in futures]
     out: list[_R] = [None] * len(items)  # type: ignore[list-item]
-    for first, results in enumerate(done):
-        out[first::lanes] = results
+    errors: dict[int, BaseException] = {}
+    lock = threading.Lock()
+    taken = 0
+
+    def lane() -> None:
+        nonlocal taken
+        while True:
+            with lock:
+                if errors or taken == len(items):
+                    return
+                index, taken = taken, taken + 1
+            try:
+                out[index] = fn(items[index])
+            except BaseException as exc:
+                with lock:
+                    errors[index] = exc
+                return
+
+    futures = [pool.submit(lane) for _ in range(lanes)]
+    wait(futures)
+    for future in futures:
+        future.result()  # (a lane itself never raises: its errors are kept above)
+    if errors:
+        raise errors[min(errors)]
     return out

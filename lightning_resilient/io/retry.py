@@ -90,6 +90,10 @@ class RetryPolicy:
         if self.base_delay < 0 or self.max_delay < 0:
             raise ValueError(f"retry delays must be >= 0, got base_delay={self.base_delay}, max_delay={self.max_delay}")
 
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1-based): full jitter over a doubling cap."""
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1)))
+
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn``; retry transient failures; re-raise the last one (or a permanent one at once)."""
         for attempt in range(1, self.attempts + 1):
@@ -98,7 +102,7 @@ class RetryPolicy:
             except Exception as exc:
                 if attempt == self.attempts or not is_transient(exc):
                     raise
-                delay = random.uniform(0, min(self.max_delay, self.base_delay * 2 ** (attempt - 1)))
+                delay = self.backoff(attempt)
                 log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__, exc,
                             attempt, self.attempts - 1, delay)
                 self.sleep(delay)

@@ -56,7 +56,7 @@ class RootSettings:
     orphan_grace_seconds: float
     fallback_on_corruption: bool
     chunk_size: int = 16 * 2**20
-    max_concurrency: int = 8  # upload threads: a stream is cut into at least this many objects (see object_size)
+    max_concurrency: int = 16  # upload threads: a stream is cut into at least this many objects (see object_size)
     # Write (with a warning) a store that accepts conditional writes without enforcing them (see WriterFence).
     allow_unfenced_store: bool = False
 

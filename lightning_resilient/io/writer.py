@@ -11,6 +11,7 @@ top-k save) references them instead of uploading them again: the writer remember
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -172,16 +173,23 @@ class RootWriter:
         return ObjectEntry(rel, size, digest, chunks)
 
     def upload_stream(self, prefix: str, total: int, pieces: Callable[[int, int], list[memoryview]],
-                      step: int | None = None) -> list[ObjectEntry]:
-        """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel."""
+                      step: int | None = None, *, also: tuple[str, bytes] | None = None) -> list[ObjectEntry]:
+        """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel; ``also``: one
+        more object (a path and its bytes, the skeleton), uploaded beside them and entered last."""
         known = self._known if step is not None and step == self._known_step else {}
         spans = layout.windows(total, layout.object_size(total, self.shard_size, self.max_concurrency))
         # The objects (their size: from max_concurrency alone, the same layout on every machine), written by as
-        # many threads at once as the store gains from (a local disk: fewer, see Store.write_threads).
+        # many threads at once as the store gains from (a local disk: fewer, see Store.write_threads). The extra
+        # object goes first, so that no upload waits for it at the end.
+        jobs: list[tuple[str, Callable[[], list[memoryview]]]] = []
+        if also is not None:
+            rel, data = also
+            jobs.append((rel, lambda: [memoryview(data)]))
+        jobs += [(f"{prefix}shard-{i:05d}.bin", functools.partial(pieces, *spans[i])) for i in range(len(spans))]
         lanes = self.store.write_threads(self.max_concurrency)
         with self._executor() as pool:
-            return map_in_lanes(pool, lambda i: self.put(f"{prefix}shard-{i:05d}.bin", pieces(*spans[i]), known),
-                                range(len(spans)), lanes)
+            done = map_in_lanes(pool, lambda job: self.put(job[0], job[1](), known), jobs, lanes)
+        return done[1:] + done[:1] if also is not None else done
 
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
                sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Entry:
@@ -316,10 +324,9 @@ class RootWriter:
         prepared.ready()
         assert self.fence.writer_epoch is not None and self.fence.origin is not None
         epoch, origin, name, step = self.fence.writer_epoch, self.fence.origin, prepared.name, prepared.step
-        objects = self.upload_stream(f"{folder}/", prepared.total, prepared.pieces, step)
-        stream = list(range(len(objects)))
-        objects.append(self.put(f"{folder}/{SKELETON_NAME}", [memoryview(prepared.skeleton)],
-                                 self._known if step == self._known_step else {}))
+        objects = self.upload_stream(f"{folder}/", prepared.total, prepared.pieces, step,
+                                     also=(f"{folder}/{SKELETON_NAME}", prepared.skeleton))
+        stream = list(range(len(objects) - 1))
         skeleton = len(objects) - 1
         objects += extra or []
         return Manifest(name=name, commit=folder, step=step, epoch=prepared.epoch, created=prepared.created,

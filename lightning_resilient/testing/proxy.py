@@ -9,6 +9,8 @@ own behaviour and ours are exercised end to end:
 - ``bandwidth``: bytes per second per connection, applied to request and response bodies (a cloud store
   serves one connection far slower than its aggregate; parallel connections add up);
 - ``requests``: every forwarded request as ``(method, path)``, for tests that count what a client did;
+- ``fail_if``: a predicate on ``(method, path)``; the requests it picks are answered ``503 SlowDown`` every time (one
+  part of a multipart upload, say, or its abort);
 - :meth:`pause` / :meth:`resume`: hold every request at the door until resumed (a store that hangs);
 - :meth:`go_down` / :meth:`come_back`: refuse every connection (the port closed: clients see "connection
   refused", botocore's ``EndpointConnectionError``), then serve again on the same port (a store outage);
@@ -31,6 +33,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -45,7 +48,8 @@ class StoreProxy:
     """See the module docstring. Use as a context manager, or :meth:`start` / :meth:`stop`."""
 
     def __init__(self, upstream: str, *, fail_rate: float = 0.0, latency: float = 0.0,
-                 bandwidth: float | None = None, seed: int = 0, drop_conditions: bool = False) -> None:
+                 bandwidth: float | None = None, seed: int = 0, drop_conditions: bool = False,
+                 fail_if: Callable[[str, str], bool] | None = None) -> None:
         if not 0.0 <= fail_rate <= 1.0:
             raise ValueError(f"fail_rate must be within [0, 1], got {fail_rate!r}")
         if latency < 0:
@@ -58,6 +62,7 @@ class StoreProxy:
         self.latency = latency
         self.bandwidth = bandwidth
         self.drop_conditions = drop_conditions
+        self.fail_if = fail_if
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts = {"forwarded": 0, "503": 0, "reset": 0}
@@ -111,7 +116,8 @@ class StoreProxy:
                 proxy._open.wait()
                 with proxy.lock:
                     roll = proxy.rng.random()
-                if roll < proxy.fail_rate / 2:
+                picked = proxy.fail_if is not None and proxy.fail_if(self.command, self.path)
+                if picked or roll < proxy.fail_rate / 2:
                     proxy._count("503")
                     self.send_response(503)
                     self.send_header("Content-Type", "application/xml")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fsspec.core import url_to_fs
+from fsspec.core import split_protocol, url_to_fs
 
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store.base import PROTOCOL_DIR, Conditions, ObjectInfo, Store, probe_fencing, probe_write
@@ -32,19 +32,22 @@ from lightning_resilient.io.store.gcs import GCSStore
 from lightning_resilient.io.store.http import HTTPStore
 from lightning_resilient.io.store.local import LocalStore, file_lock
 from lightning_resilient.io.store.memory import MemoryStore
-from lightning_resilient.io.store.s3 import GatherReader, S3Store
+from lightning_resilient.io.store.s3 import POOL_CONNECTIONS, GatherReader, S3Store
 
 __all__ = ["Conditions", "GCSStore", "GatherReader", "HTTPStore", "LocalStore", "MemoryStore", "ObjectInfo",
            "PROTOCOL_DIR", "S3Store", "Store", "check_default_client", "check_store_extra", "check_url", "file_lock",
-           "open_store", "probe_fencing", "probe_write"]
+           "open_store", "probe_fencing", "probe_write", "with_connections"]
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy) -> Store:
     """Build the :class:`Store` for the checkpoint root ``url``; :class:`StoreURLError` for a URL no installed
     filesystem can open (one that this package's ``[s3]`` or ``[gcs]`` extra would install says so)."""
     check_store_extra(url)
+    options = dict(storage_options or {})
+    if split_protocol(url)[0] in ("s3", "s3a"):
+        options = with_connections(options)
     try:
-        fs, path = url_to_fs(url, **(storage_options or {}))
+        fs, path = url_to_fs(url, **options)
     except (ValueError, ImportError) as exc:
         if not is_unknown_protocol(exc):
             raise  # a bad storage option, say: fsspec's own words name it
@@ -64,3 +67,14 @@ def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPol
     else:
         cls = Store
     return cls(fs, url.rstrip("/") or url, path.rstrip("/") or path, retry)
+
+
+def with_connections(options: dict[str, Any]) -> dict[str, Any]:
+    """s3fs ``options`` whose client keeps :data:`~lightning_resilient.io.store.s3.POOL_CONNECTIONS` connections
+    (botocore's default of 10 would queue a save's parallel uploads), unless they name a pool size of their own."""
+    config = options.get("config_kwargs")
+    if config is not None and not isinstance(config, dict):
+        return options  # not ours to fix: s3fs's own words will name it
+    if config is not None and "max_pool_connections" in config:
+        return options
+    return {**options, "config_kwargs": {**(config or {}), "max_pool_connections": POOL_CONNECTIONS}}

@@ -1,11 +1,20 @@
 """S3 (and S3-compatible stores that enforce conditional PUTs, as AWS and moto do): ``If-None-Match: *`` to create,
 ``If-Match: <etag>`` to replace (a single-part PUT: the pointer is small). Uploads go straight from the caller's
 buffers (:class:`GatherReader`), and ranged reads hand their bytes on piece by piece.
+
+A cloud store serves one connection far slower than its aggregate, so a save's speed is the number of connections
+busy at once. An object up to :data:`MULTIPART_THRESHOLD` is one PUT (the writer uploads many such objects at once);
+a larger one (a ``shard_size`` set above it) is a multipart upload whose parts go up in parallel, up to
+:data:`PARTS_IN_FLIGHT` per object (s3fs's own ``pipe_file`` sends the parts of one object one after another). A
+multipart upload that fails is aborted at once; one whose process was killed is aborted by garbage collection
+(:meth:`S3Store.abort_stale_uploads`). Either way no object appears, and without its object no manifest names it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextlib
 import io
 import os
 from collections.abc import Iterator
@@ -13,9 +22,23 @@ from typing import Any
 
 from fsspec.asyn import sync
 
+from lightning_resilient.io.retry import is_transient
 from lightning_resilient.io.store.base import READ_PIECE, Conditions, Pieces, Store, probe_fencing
 
-__all__ = ["GatherReader", "S3Store"]
+__all__ = ["GatherReader", "MULTIPART_THRESHOLD", "PARTS_IN_FLIGHT", "PART_SIZE", "POOL_CONNECTIONS", "S3Store",
+           "slice_pieces"]
+
+#: Objects above this size are multipart uploads with parts in parallel; smaller ones are one PUT.
+MULTIPART_THRESHOLD = 16 * 2**20
+#: The size of a multipart upload's parts (S3's minimum is 5 MiB, its most parts 10,000: larger objects get larger
+#: parts). 8 MiB is what AWS's own clients (the CRT) use.
+PART_SIZE = 8 * 2**20
+#: Parts of one object in flight at once.
+PARTS_IN_FLIGHT = 8
+#: The connections one S3 client keeps (botocore's default is 10, fewer than a save's uploads at once): what
+#: ``open_store`` gives the client unless the storage options name a ``max_pool_connections`` of their own.
+POOL_CONNECTIONS = 64
+_MAX_PARTS = 10_000
 
 
 _S3 = Conditions(create="If-None-Match: *", replace="If-Match", version="ETag")
@@ -56,12 +79,66 @@ class S3Store(Store):
 
     def _write(self, path: str, pieces: Pieces) -> None:
         # botocore takes bytes or a file-like body: a reader over the pieces uploads them without joining.
-        # One PUT per object; shard_size is capped at S3's single-PUT limit when the plugin is built.
         bucket, key = self._bucket_key(path)
+        size = sum(len(p) for p in pieces)
         try:
-            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=GatherReader(pieces))
+            if size > MULTIPART_THRESHOLD:
+                sync(self.fs.loop, self._multipart, bucket, key, pieces, size)
+            else:
+                sync(self.fs.loop, self._send, "put_object", Bucket=bucket, Key=key, Body=GatherReader(pieces))
         finally:
             self.fs.invalidate_cache(path)
+
+    async def _send(self, method: str, **kwargs: Any) -> Any:
+        """One request whose body is a reader, tried once: a retry (ours, :class:`RetryPolicy`) must start from a fresh
+        reader. s3fs's own retries send the same reader again from where the failed try left it, and botocore, which
+        takes the length from ``len(body)``, then announces every byte and sends none: the request hangs until its
+        read timeout."""
+        from s3fs.core import _error_wrapper  # (here: this module is imported without the [s3] extra installed)
+
+        await self.fs.set_session()
+        client = await self.fs.get_s3(kwargs.get("Bucket"))
+        call = getattr(client, method)
+        return await _error_wrapper(call, kwargs=self.fs._get_s3_method_kwargs(call, **kwargs), retries=1)
+
+    async def _multipart(self, bucket: str, key: str, pieces: Pieces, size: int) -> None:
+        """One object as a multipart upload, its parts in parallel (on s3fs's event loop: no thread per part)."""
+        part = max(PART_SIZE, -(-size // _MAX_PARTS))
+        spans = [(start, min(start + part, size)) for start in range(0, size, part)]
+        upload = await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+        upload_id = upload["UploadId"]
+        gate = asyncio.Semaphore(PARTS_IN_FLIGHT)
+
+        async def send(number: int, start: int, end: int) -> dict[str, Any]:
+            async with gate:
+                for attempt in range(1, self.retry.attempts + 1):  # a failed part is sent again, not the object
+                    try:
+                        sent = await self._send("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
+                                                PartNumber=number, Body=GatherReader(slice_pieces(pieces, start, end)))
+                        return {"PartNumber": number, "ETag": sent["ETag"]}
+                    except Exception as exc:
+                        if attempt == self.retry.attempts or not is_transient(exc):
+                            raise
+                        await asyncio.sleep(self.retry.backoff(attempt))
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        try:
+            # Every part ends (sent or failed) before the upload is completed or aborted: an abort while a part is
+            # still in flight could leave that part stored behind it.
+            results = await asyncio.gather(*(send(n, a, b) for n, (a, b) in enumerate(spans, 1)),
+                                           return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+            parts = [r for r in results if isinstance(r, dict)]
+            await self.fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                                   MultipartUpload={"Parts": parts})
+        except BaseException:
+            # Not completed, so no object: the parts go too (a failed abort leaves them to gc, which aborts
+            # uploads older than its grace).
+            with contextlib.suppress(Exception):
+                await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            raise
 
     def _range_pieces(self, path: str, start: int, end: int) -> Iterator[memoryview]:
         if end <= start:
@@ -166,6 +243,21 @@ class S3Store(Store):
             return aborted
 
         return self._call("abort stale uploads", "", abort)
+
+
+def slice_pieces(pieces: Pieces, start: int, end: int) -> Pieces:
+    """The bytes ``[start, end)`` of the concatenation of ``pieces``, as views into them (nothing is copied)."""
+    out: Pieces = []
+    offset = 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        lo, hi = max(start, offset), min(end, offset + len(view))
+        if lo < hi:
+            out.append(view[lo - offset : hi - offset])
+        offset += len(view)
+        if offset >= end:
+            break
+    return out
 
 
 class GatherReader(io.RawIOBase):
