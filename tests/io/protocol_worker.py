@@ -28,8 +28,11 @@ def content(tag: str, step: int) -> dict[str, Any]:
     """The checkpoint a job tagged ``tag`` saves at ``step``: its bytes tell which job and step wrote it."""
     seed = int.from_bytes(hashlib.sha256(f"{tag}/{step}".encode()).digest()[:8], "little")
     g = torch.Generator().manual_seed(seed)
+    # The job's frozen weights: the same bytes at every step (what an incremental save references, not rewrites).
+    frozen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little"))
     return {"global_step": step, "epoch": 0, "job": tag,
-            "state_dict": {"w": torch.randn(3000, generator=g), "b": torch.randn(64, generator=g).double()},
+            "state_dict": {"w": torch.randn(3000, generator=g), "b": torch.randn(64, generator=g).double(),
+                           "frozen": torch.randn(2048, generator=frozen)},
             "loops": {"step": step}}
 
 
