@@ -5,8 +5,9 @@ claimed the root (fenced: every save must raise and never move the pointer); new
 back to an older commit (leaving an abandoned branch), go back to an abandoned branch, resume a stray (a manifest its
 writer never got into the pointer) or start fresh; forks, which resume a commit of the root into a second root; jobs
 that save in the background (``AsyncSaver``) or through a node-local tier (``TieredRoot``, persisting every Nth
-save). A save can be paused at random instants (before its n-th object, before or after its manifest, before its
-pointer write), and while it is paused other operations run: readers load the root and commit URLs, ``gc`` runs at
+save); every other synchronous job (and subprocess writer) saves incrementally (``dedup``), so commits reference
+objects of other commits, across steps. A save can be paused at random instants (before its n-th object, before or
+after its manifest, before its pointer write), and while it is paused other operations run: readers load the root and commit URLs, ``gc`` runs at
 grace 0 (plain, with ``--abandoned`` or as ``gc --keep-last``), a new job claims the root, the pointer is deleted,
 objects and manifests of other commits are damaged. A paused job is then released (a stalled writer waking up after
 it was fenced and its upload collected), or never is (it died there). Bursts of damage to the newest checkpoints make
@@ -33,7 +34,7 @@ the store that
 
 The directed tests at the end each reproduce one rule the random run reaches only rarely (or one protocol gap it
 found: a fixed one as a plain test, the one left as a strict xfail). ``tests/io/mutations.py`` shows which of these
-tests catch ten one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
+tests catch twelve one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
 
 Seeds in the suite: ``SEEDS`` per store (and ``KILL_SEEDS`` for the variant with SIGKILLs), each its own test item,
 sized so that the randomized items together cost about a minute of one core. ``pytest --soak`` runs
