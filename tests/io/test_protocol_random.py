@@ -1,19 +1,19 @@
 """A model-based randomized test of the storage protocol, on local disk and moto S3.
 
 Several jobs write the same root, some of them at once: the current writer; old jobs still running after a newer one
-claimed the root (fenced: every save must raise and never move the pointer); new jobs that resume the latest, roll
-back to an older commit (leaving an abandoned branch), go back to an abandoned branch, resume a stray (a manifest its
-writer never got into the pointer) or start fresh; forks, which resume a commit of the root into a second root; jobs
-that save in the background (``AsyncSaver``) or through a node-local tier (``TieredRoot``, persisting every Nth
-save); every other synchronous job (and subprocess writer) saves incrementally (``dedup``), so commits reference
-objects of other commits, across steps. A save can be paused at random instants (before its n-th object, before or
-after its manifest, before its pointer write), and while it is paused other operations run: readers load the root and commit URLs, ``gc`` runs at
-grace 0 (plain, with ``--abandoned`` or as ``gc --keep-last``), a new job claims the root, the pointer is deleted,
-objects and manifests of other commits are damaged. A paused job is then released (a stalled writer waking up after
-it was fenced and its upload collected), or never is (it died there). Bursts of damage to the newest checkpoints make
-resumes fall back deep into the lineage, across abandoned branches. The root is sometimes deleted and a new run
-started on it while its old jobs still run (they must be refused). The slow variant also SIGKILLs real writer
-processes at random instants of their saves.
+claimed the root (fenced: every save must raise and never move the pointer); new jobs that resume the latest, roll back
+to an older commit (leaving an abandoned branch), go back to an abandoned branch, resume a stray (a manifest its writer
+never got into the pointer) or start fresh; forks, which resume a commit of the root into a second root; jobs that save
+in the background (``AsyncSaver``) or through a node-local tier (``TieredRoot``, persisting every Nth save); every other
+synchronous job (and subprocess writer) saves incrementally (``dedup``), so commits reference objects of other commits,
+across steps. A save can be paused at random instants (before its n-th object, before or after its manifest, before its
+pointer write), and while it is paused other operations run: readers load the root and commit URLs, ``gc`` runs at grace
+0 (plain, with ``--abandoned`` or as ``gc --keep-last``), a new job claims the root, the pointer is deleted, objects and
+manifests of other commits are damaged. A paused job is then released (a stalled writer waking up after it was fenced
+and its upload collected), or never is (it died there). Bursts of damage to the newest checkpoints make resumes fall
+back deep into the lineage, across abandoned branches. The root is sometimes deleted and a new run started on it while
+its old jobs still run (they must be refused). The slow variant also SIGKILLs real writer processes at random instants
+of their saves.
 
 The pauses are instance attributes on the job's own store object (``Gate``), as other tests here replace a store
 method; nothing else of the store or the package is replaced.
