@@ -60,14 +60,14 @@ def root_bytes(root: str) -> int:
     return sum(f.stat().st_size for f in Path(root).rglob("*") if f.is_file() and ".lightning_resilient" not in f.parts)
 
 
-def one_run(case: str, dedup: bool, base_mib: int, saves: int, where: str) -> dict[str, Any]:
+def one_run(case: str, dedup: bool, base_mib: int, saves: int, where: str, suffix: str = "") -> dict[str, Any]:
     torch.manual_seed(0)
     dim = 2048
     layers = max(1, base_mib * 2**20 // (dim * dim * 4))
     model = Model(dim, layers, rank=8, frozen=case == "lora")
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3)
-    root = os.path.join(where, f"{case}-{'dedup' if dedup else 'full'}")
+    root = os.path.join(where, f"{case}-{'dedup' if dedup else 'full'}{suffix}")
     io = AtomicCheckpointIO(dedup=dedup, keep_last=2)
     rows = []
     try:
@@ -98,45 +98,57 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-mib", type=int, default=256)
     parser.add_argument("--saves", type=int, default=6)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each case, interleaved (medians over them)")
     parser.add_argument("--dir", default=None, help="where the roots go (default: a temp folder on this disk)")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "incremental_cpu",
+                        help="where the results go (.md and .json are added)")
+    args = parser.parse_args(argv)
     where = tempfile.mkdtemp(prefix="incremental-", dir=args.dir)
     runs = []
     try:
         for case in ("lora", "full"):
-            for dedup in (False, True):
-                runs.append(one_run(case, dedup, args.base_mib, args.saves, where))
-                print(f"{case} dedup={dedup}: written per save (MiB)",
-                      [mib(r["written"]) for r in runs[-1]["saves"]])
+            for repeat in range(args.repeat):
+                for dedup in (False, True):
+                    runs.append(one_run(case, dedup, args.base_mib, args.saves, where, f"-{repeat}"))
+                    print(f"{case} dedup={dedup}: written per save (MiB)",
+                          [mib(r["written"]) for r in runs[-1]["saves"]],
+                          "s", [round(r["seconds"], 3) for r in runs[-1]["saves"]])
     finally:
         shutil.rmtree(where, ignore_errors=True)
     lines = ["# Incremental saves (dedup) vs full saves, local disk", "",
              (f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; base {args.base_mib}"
               f" MiB float32, {args.saves} synchronous saves, one AdamW step between saves, keep_last=2. Written: the"
               " objects a commit wrote into its own folder (the rest it references). Later saves: 3..N for bytes"
-              " (save 2 also rewrites the small frozen tensors once), 2..N for time; medians."), "",
+              " (save 2 also rewrites the small frozen tensors once), 2..N for time; medians over saves and over"
+              f" {args.repeat} interleaved runs of each row (a shared 2-core machine: times vary by 20% or more)."), "",
              ("| case | dedup | checkpoint MiB | trainable MiB (w + 2 moments) | save 1 written MiB | save 2 written"
               " MiB"
               " | later saves written MiB (median) | later/trainable | save 1 s | later saves s (median) |"
               " root MiB at the end |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for run in runs:
-        later = run["saves"][1:]
-        written = statistics.median(r["written"] for r in later[1:] or later)
-        seconds = statistics.median(r["seconds"] for r in later)
-        lines.append(f"| {run['case']} | {'on' if run['dedup'] else 'off'} | {mib(run['checkpoint_bytes'])} |"
-                     f" {mib(run['trainable_bytes'])} | {mib(run['saves'][0]['written'])} |"
-                     f" {mib(later[0]['written'])} | {mib(written)} | {written / run['trainable_bytes']:.2f}x |"
-                     f" {run['saves'][0]['seconds']:.3f} | {seconds:.3f} | {mib(run['root_bytes'])} |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "incremental_cpu.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "incremental_cpu.json").write_text(json.dumps({"base_mib": args.base_mib, "saves": args.saves,
+    for case in ("lora", "full"):
+        for dedup in (False, True):
+            same = [r for r in runs if r["case"] == case and r["dedup"] == dedup]
+            run = same[0]
+            later = run["saves"][1:]
+            written = statistics.median(r["written"] for r in later[1:] or later)
+            seconds = statistics.median(r["seconds"] for x in same for r in x["saves"][1:])
+            first = statistics.median(x["saves"][0]["seconds"] for x in same)
+            lines.append(f"| {run['case']} | {'on' if run['dedup'] else 'off'} | {mib(run['checkpoint_bytes'])} |"
+                         f" {mib(run['trainable_bytes'])} | {mib(run['saves'][0]['written'])} |"
+                         f" {mib(later[0]['written'])} | {mib(written)} | {written / run['trainable_bytes']:.2f}x |"
+                         f" {first:.3f} | {seconds:.3f} | {mib(run['root_bytes'])} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    text = "\n".join(lines) + "\n"
+    args.out.with_suffix(".md").write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps({"base_mib": args.base_mib, "saves": args.saves,
                                                                "runs": runs}, indent=1) + "\n")
-    print("\n".join(lines))
+    print(text)
+    return text
 
 
 if __name__ == "__main__":

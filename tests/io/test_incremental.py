@@ -249,3 +249,50 @@ def test_dedup_refuses_what_it_does_not_handle_yet(tmp_path):
     with pytest.raises(TypeError, match="dedup"):
         AtomicCheckpointIO(dedup="yes")  # type: ignore[arg-type]
     assert AtomicCheckpointIO().dedup is False
+
+
+def test_unchanged_tensors_are_neither_read_nor_hashed(local_backend, make_io, monkeypatch):
+    from lightning_resilient.io import layout, writer
+
+    read: list[int] = []
+    host_sources = layout.host_sources
+
+    def counting(slots: list[layout.TensorSlot]) -> list[memoryview]:
+        read.append(sum(s.nbytes for s in slots))
+        return host_sources(slots)
+
+    monkeypatch.setattr(writer.layout, "host_sources", counting)
+    hashed: list[int] = []
+    chunk_digests = writer.chunk_digests
+
+    def counting_digests(pieces: list[memoryview], chunk_size: int) -> list[str]:
+        hashed.append(sum(len(p) for p in pieces))
+        return chunk_digests(pieces, chunk_size)
+
+    monkeypatch.setattr(writer, "chunk_digests", counting_digests)
+    run = Run()
+    io = make_io(local_backend, dedup=True)
+    for _ in range(3):
+        read.clear()
+        hashed.clear()
+        run.train()
+        io.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
+    assert sum(read) <= 2 * run.trainable_bytes, (sum(read), run.trainable_bytes)
+    assert sum(hashed) <= 4 * run.trainable_bytes, (sum(hashed), run.trainable_bytes)
+
+
+def test_a_tensor_held_twice_and_an_inference_tensor_are_always_written(local_backend, make_io):
+    shared = torch.randn(512, 512)  # tied weights: one storage under two keys
+    with torch.inference_mode():
+        frozen = torch.randn(512, 512)  # no version counter: never taken as unchanged
+    io = make_io(local_backend, dedup=True)
+    for step in (1, 2, 3):
+        ckpt = {"global_step": step, "state_dict": {"a": shared, "b": shared, "c": frozen, "s": torch.tensor(step)}}
+        io.save_checkpoint(ckpt, local_backend.url(f"step={step}.ckpt"))
+        loaded = load_alone(make_io(local_backend), local_backend, f"step={step}.ckpt")
+        assert_same(loaded["state_dict"], ckpt["state_dict"])
+    shared.add_(1)
+    frozen = frozen + 1
+    ckpt = {"global_step": 4, "state_dict": {"a": shared, "b": shared, "c": frozen, "s": torch.tensor(4)}}
+    io.save_checkpoint(ckpt, local_backend.url("step=4.ckpt"))
+    assert_same(load_alone(make_io(local_backend), local_backend, "step=4.ckpt")["state_dict"], ckpt["state_dict"])
