@@ -529,6 +529,5 @@ class RootWriter:
         self._remember(manifest)
 
 
-
 def _folder_of(path: str) -> str:
     return path.rsplit("/", 1)[0]

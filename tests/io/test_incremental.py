@@ -296,3 +296,17 @@ def test_a_tensor_held_twice_and_an_inference_tensor_are_always_written(local_ba
     ckpt = {"global_step": 4, "state_dict": {"a": shared, "b": shared, "c": frozen, "s": torch.tensor(4)}}
     io.save_checkpoint(ckpt, local_backend.url("step=4.ckpt"))
     assert_same(load_alone(make_io(local_backend), local_backend, "step=4.ckpt")["state_dict"], ckpt["state_dict"])
+
+
+def test_a_tiered_root_refuses_dedup(local_backend, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_resilient.io.root import RootSettings, open_root
+    from lightning_resilient.io.tiered import TieredRoot
+
+    settings = RootSettings(keep_last=None, shard_size=4096, orphan_grace_seconds=0.0, fallback_on_corruption=True,
+                            dedup=True)
+    durable = open_root(local_backend.root, settings=settings)
+    local = open_root(str(tmp_path / "tier"), settings=settings)
+    with pytest.raises(ValueError, match="dedup is not supported with a local tier"):
+        TieredRoot(durable, local, persist_every=1, executor=lambda: ThreadPoolExecutor(1))
