@@ -176,3 +176,12 @@ def test_step_time_benchmark_smoke(tmp_path):
     summary = json.loads((tmp_path / "s.json").read_text())["summary"]
     assert summary["async-save/gpu"]["background_s"] > 0
     assert summary["replicate/gpu"]["tier1_mb"] >= 4  # the whole commit on the receiving node
+
+
+def test_incremental_benchmark_smoke(tmp_path):
+    text = load("incremental").main(["--base-mib", "16", "--saves", "3", "--repeat", "1", "--dir", str(tmp_path),
+                                     "--out", str(tmp_path / "i")])
+    assert "| lora | on |" in text and "| full | off |" in text
+    runs = json.loads((tmp_path / "i.json").read_text())["runs"]
+    lora = next(r for r in runs if r["case"] == "lora" and r["dedup"])
+    assert lora["saves"][-1]["written"] <= 4 * lora["trainable_bytes"]

@@ -174,6 +174,15 @@ class AtomicCheckpointIO(CheckpointIO):
             another path, ended or hangs). Long enough for the slowest rank's load or persist of its part (a sharded
             checkpoint on a slow store). The job's own collectives (the resume decision without a local tier) use the
             strategy's process-group timeout.
+        dedup: incremental saves (docs/incremental.md): a save writes only the objects of tensors that changed since
+            this process's last commit into the root; those of unchanged tensors (a frozen base) are referenced from
+            the commit that stored them, which the pointer then keeps alive (``keep_last``, removals and ``gc`` delete
+            a folder only once no live checkpoint references it). Every commit still lists each object it needs with
+            its checksums, so it loads, verifies and exports alone. "Unchanged" is told without reading the bytes:
+            the same tensor storage with the same torch version counter (a change through ``tensor.data`` or a numpy
+            view does not move the counter and is not saved: see the docs). False (the default in this release):
+            every save writes everything. Not yet with ``local_tier`` (persists and replicas) or ``async_save``: both
+            are refused here; a sharded strategy's saves ignore it (written in full).
     """
 
     def __init__(
@@ -203,6 +212,7 @@ class AtomicCheckpointIO(CheckpointIO):
         retry_base_delay: float = 0.2,
         retry_max_delay: float = 10.0,
         collective_timeout: float = DEFAULT_TIMEOUT,
+        dedup: bool = False,
     ) -> None:
         super().__init__()
         register_checkpoint_io(type(self))  # pytorch_lightning.Trainer accepts it too
@@ -211,7 +221,7 @@ class AtomicCheckpointIO(CheckpointIO):
         self.settings = RootSettings(keep_last=keep_last, shard_size=shard_size, chunk_size=chunk_size,
                                      max_concurrency=max_concurrency, orphan_grace_seconds=orphan_grace_seconds,
                                      fallback_on_corruption=fallback_on_corruption,
-                                     allow_unfenced_store=allow_unfenced_store)
+                                     allow_unfenced_store=allow_unfenced_store, dedup=dedup)
         check_bool("async_save", async_save)
         check_bool("node_cache", node_cache)
         check_bool("new_run", new_run)
@@ -223,6 +233,11 @@ class AtomicCheckpointIO(CheckpointIO):
         tier = TierSettings.given(local_tier, persist_every, local_keep, replicas, max_persist_failures,
                                   max_seconds_without_durable)
         self.tier_settings = tier
+        if self.settings.dedup and (async_save or tier.local_tier is not None):
+            given = "async_save=True" if async_save else f"local_tier={tier.local_tier!r}"
+            raise ValueError(f"dedup=True is not supported with {given} yet (incremental saves go to a plain root,"
+                             " synchronously): use dedup=False, or drop " + given.split("=")[0])
+        self.dedup = self.settings.dedup
         self.local_tier, self.persist_every, self.local_keep = tier.local_tier, tier.persist_every, tier.local_keep
         self.replicas = tier.replicas
         self.max_persist_failures, self.max_seconds_without_durable = (tier.max_persist_failures,

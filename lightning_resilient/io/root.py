@@ -59,6 +59,8 @@ class RootSettings:
     max_concurrency: int = 16  # upload threads: a stream is cut into at least this many objects (see object_size)
     # Write (with a warning) a store that accepts conditional writes without enforcing them (see WriterFence).
     allow_unfenced_store: bool = False
+    # Incremental saves: objects of tensors unchanged since the writer's last commit are referenced (io/incremental.py).
+    dedup: bool = False
 
     def __post_init__(self) -> None:
         # Each field keeps its checked value (a numpy int becomes an int: a manifest must serialize it).
@@ -74,6 +76,7 @@ class RootSettings:
                                                  rule="a number >= 0", finite=False),
             "fallback_on_corruption": check_bool("fallback_on_corruption", self.fallback_on_corruption),
             "allow_unfenced_store": check_bool("allow_unfenced_store", self.allow_unfenced_store),
+            "dedup": check_bool("dedup", self.dedup),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
@@ -92,7 +95,8 @@ class CheckpointRoot:
                                    orphan_grace_seconds=settings.orphan_grace_seconds)
         self.writer = RootWriter(store, chunk_size=settings.chunk_size, shard_size=settings.shard_size,
                                  max_concurrency=settings.max_concurrency, executor=executor, fence=self.fence,
-                                 reader=self.reader, retention=self.retention, claim=self.claim_once)
+                                 reader=self.reader, retention=self.retention, claim=self.claim_once,
+                                 dedup=settings.dedup)
         self._later: threading.Thread | None = None
         self._later_lock = threading.Lock()  # (the training, async-save, persist and replication threads settle)
         # Claims of this root, one at a time: a save and a removal in two threads that both find the root unclaimed
@@ -210,10 +214,11 @@ class CheckpointRoot:
 
     # -- save (writer.py) ----------------------------------------------------------------------------------------
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
-                before_fill: Callable[[], None] | None = None, *, reported: list[str] | None = None) -> Prepared:
+                before_fill: Callable[[], None] | None = None, *, reported: list[str] | None = None,
+                reuse: bool = True) -> Prepared:
         """Capture ``checkpoint`` for saving (:meth:`RootWriter.prepare`): once this returns, training may change
         it."""
-        return self.writer.prepare(checkpoint, name, snapshot, before_fill, reported=reported)
+        return self.writer.prepare(checkpoint, name, snapshot, before_fill, reported=reported, reuse=reuse)
 
     def save(self, checkpoint: dict[str, Any], name: str, *, reported: list[str] | None = None) -> Entry:
         """Capture and commit ``checkpoint`` as ``name`` (a synchronous save), through :meth:`commit`."""

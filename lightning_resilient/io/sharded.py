@@ -205,7 +205,7 @@ class AtomicStorageWriter(StorageWriter):
                 i += len(objs)
             return ShardedRecord(world_size, i, ranks, self.nodes)
 
-        prepared = self.root.prepare(self.rest, self.name)
+        prepared = self.root.prepare(self.rest, self.name, reuse=False)  # (dedup: not for sharded saves yet)
         if self.stage:
             self.manifest = self.root.writer.stage(prepared, folder=commit, extra=extra, sharded=record)
         else:

@@ -79,6 +79,10 @@ class TieredRoot:
     def __init__(self, durable: CheckpointRoot, local: CheckpointRoot, *, persist_every: int,
                  executor: Callable[[], Executor], max_persist_failures: int | None = None,
                  max_seconds_without_durable: float | None = None, retry_delay: float = 10.0) -> None:
+        if durable.settings.dedup or local.settings.dedup:
+            # A persist copies a local commit's objects into its own folder, and local retention and holds keep
+            # commits, not the folders they reference: neither knows incremental commits yet (issue 41).
+            raise ValueError("dedup is not supported with a local tier yet: open both roots with dedup=False")
         self.durable = durable
         self.local = local
         # Lightning names the local commits by the durable folder: what a save's ModelCheckpoints report is read

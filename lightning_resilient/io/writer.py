@@ -5,7 +5,9 @@ Save: shard objects -> skeleton -> check they are all stored -> manifest (last) 
 the new folder uncommitted; a crash after it leaves at worst undeleted garbage (see ``retention``).
 
 A save of the same step whose objects are byte-identical to the previous commit's (``save_last`` right after a
-top-k save) references them instead of uploading them again: the writer remembers the last commit's objects.
+top-k save) references them instead of uploading them again: the writer remembers the last commit's objects. With
+``dedup`` (``io/incremental.py``), saves of any step do: the stream is laid out so that tensors unchanged since this
+writer's last commit keep their objects, which are referenced without reading their bytes.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from typing import Any
 import torch
 
 from lightning_resilient.errors import CheckpointError, StaleWriterError
-from lightning_resilient.io import layout
+from lightning_resilient.io import incremental, layout
 from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.fencing import WriterFence, is_resumed
-from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
+from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder, writer_epoch_of
 from lightning_resilient.io.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -61,6 +63,25 @@ class Prepared:
     ready: Callable[[], None]  # waits until those bytes are on the host (device-to-host copies done)
     # The names in the root its ModelCheckpoints reported (io/reported.py); None: the save carried none of their state.
     reported: list[str] | None = None
+    # An incremental save's layout (``dedup``): which objects are referenced as stored; and its tensors, to record
+    # after the commit what was stored. None: the stream is cut into windows, every object written.
+    plan: incremental.Plan | None = None
+    slots: list[layout.TensorSlot] | None = None
+
+
+class _HostSources:
+    """Each slot's bytes on the host, copied (from an accelerator) only when an object that holds them is written:
+    the tensors of referenced objects are never read."""
+
+    def __init__(self, slots: list[layout.TensorSlot]) -> None:
+        self._slots = slots
+        self._views: dict[int, memoryview] = {}
+
+    def __getitem__(self, index: int) -> memoryview:
+        view = self._views.get(index)
+        if view is None:  # two threads may copy the same slot at once: the same bytes, one kept
+            view = self._views.setdefault(index, layout.host_sources([self._slots[index]])[0])
+        return view
 
 
 def _nothing() -> None:
@@ -79,9 +100,10 @@ class RootWriter:
 
     def __init__(self, store: Store, *, chunk_size: int, shard_size: int, max_concurrency: int,
                  executor: Callable[[], Executor], fence: WriterFence, reader: RootReader, retention: Retention,
-                 claim: Callable[[], int]) -> None:
-        """``claim`` returns this process's writer epoch, making it the root's writer first if it is not yet (a save
-        or a removal claims the root unless a resume already did; once, whichever thread asks first)."""
+                 claim: Callable[[], int], dedup: bool = False) -> None:
+        """``dedup``: incremental saves (``io/incremental.py``). ``claim`` returns this process's writer epoch, making
+        it the root's writer first if it is not yet (a save or a removal claims the root unless a resume already did;
+        once, whichever thread asks first)."""
         self.store = store
         self.chunk_size = chunk_size
         self.shard_size = shard_size
@@ -97,6 +119,11 @@ class RootWriter:
         # different steps never share bytes, so one corrupted object can never take several of them down.
         self._known: dict[tuple[str, int], str] = {}
         self._known_step: int | None = None
+        # With dedup, saves of any step reference what this writer stored (``_known`` no longer resets at a new step,
+        # and ``_stored`` lets unchanged tensors be referenced without reading them), only in folders the pointer
+        # keeps live, of this writer's epoch.
+        self.dedup = dedup
+        self._stored = incremental.StoredUnits()
         # Files directly in the root (stock Lightning checkpoints), listed at this process's first save, and those
         # a save moved aside until it commits.
         self._stock: set[str] | None = None
@@ -112,7 +139,8 @@ class RootWriter:
         return self.store.root_url
 
     def prepare(self, checkpoint: dict[str, Any], name: str, snapshot: layout.Snapshot | None = None,
-                before_fill: Callable[[], None] | None = None, *, reported: list[str] | None = None) -> Prepared:
+                before_fill: Callable[[], None] | None = None, *, reported: list[str] | None = None,
+                reuse: bool = True) -> Prepared:
         """Everything a save needs from the live checkpoint: after this returns, training may change it.
 
         Without a snapshot the upload reads the tensors in place (a synchronous save). With one (an async save),
@@ -124,16 +152,27 @@ class RootWriter:
         The names the ModelCheckpoints report in this root are read from the checkpoint's callback states (see
         ``reported.py``), unless ``reported`` gives them (a weights-only save carries no callback state: the plugin
         reads the Trainer's callbacks).
+
+        With ``dedup`` (and no snapshot: the async path is not incremental yet; ``reuse=False``: a sharded
+        save's rest), the stream is laid out by ``io/incremental.py`` and objects of unchanged tensors are referenced.
         """
         skeleton, slots = layout.flatten(checkpoint)
-        total = layout.plan(slots)
+        plan: incremental.Plan | None = None
+        if self.dedup:
+            self._keep_live()
+        if self.dedup and reuse and snapshot is None:
+            plan = self._stored.plan(slots, own=min(self.shard_size, incremental.OWN),
+                                     pack=min(self.shard_size, incremental.PACK), shard=self.shard_size)
+            total = plan.total
+        else:
+            total = layout.plan(slots)
         step = step_of(checkpoint.get("global_step"))
         tensors = [TensorEntry(slot.key, layout.dtype_name(slot.tensor.dtype), list(slot.tensor.shape),
                                slot.offset, slot.nbytes, slot.device) for slot in slots]
         skeleton_bytes = layout.save_skeleton(skeleton)
         ready: Callable[[], None] = _nothing
         if snapshot is None:
-            sources = layout.host_sources(slots)
+            sources: Any = layout.host_sources(slots) if plan is None else _HostSources(slots)
             pieces: Callable[[int, int], list[memoryview]] = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
         else:
             held = snapshot.match(slots, step)
@@ -154,7 +193,25 @@ class RootWriter:
         return Prepared(name=name, step=step, epoch=step_of(checkpoint.get("epoch")),
                         created=time.time(), skeleton=skeleton_bytes, tensors=tensors, total=total,
                         pieces=pieces, ready=ready,
-                        reported=reported if reported is not None else reported_in(checkpoint, self.folder_url))
+                        reported=reported if reported is not None else reported_in(checkpoint, self.folder_url),
+                        plan=plan, slots=slots if plan is not None else None)
+
+    def _keep_live(self) -> None:
+        """Before an incremental save: forget what this writer stored outside the folders the pointer keeps live now
+        (a removal since the last commit may have retired one), or under another writer epoch."""
+        try:
+            pointer, _ = self.fence.read_pointer()
+        except Exception:
+            pointer = None
+        epoch = self.fence.writer_epoch
+        if pointer is None or epoch is None or pointer.writer_epoch != epoch:
+            self._stored.clear()
+            self._known = {}
+            return
+        live = pointer.live_folders()
+        self._stored.keep(live, epoch)
+        self._known = {k: v for k, v in self._known.items() if _folder_of(v) in live
+                       and writer_epoch_of(_folder_of(v)) == epoch}
 
     def new_commit_folder(self, name: str, created: float) -> str:
         """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
@@ -173,22 +230,37 @@ class RootWriter:
         return ObjectEntry(rel, size, digest, chunks)
 
     def upload_stream(self, prefix: str, total: int, pieces: Callable[[int, int], list[memoryview]],
-                      step: int | None = None, *, also: tuple[str, bytes] | None = None) -> list[ObjectEntry]:
-        """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel; ``also``: one
-        more object (a path and its bytes, the skeleton), uploaded beside them and entered last."""
-        known = self._known if step is not None and step == self._known_step else {}
-        spans = layout.windows(total, layout.object_size(total, self.shard_size, self.max_concurrency))
-        # The objects (their size: from max_concurrency alone, the same layout on every machine), written by as
-        # many threads at once as the store gains from (a local disk: fewer, see Store.write_threads). The extra
-        # object goes first, so that no upload waits for it at the end.
-        jobs: list[tuple[str, Callable[[], list[memoryview]]]] = []
+                      step: int | None = None, plan: incremental.Plan | None = None, *,
+                      also: tuple[str, bytes] | None = None) -> list[ObjectEntry]:
+        """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel (with an
+        incremental ``plan``: its objects, those it references as stored left unread); ``also``: one more object (a
+        path and its bytes, the skeleton), uploaded beside them and entered last."""
+        known = self._known_now(step, plan is not None)
+        reused: list[ObjectEntry | None]
+        if plan is not None:
+            laid = plan.objects()
+            spans = [span for span, _ in laid]
+            reused = [obj for _, obj in laid]
+        else:
+            # The objects (their size: from max_concurrency alone, the same layout on every machine).
+            spans = layout.windows(total, layout.object_size(total, self.shard_size, self.max_concurrency))
+            reused = [None] * len(spans)
+
+        def put_span(rel: str, start: int, end: int) -> ObjectEntry:
+            return self.put(rel, pieces(start, end), known)
+
+        # Written by as many threads at once as the store gains from (a local disk: fewer, see Store.write_threads).
+        # The extra object goes first, so that no upload waits for it at the end; a referenced object costs nothing.
+        jobs: list[Callable[[], ObjectEntry]] = []
         if also is not None:
             rel, data = also
-            jobs.append((rel, lambda: [memoryview(data)]))
-        jobs += [(f"{prefix}shard-{i:05d}.bin", functools.partial(pieces, *spans[i])) for i in range(len(spans))]
+            jobs.append(functools.partial(self.put, rel, [memoryview(data)], known))
+        for i, (span, obj) in enumerate(zip(spans, reused, strict=True)):
+            jobs.append(functools.partial(_given, obj) if obj is not None
+                        else functools.partial(put_span, f"{prefix}shard-{i:05d}.bin", *span))
         lanes = self.store.write_threads(self.max_concurrency)
         with self._executor() as pool:
-            done = map_in_lanes(pool, lambda job: self.put(job[0], job[1](), known), jobs, lanes)
+            done = map_in_lanes(pool, lambda job: job(), jobs, lanes)
         return done[1:] + done[:1] if also is not None else done
 
     def commit(self, prepared: Prepared, *, folder: str | None = None, extra: list[ObjectEntry] | None = None,
@@ -200,10 +272,24 @@ class RootWriter:
         """
         folder = folder or self.new_commit_folder(prepared.name, prepared.created)
         try:
-            return self.publish(self._stage(prepared, folder, extra, sharded))
+            manifest = self._stage(prepared, folder, extra, sharded)
+            entry = self.publish(manifest)
         except BaseException as exc:
+            self._stored.clear()  # what it stored is unknown now: the next save reads everything again
+            if self.dedup:
+                self._known = {}
             self._failed(prepared.name, folder, exc)
             raise
+        if prepared.plan is not None and prepared.slots is not None:
+            self._stored.record(prepared.plan, prepared.slots, [manifest.objects[i] for i in manifest.stream])
+        return entry
+
+    def _known_now(self, step: int | None, incremental: bool) -> dict[tuple[str, int], str]:
+        """The stored objects a save of ``step`` may reference by digest: any step's for an ``incremental`` save (with
+        ``dedup``; filtered by ``_keep_live`` when it was prepared), else only those of a commit of the same step."""
+        if incremental:
+            return self._known
+        return self._known if step is not None and step == self._known_step else {}
 
     def stage(self, prepared: Prepared, *, folder: str, extra: list[ObjectEntry] | None = None,
               sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Manifest:
@@ -324,7 +410,7 @@ class RootWriter:
         prepared.ready()
         assert self.fence.writer_epoch is not None and self.fence.origin is not None
         epoch, origin, name, step = self.fence.writer_epoch, self.fence.origin, prepared.name, prepared.step
-        objects = self.upload_stream(f"{folder}/", prepared.total, prepared.pieces, step,
+        objects = self.upload_stream(f"{folder}/", prepared.total, prepared.pieces, step, prepared.plan,
                                      also=(f"{folder}/{SKELETON_NAME}", prepared.skeleton))
         stream = list(range(len(objects) - 1))
         skeleton = len(objects) - 1
@@ -385,8 +471,9 @@ class RootWriter:
             self._unwrite_if_incomplete(manifest, manifest.objects if held is None else held)
             raise
         self._remember(manifest, new, held)
-        log.info("committed %s (step %d, %d objects, %d bytes)", self.store.url(folder), entry.step,
-                 len(manifest.objects), entry.size)
+        written = sum(o.size for o in manifest.objects if _folder_of(o.path) == folder)
+        log.info("committed %s (step %d, %d objects, %d bytes, %d of them new)", self.store.url(folder), entry.step,
+                 len(manifest.objects), entry.size, written)
         self.retention.delete_retired(new)
         self._replaced(name)
         return entry
@@ -419,7 +506,7 @@ class RootWriter:
 
     def _remember(self, manifest: Manifest, pointer: Pointer | None = None,
                   held: list[ObjectEntry] | None = None) -> None:
-        if manifest.step != self._known_step:
+        if manifest.step != self._known_step and not self.dedup:
             self._known = {}
         self._known_step = manifest.step
         live = pointer.live_folders() if pointer is not None else None
@@ -451,3 +538,11 @@ class RootWriter:
         """A loaded checkpoint's objects: a save of the same step that holds identical bytes references them."""
         self._remember(manifest)
 
+
+def _folder_of(path: str) -> str:
+    return path.rsplit("/", 1)[0]
+
+
+def _given(obj: ObjectEntry) -> ObjectEntry:
+    """An object an incremental plan references as stored: nothing to upload."""
+    return obj

@@ -1,4 +1,4 @@
-"""Ten one-line breakages of the storage protocol's safety rules, and which tests catch each.
+"""Twelve one-line breakages of the storage protocol's safety rules, and which tests catch each.
 
 Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 
@@ -89,6 +89,16 @@ MUTATIONS = [
              "recorded[0] = p.origins[p.writer_epoch] = origin.with_ancestors(p.origins)",
              "recorded[0] = p.origins[p.writer_epoch] = origin",
              related=("tests/io/test_lineage.py",)),
+    Mutation("live-references", "the live set dropping the folders a commit references (shared objects)",
+             "lightning_resilient/io/pointer.py",
+             "folders = {f for e in self.entries() for f in e.folders}",
+             "folders = {e.commit for e in self.entries()}",
+             related=("tests/io/test_incremental.py",)),
+    Mutation("dedup-live-guard", "an incremental save referencing objects of folders the pointer no longer keeps",
+             "lightning_resilient/io/incremental.py",
+             "return folder in live and epoch is not None and writer_epoch_of(folder) == epoch",
+             "return True",
+             related=("tests/io/test_incremental.py",)),
 ]
 
 

@@ -28,8 +28,11 @@ def content(tag: str, step: int) -> dict[str, Any]:
     """The checkpoint a job tagged ``tag`` saves at ``step``: its bytes tell which job and step wrote it."""
     seed = int.from_bytes(hashlib.sha256(f"{tag}/{step}".encode()).digest()[:8], "little")
     g = torch.Generator().manual_seed(seed)
+    # The job's frozen weights: the same bytes at every step (what an incremental save references, not rewrites).
+    frozen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little"))
     return {"global_step": step, "epoch": 0, "job": tag,
-            "state_dict": {"w": torch.randn(3000, generator=g), "b": torch.randn(64, generator=g).double()},
+            "state_dict": {"w": torch.randn(3000, generator=g), "b": torch.randn(64, generator=g).double(),
+                           "frozen": torch.randn(2048, generator=frozen)},
             "loops": {"step": step}}
 
 
@@ -44,8 +47,11 @@ def writer(lines: IO[str], out: IO[str]) -> None:
         out.flush()
 
     root_url, options, keep_last, tag, origin = lines.readline().split()
+    # Every other writer saves incrementally (its frozen tensor referenced across steps by digest: a fresh tensor
+    # every save), so a SIGKILL also lands in saves that reference other commits' objects.
     settings = RootSettings(keep_last=int(keep_last), shard_size=4096, orphan_grace_seconds=0.0,
-                            fallback_on_corruption=True, chunk_size=2048, max_concurrency=4)
+                            fallback_on_corruption=True, chunk_size=2048, max_concurrency=4,
+                            dedup=int(tag.lstrip("j") or 0) % 2 == 0)
     root = CheckpointRoot(open_store(normalize(root_url), json.loads(options), RetryPolicy(3, 0.01, 0.1)), settings,
                           lambda: ThreadPoolExecutor(4))
     step = 0

@@ -1,0 +1,250 @@
+"""Incremental saves (``dedup``): a tensor stream laid out so that unchanged tensors keep byte-identical objects, and
+the writer's record of what it stored, so that such an object is referenced by the next commit instead of written.
+
+Layout (:meth:`StoredUnits.plan`). The stream is made of *units*, each starting at an aligned offset and padded to
+a multiple of :data:`~lightning_resilient.io.layout.ALIGN`, cut into objects from its own start: an object never holds
+bytes of two units. A tensor of at least ``own`` bytes is a unit of its own (one object per ``shard`` bytes of it),
+so a big frozen tensor keeps its objects from the first save on; smaller ones are packed, in checkpoint order, into
+units of up to ``pack`` bytes, the tensors found unchanged since this writer last stored them apart from the others
+(at the first save nothing is known, so the second rewrites the small frozen ones once, in packs of their own). A
+unit of the last commit whose tensors are all unchanged is laid out as it was stored, and its objects are referenced.
+
+Unchanged, cheaply (:func:`identify`): a tensor is unchanged when it is the very storage recorded when its bytes were
+read for a commit (a weak reference to that storage, still alive and the same object), at the same data pointer,
+device, dtype, shape, stride and conj/neg bits, and its version counter equals the one recorded then (every in-place
+change through torch bumps it: optimizer steps, ``copy_``, ``load_state_dict``). No byte is read, copied to the host
+or hashed for it. A tensor without a version counter (an inference tensor), a storage torch cannot name, a tensor the
+checkpoint holds twice, or one whose counter moved while its bytes were uploaded is never taken as unchanged: it is
+read, hashed and written (the writer still references a byte-identical object of its own by digest, which is the
+fallback when identities are lost, as with a clone per save).
+
+Not seen by the counter: a change made through ``tensor.data`` (a tensor of its own counter), through a numpy or
+DLPack view, or by a custom kernel writing in place without telling autograd. With ``dedup`` on, such a change to a
+tensor that was stored before is NOT saved: the next commit references the old bytes (docs/incremental.md).
+
+The guard on references (:meth:`StoredUnits.keep`): only objects in folders the pointer keeps live, written under this
+writer's epoch, are referenced; the pointer update of the commit checks again that every folder it references is still
+live (``RootWriter.publish``), and the manifest lists each referenced object with its digests, so a commit still
+loads, verifies and exports alone.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_resilient.io import layout
+from lightning_resilient.io.folders import writer_epoch_of
+from lightning_resilient.io.manifest import ObjectEntry
+
+__all__ = ["OWN", "PACK", "Plan", "StoredUnits", "Unit", "identify"]
+
+# A tensor of this many bytes or more gets objects of its own; smaller ones are packed into objects of up to PACK.
+OWN = 2**20
+PACK = 4 * 2**20
+
+Ident = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A tensor as found at a save: who it is, its version counter, its storage (held only while the save runs)."""
+
+    ident: Ident
+    version: int
+    storage: Any
+
+
+def identify(t: torch.Tensor) -> Seen | None:
+    """Who ``t`` is, for telling it unchanged later; None when that cannot be told (then it is never reused)."""
+    try:
+        version = t._version
+        storage = t.untyped_storage()
+        weakref.ref(storage)
+        ptr = t.data_ptr()
+    except (RuntimeError, TypeError, NotImplementedError):  # inference tensors keep no counter; exotic subclasses
+        return None
+    if ptr == 0 or t.numel() == 0:
+        return None
+    return Seen((ptr, str(t.device), t.dtype, tuple(t.shape), tuple(t.stride()), t.is_conj(), t.is_neg()), version,
+                storage)
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+@dataclass(frozen=True)
+class _Member:
+    ident: Ident
+    version: int
+    storage: weakref.ref[Any]
+    offset: int  # in the unit
+    nbytes: int
+
+    def matches(self, seen: Seen | None, nbytes: int) -> bool:
+        return (seen is not None and seen.ident == self.ident and seen.version == self.version
+                and nbytes == self.nbytes and self.storage() is seen.storage)
+
+
+@dataclass(frozen=True)
+class StoredUnit:
+    """A unit as a commit of this writer stored it: its tensors as they were read, and its objects."""
+
+    members: tuple[_Member, ...]
+    objects: tuple[ObjectEntry, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(o.size for o in self.objects)
+
+
+@dataclass
+class Unit:
+    """One unit of a planned stream: its tensors (indices into the save's slots, in order) and its objects."""
+
+    members: list[int]
+    start: int = 0
+    spans: list[tuple[int, int]] = field(default_factory=list)  # each object's [start, end) in the stream
+    reuse: StoredUnit | None = None  # referenced as stored (no byte read)
+
+
+@dataclass
+class Plan:
+    """The layout of one incremental save."""
+
+    units: list[Unit]
+    total: int
+    seen: list[Seen | None]  # per slot
+
+    def objects(self) -> list[tuple[tuple[int, int], ObjectEntry | None]]:
+        """Each object of the stream, in order: its span, and the stored object it references (None: written)."""
+        out: list[tuple[tuple[int, int], ObjectEntry | None]] = []
+        for unit in self.units:
+            if unit.reuse is not None:
+                out += list(zip(unit.spans, unit.reuse.objects, strict=True))
+            else:
+                out += [(span, None) for span in unit.spans]
+        return out
+
+    @property
+    def referenced_bytes(self) -> int:
+        return sum(u.reuse.length for u in self.units if u.reuse is not None)
+
+
+def _pack_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for n in sizes:
+        start = layout._align(end)
+        offsets.append(start)
+        end = start + n
+    return offsets, layout._align(end)
+
+
+class StoredUnits:
+    """What this writer's last commit stored, unit by unit: what the next save may reference."""
+
+    def __init__(self) -> None:
+        self._units: list[StoredUnit] = []
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def clear(self) -> None:
+        self._units = []
+
+    def keep(self, live: set[str], epoch: int | None) -> None:
+        """Forget every unit with an object outside ``live`` (folders the pointer keeps) or written under another
+        writer epoch than ``epoch`` (this writer's; None: none yet, so nothing may be referenced)."""
+        def ok(obj: ObjectEntry) -> bool:
+            folder = obj.path.rsplit("/", 1)[0]
+            return folder in live and epoch is not None and writer_epoch_of(folder) == epoch
+
+        self._units = [u for u in self._units if all(ok(o) for o in u.objects)]
+
+    def plan(self, slots: list[layout.TensorSlot], *, own: int, pack: int, shard: int) -> Plan:
+        """Lay out ``slots`` (setting each one's stream offset) as units; those unchanged since stored are reused."""
+        seen = [identify(s.tensor) if s.nbytes else None for s in slots]
+        twice = Counter(s.ident for s in seen if s is not None)
+        seen = [s if s is not None and twice[s.ident] == 1 else None for s in seen]
+        where = {s.ident: i for i, s in enumerate(seen) if s is not None}
+        units: list[Unit] = []
+        taken: set[int] = set()
+        known: set[int] = set()  # slots unchanged since stored, in a unit that is not reused as a whole
+        for stored in self._units:
+            idx = [where.get(m.ident) for m in stored.members]
+            same = [i is not None and m.matches(seen[i], slots[i].nbytes) for m, i in zip(stored.members, idx,
+                                                                                          strict=True)]
+            if all(same) and not taken.intersection(i for i in idx if i is not None):
+                members = [i for i in idx if i is not None]
+                offsets, length = _pack_offsets([slots[i].nbytes for i in members])
+                if (offsets, length) == ([m.offset for m in stored.members], stored.length):
+                    units.append(Unit(members, reuse=stored))
+                    taken.update(members)
+                    continue
+            known.update(i for i, ok in zip(idx, same, strict=True) if ok and i is not None)
+        small: dict[bool, list[int]] = {True: [], False: []}
+        for i, slot in enumerate(slots):
+            if i in taken or not slot.nbytes:
+                continue
+            if slot.nbytes >= own:
+                units.append(Unit([i]))
+            else:
+                small[i in known].append(i)
+        for group in (small[True], small[False]):
+            current: list[int] = []
+            for i in group:
+                if current and _pack_offsets([slots[j].nbytes for j in [*current, i]])[1] > pack:
+                    units.append(Unit(current))
+                    current = []
+                current.append(i)
+            if current:
+                units.append(Unit(current))
+        units.sort(key=lambda u: u.members[0])
+        pos = 0
+        for unit in units:
+            unit.start = pos
+            offsets, length = _pack_offsets([slots[i].nbytes for i in unit.members])
+            for i, offset in zip(unit.members, offsets, strict=True):
+                slots[i].offset = pos + offset
+            if unit.reuse is not None:
+                bounds, at = [], pos
+                for obj in unit.reuse.objects:
+                    bounds.append((at, at + obj.size))
+                    at += obj.size
+                unit.spans = bounds
+            else:
+                unit.spans = [(pos + a, pos + b) for a, b in layout.windows(length, shard)]
+            pos += length
+        for i, slot in enumerate(slots):
+            if not slot.nbytes:
+                slot.offset = 0  # no bytes: any offset inside the stream
+            elif i not in taken and all(i not in u.members for u in units):  # pragma: no cover - every slot is placed
+                raise AssertionError("a tensor was left out of the incremental layout")
+        return Plan(units, pos, seen)
+
+    def record(self, plan: Plan, slots: list[layout.TensorSlot], objects: list[ObjectEntry]) -> None:
+        """After ``plan`` was committed with the stream ``objects``: remember its units, each only if every tensor of
+        it is still the one planned, at the version planned (its bytes were read unchanged)."""
+        units: list[StoredUnit] = []
+        at = 0
+        for unit in plan.units:
+            mine = objects[at : at + len(unit.spans)]
+            at += len(unit.spans)
+            members = []
+            for i in unit.members:
+                seen = plan.seen[i]
+                if seen is None or version_of(slots[i].tensor) != seen.version:
+                    break
+                members.append(_Member(seen.ident, seen.version, weakref.ref(seen.storage),
+                                       slots[i].offset - unit.start, slots[i].nbytes))
+            else:
+                units.append(StoredUnit(tuple(members), tuple(mine)))
+        self._units = units

@@ -1,0 +1,312 @@
+"""Incremental saves (``dedup=True``, issue 41, first slice: a plain root): a frozen base is stored once and
+referenced by later commits, each of which still loads bit-identical alone, after ``keep_last`` and ``gc`` too."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_resilient import AtomicCheckpointIO, CheckpointError, StaleWriterError
+from lightning_resilient.io.manifest import Manifest
+
+from .helpers import assert_same, read_pointer
+
+
+class LoraModel(nn.Module):
+    """A frozen base (big linear weights, small norms and biases) with small trainable low-rank adapters."""
+
+    def __init__(self, dim: int = 512, layers: int = 3, rank: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.base = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        for p in [*self.base.parameters(), *self.norms.parameters()]:
+            p.requires_grad_(False)
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.down = nn.ParameterList(nn.Parameter(torch.randn(rank, dim, generator=g) * 0.01) for _ in range(layers))
+        self.up = nn.ParameterList(nn.Parameter(torch.zeros(dim, rank)) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for base, norm, down, up in zip(self.base, self.norms, self.down, self.up, strict=True):
+            x = norm(base(x) + x @ down.T @ up.T)
+        return x
+
+
+class Run:
+    """A LoRA fine-tune: AdamW over the adapters only, one step between saves."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = LoraModel()
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-2)
+        self.step = 0
+
+    def train(self) -> None:
+        loss = self.model(torch.randn(8, 512)).pow(2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.step += 1
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {"epoch": 0, "global_step": self.step, "state_dict": self.model.state_dict(),
+                "optimizer_states": [self.opt.state_dict()], "loops": {"step": self.step}}
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Adapter weights and their AdamW state (exp_avg, exp_avg_sq): what really changes per step."""
+        adapters = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        return 3 * adapters
+
+    @property
+    def base_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
+
+
+def clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # the mapping's own type (a state_dict's OrderedDict)
+        for k, v in obj.items():
+            out[k] = clone(v)
+        return out
+    if isinstance(obj, list):
+        return [clone(v) for v in obj]
+    return obj
+
+
+def manifest_of(backend: Any, commit: str) -> Manifest:
+    return Manifest.from_bytes(backend.fs().cat_file(backend.path(f"{commit}/manifest.json")), where=commit)
+
+
+def new_bytes(manifest: Manifest) -> int:
+    """Bytes of the objects the commit wrote into its own folder (the rest it references)."""
+    return sum(o.size for o in manifest.objects if o.path.rsplit("/", 1)[0] == manifest.commit)
+
+
+def load_alone(io: AtomicCheckpointIO, backend: Any, name: str) -> dict[str, Any]:
+    return io.load_checkpoint(backend.url(name), weights_only=True)
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def store(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+def test_a_lora_fine_tune_writes_the_frozen_base_once_and_every_commit_loads_alone(store, make_io):
+    run = Run()
+    io = make_io(store, dedup=True, keep_last=2)
+    saved: dict[str, dict[str, Any]] = {}
+    written = []
+    for _ in range(6):
+        run.train()
+        name = f"step={run.step}.ckpt"
+        saved[name] = clone(run.checkpoint())
+        io.save_checkpoint(run.checkpoint(), store.url(name))
+        pointer = read_pointer(store)
+        manifest = manifest_of(store, pointer.latest.commit)
+        written.append(new_bytes(manifest))
+        # Every commit keep_last kept loads, bit for bit, on its own (its referenced objects included).
+        for kept in pointer.checkpoints:
+            assert_same(load_alone(io, store, kept), saved[kept])
+    assert written[0] >= run.base_bytes
+    assert all(w <= 4 * run.trainable_bytes for w in written[1:]), (written, run.trainable_bytes)
+    # The base lives in the first commit's folder, which keep_last dropped from the catalog: still live, referenced.
+    pointer = read_pointer(store)
+    assert "step=1.ckpt" not in pointer.checkpoints
+    first = [f for e in pointer.entries() for f in e.folders if f.startswith("step=1.ckpt/")]
+    assert first and set(first) <= pointer.live_folders()
+    # gc beside it (grace 0, and an operator's retention) deletes nothing a live commit needs.
+    make_io(store, orphan_grace_seconds=0).collect_garbage(store.root)
+    io.root(store.root).retention.retain(1)
+    make_io(store, orphan_grace_seconds=0).collect_garbage(store.root)
+    pointer = read_pointer(store)
+    for kept in pointer.checkpoints:
+        assert_same(load_alone(make_io(store), store, kept), saved[kept])
+        io.root(store.root).verify(pointer.checkpoints[kept].commit)
+    # Once no live commit references the first folder any more, it goes.
+    run.model.base[0].weight.data = run.model.base[0].weight.data + 1  # a new storage: the base changes
+    for _ in range(3):
+        run.train()
+        name = f"step={run.step}.ckpt"
+        saved[name] = clone(run.checkpoint())
+        io.save_checkpoint(run.checkpoint(), store.url(name))
+    pointer = read_pointer(store)
+    assert_same(load_alone(io, store, pointer.latest.name), saved[pointer.latest.name])
+    assert any(f.startswith("step=1.ckpt/") for f in pointer.live_folders())  # the other base tensors stay shared
+
+
+def test_dedup_off_writes_everything_every_time(local_backend, make_io):
+    run = Run()
+    io = make_io(local_backend)
+    written = []
+    for _ in range(3):
+        run.train()
+        io.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
+        written.append(new_bytes(manifest_of(local_backend, read_pointer(local_backend).latest.commit)))
+    assert all(w >= run.base_bytes for w in written)
+
+
+def test_an_in_place_change_to_a_frozen_tensor_is_saved(store, make_io):
+    run = Run()
+    io = make_io(store, dedup=True)
+    for _ in range(2):
+        run.train()
+        io.save_checkpoint(run.checkpoint(), store.url(f"step={run.step}.ckpt"))
+    with torch.no_grad():
+        run.model.base[1].weight[3, 5] += 1.0  # in place: the version counter moves
+        run.model.norms[0].bias.mul_(2)  # a small frozen tensor, in a pack of frozen ones
+    run.train()
+    expected = clone(run.checkpoint())
+    io.save_checkpoint(run.checkpoint(), store.url("changed.ckpt"))
+    assert_same(load_alone(make_io(store), store, "changed.ckpt"), expected)
+    manifest = manifest_of(store, read_pointer(store).latest.commit)
+    assert new_bytes(manifest) >= run.model.base[1].weight.numel() * 4  # the changed tensor was written again
+
+
+def test_a_clone_per_save_falls_back_to_digests(local_backend, make_io):
+    # Identities are lost (every tensor a fresh clone, as some async wrappers save): unchanged objects are still
+    # referenced, found by digest after hashing, never by identity.
+    run = Run()
+    io = make_io(local_backend, dedup=True)
+    written = []
+    for _ in range(3):
+        run.train()
+        ckpt = clone(run.checkpoint())
+        io.save_checkpoint(ckpt, local_backend.url(f"step={run.step}.ckpt"))
+        written.append(new_bytes(manifest_of(local_backend, read_pointer(local_backend).latest.commit)))
+        assert_same(load_alone(io, local_backend, f"step={run.step}.ckpt"), ckpt)
+    assert written[-1] < run.base_bytes / 4, written
+
+
+def test_a_new_writer_epoch_references_nothing_of_the_old_one(local_backend, make_io):
+    run = Run()
+    first = make_io(local_backend, dedup=True)
+    for _ in range(2):
+        run.train()
+        first.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
+    resumed = make_io(local_backend, dedup=True, claim_on_load=True)
+    resumed.load_checkpoint(local_backend.url(f"step={run.step}.ckpt"))  # claims: epoch 2
+    run.train()
+    resumed.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
+    latest = read_pointer(local_backend).latest
+    assert latest.folders == (latest.commit,)  # the first save of an epoch is whole
+    with pytest.raises(StaleWriterError):
+        run.train()
+        first.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
+    latest = read_pointer(local_backend).latest
+    assert set(latest.folders) <= read_pointer(local_backend).live_folders()
+
+
+def _two_saves_then_drop_them(backend: Any, make_io: Any) -> tuple[Run, AtomicCheckpointIO]:
+    run = Run()
+    io = make_io(backend, dedup=True)
+    run.train()
+    io.save_checkpoint(run.checkpoint(), backend.url("a.ckpt"))
+    run.train()
+    io.save_checkpoint(run.checkpoint(), backend.url("b.ckpt"))  # references a.ckpt's folder for the base
+    assert len(read_pointer(backend).latest.folders) == 2
+    # An operator drops both behind the writer's back: every folder the writer's record names is retired.
+    make_io(backend).root(backend.root).retention.drop({e.commit for e in read_pointer(backend).entries()})
+    return run, io
+
+
+def test_a_save_after_its_references_were_retired_writes_everything(local_backend, make_io):
+    run, io = _two_saves_then_drop_them(local_backend, make_io)
+    run.train()
+    expected = clone(run.checkpoint())
+    io.save_checkpoint(run.checkpoint(), local_backend.url("c.ckpt"))  # the writer reads the pointer first
+    latest = read_pointer(local_backend).latest
+    assert latest.folders == (latest.commit,)
+    assert_same(load_alone(make_io(local_backend), local_backend, "c.ckpt"), expected)
+
+
+def test_the_pointer_update_refuses_a_reference_to_a_retired_folder(local_backend, make_io):
+    run, io = _two_saves_then_drop_them(local_backend, make_io)
+    # Skip the writer's own look at the live set, as a removal racing the upload would: the pointer update refuses.
+    io.root(local_backend.root).writer._keep_live = lambda: None  # type: ignore[method-assign]
+    run.train()
+    with pytest.raises(CheckpointError, match=r"retired while it uploaded|is missing just before"):
+        io.save_checkpoint(run.checkpoint(), local_backend.url("c.ckpt"))
+    assert read_pointer(local_backend).latest is None
+    # The next save (its record was forgotten with the failure) writes everything and commits.
+    io.save_checkpoint(run.checkpoint(), local_backend.url("c.ckpt"))
+    latest = read_pointer(local_backend).latest
+    assert latest.folders == (latest.commit,)
+
+
+def test_dedup_refuses_what_it_does_not_handle_yet(tmp_path):
+    with pytest.raises(ValueError, match="dedup=True is not supported with async_save"):
+        AtomicCheckpointIO(dedup=True, async_save=True)
+    with pytest.raises(ValueError, match="dedup=True is not supported with local_tier"):
+        AtomicCheckpointIO(dedup=True, local_tier=str(tmp_path))
+    with pytest.raises(TypeError, match="dedup"):
+        AtomicCheckpointIO(dedup="yes")  # type: ignore[arg-type]
+    assert AtomicCheckpointIO().dedup is False
+
+
+def test_unchanged_tensors_are_neither_read_nor_hashed(local_backend, make_io, monkeypatch):
+    from lightning_resilient.io import layout, writer
+
+    read: list[int] = []
+    host_sources = layout.host_sources
+
+    def counting(slots: list[layout.TensorSlot]) -> list[memoryview]:
+        read.append(sum(s.nbytes for s in slots))
+        return host_sources(slots)
+
+    monkeypatch.setattr(writer.layout, "host_sources", counting)
+    hashed: list[int] = []
+    chunk_digests = writer.chunk_digests
+
+    def counting_digests(pieces: list[memoryview], chunk_size: int) -> list[str]:
+        hashed.append(sum(len(p) for p in pieces))
+        return chunk_digests(pieces, chunk_size)
+
+    monkeypatch.setattr(writer, "chunk_digests", counting_digests)
+    run = Run()
+    io = make_io(local_backend, dedup=True)
+    for _ in range(3):
+        read.clear()
+        hashed.clear()
+        run.train()
+        io.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
+    assert sum(read) <= 2 * run.trainable_bytes, (sum(read), run.trainable_bytes)
+    assert sum(hashed) <= 4 * run.trainable_bytes, (sum(hashed), run.trainable_bytes)
+
+
+def test_a_tensor_held_twice_and_an_inference_tensor_are_always_written(local_backend, make_io):
+    shared = torch.randn(512, 512)  # tied weights: one storage under two keys
+    with torch.inference_mode():
+        frozen = torch.randn(512, 512)  # no version counter: never taken as unchanged
+    io = make_io(local_backend, dedup=True)
+    for step in (1, 2, 3):
+        ckpt = {"global_step": step, "state_dict": {"a": shared, "b": shared, "c": frozen, "s": torch.tensor(step)}}
+        io.save_checkpoint(ckpt, local_backend.url(f"step={step}.ckpt"))
+        loaded = load_alone(make_io(local_backend), local_backend, f"step={step}.ckpt")
+        assert_same(loaded["state_dict"], ckpt["state_dict"])
+    shared.add_(1)
+    frozen = frozen + 1
+    ckpt = {"global_step": 4, "state_dict": {"a": shared, "b": shared, "c": frozen, "s": torch.tensor(4)}}
+    io.save_checkpoint(ckpt, local_backend.url("step=4.ckpt"))
+    assert_same(load_alone(make_io(local_backend), local_backend, "step=4.ckpt")["state_dict"], ckpt["state_dict"])
+
+
+def test_a_tiered_root_refuses_dedup(local_backend, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_resilient.io.root import RootSettings, open_root
+    from lightning_resilient.io.tiered import TieredRoot
+
+    settings = RootSettings(keep_last=None, shard_size=4096, orphan_grace_seconds=0.0, fallback_on_corruption=True,
+                            dedup=True)
+    durable = open_root(local_backend.root, settings=settings)
+    local = open_root(str(tmp_path / "tier"), settings=settings)
+    with pytest.raises(ValueError, match="dedup is not supported with a local tier"):
+        TieredRoot(durable, local, persist_every=1, executor=lambda: ThreadPoolExecutor(1))
