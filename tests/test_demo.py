@@ -76,7 +76,7 @@ def _demo_jobs_in(folder: Path) -> list[int]:
 
 def test_a_reference_that_parted_from_the_first_attempt_before_the_fault_is_trained_again(tmp_path):
     """The demo compares the resumed run with an uninterrupted one, which must be the very training the first attempt
-    ran: one whose losses already differ before the fault (seen rarely on a loaded CPU with bf16) is not, and the
+    ran: one whose losses already differ before the fault (seen rarely on a loaded CPU) is not, and the
     demo trains it once more on a root and record folder of its own (auto-resume would continue the first)."""
     from lightning_resilient.demo.driver import Losses, _another_reference, _differs_before_the_fault
 

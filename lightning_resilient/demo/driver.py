@@ -27,6 +27,7 @@ from lightning_resilient.testing.lines import LineReader
 __all__ = ["run_demo", "scenario_error"]
 
 BUCKET = "lightning-resilient-demo"
+REFERENCE_RUN = "run-uninterrupted"  # the bucket's folder of the uninterrupted run the resumed one is compared with
 ACCUMULATE = 2  # the demo config's accumulate_grad_batches
 
 
@@ -263,7 +264,7 @@ def run_demo(max_steps: int = 60, kill_step: int = 30, every: int = 10, out_dir:
         shutil.rmtree(out_dir, ignore_errors=True)
         os.makedirs(out_dir)
         root = f"s3://{BUCKET}/run-1/checkpoints"
-        reference_root = f"s3://{BUCKET}/run-uninterrupted/checkpoints"
+        reference_root = f"s3://{BUCKET}/{REFERENCE_RUN}/checkpoints"
         config, record = _config(out_dir, "run", root, max_steps, every, terminal)
         reference_config, reference_record = _config(out_dir, "uninterrupted", reference_root, max_steps, every,
                                                      terminal)
@@ -447,11 +448,11 @@ def _uninterrupted(cmd: list[str], env: dict[str, str], reference_config: str, r
     differs = _differs_before_the_fault(run, reference)
     if differs is not None:
         # The comparison needs the very training the first attempt ran: a reference that already parted from it
-        # before the fault says nothing of the resume. Seen rarely on a loaded 2-core CPU with bf16 (same inputs,
-        # weights and RNG; another loss at step 0): the same command trained once more, on a root of its own.
+        # before the fault says nothing of the resume. Seen rarely on a loaded 2-core CPU, cause unknown (same inputs,
+        # weights and RNG states; another loss at step 0): the same command trained once more, on a root of its own.
         again, reference_record = _another_reference(reference_config, reference_record)
         print(f"  (the uninterrupted run differs from the first attempt before the fault, at step {differs}, so it is"
-              " not the same training: this machine does not reproduce it run to run; training it once more)")
+              " not the same training as the one interrupted; training it once more)")
         Job([*cmd[:-1], again], env, echo=echo).finish()
         reference = Losses.read(reference_record)
         differs = _differs_before_the_fault(run, reference)
@@ -486,5 +487,5 @@ def _another_reference(config: str, record: str) -> tuple[str, str]:
         text = f.read()
     again = config.replace(".yaml", "-again.yaml")
     with open(again, "w") as f:
-        f.write(text.replace(name, f"{name}-again").replace("run-uninterrupted", "run-uninterrupted-again"))
+        f.write(text.replace(name, f"{name}-again").replace(REFERENCE_RUN, f"{REFERENCE_RUN}-again"))
     return again, os.path.join(folder, f"{name}-again")
