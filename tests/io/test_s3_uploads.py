@@ -134,3 +134,40 @@ def test_a_multipart_upload_left_behind_is_aborted_by_gc(s3_backend, small_parts
     assert left and find_latest_checkpoint(s3_backend.root, s3_backend.storage_options) is None
     make_io(s3_backend, orphan_grace_seconds=0).collect_garbage(s3_backend.root)
     assert uploads(s3_backend) == []
+
+
+@pytest.mark.slow
+def test_a_writer_killed_mid_multipart_upload_loses_nothing_and_gc_aborts_its_upload(s3_backend, make_io):
+    """A real SIGKILL while parts of a multipart upload are in flight (a slow proxy): the committed checkpoint stays
+    the latest and loads bit-exact, the upload left behind holds parts but makes no object, garbage collection aborts
+    it, and the next writer commits."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with StoreProxy(s3_backend.endpoint, bandwidth=1.5e6) as p:  # a 5 MiB part takes ~3.5 s
+        child = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "multipart_child.py"),
+                                  s3_backend.root, p.url], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "COMMITTED"
+            deadline = time.monotonic() + 120
+            while not uploads(s3_backend):  # the first multipart upload has begun: its parts are on their way
+                assert child.poll() is None and time.monotonic() < deadline, "no multipart upload began"
+                time.sleep(0.05)
+            time.sleep(0.5)
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+    assert uploads(s3_backend)  # left behind, invisible: no object, no manifest
+    assert find_latest_checkpoint(s3_backend.root, s3_backend.storage_options).startswith(s3_backend.url("a.ckpt/"))
+    assert_same(make_io(s3_backend, claim_on_load=False).load_checkpoint(s3_backend.url("a.ckpt")),
+                make_checkpoint(1))
+    make_io(s3_backend, orphan_grace_seconds=0).collect_garbage(s3_backend.root)
+    assert uploads(s3_backend) == []
+    nxt = make_io(s3_backend, orphan_grace_seconds=0)
+    nxt.load_checkpoint(find_latest_checkpoint(s3_backend.root, s3_backend.storage_options))  # resume, then save
+    nxt.save_checkpoint(make_checkpoint(3), s3_backend.url("c.ckpt"))
+    assert find_latest_checkpoint(s3_backend.root, s3_backend.storage_options).startswith(s3_backend.url("c.ckpt/"))
+    # The restart's claim fenced the killed writer off and collected what its save had stored (its skeleton).
+    assert {k for k in stored_keys(s3_backend) if "/b.ckpt/" in k} == set()
