@@ -368,8 +368,13 @@ class WriterFence:
         their checkpoints alike, and a commit persisted from here belongs to the durable root's incarnation.
 
         A newer epoch already adopted here (a newer job on this node) makes this writer stale. Local checkpoints
-        outside the adopted lineage can never be resumed again (a lineage only grows): they are dropped.
+        outside the adopted lineage can never be resumed again (a lineage only grows): they are dropped. What the
+        job resumed from, when only this tier holds it and its catalog does not name it (a local save whose writer
+        died before its pointer move), is protected with its data, as a claim protects what it resumed; so are
+        such strays earlier adopters resumed that the lineage still holds (``gc`` collects every other stray).
         """
+        resumed = self._stray_here(origin)
+
         def bump(p: Pointer) -> Pointer:
             if p.writer_epoch > epoch:
                 raise StaleWriterError(self.url, epoch, p.writer_epoch, p.writer)
@@ -377,7 +382,9 @@ class WriterFence:
             p.writer = self.writer
             p.origins.update(origins)
             p.origins[epoch] = origin
-            p.protected = {}
+            p.protected = _strays_of_the_lineage(p)
+            if resumed is not None and resumed.commit not in {e.commit for e in p.entries()}:
+                protect(p, resumed, self.writer)
             for entry in p.lineage().outside(p.entries()):
                 p.checkpoints.pop(entry.name, None)
             p.latest = next(iter(p.lineage().members(p.entries())), None)
@@ -388,6 +395,16 @@ class WriterFence:
         self.writer_epoch, self.origin, self.root_id = epoch, origin, new.root_id
         self.lineage_id = lineage_id
         return new
+
+    def _stray_here(self, origin: Origin) -> Entry | None:
+        """The checkpoint ``origin`` names, when this root holds it (None: a fresh start, a fork, or not here)."""
+        if not origin.here or not self.store.exists(f"{origin.commit}/{MANIFEST_NAME}"):
+            return None
+        try:
+            return Entry.from_manifest(self.reader.read_manifest(str(origin.commit)))
+        except CheckpointError as exc:  # a damaged one protects nothing: the resume read it whole, or fell back
+            log.warning("could not read what this job resumed from, %s: %s", self.store.url(str(origin.commit)), exc)
+            return None
 
     def hold(self, folders: Iterable[str], why: str) -> None:
         """Keep ``folders`` (of committed checkpoints) from retention until :meth:`release`: they are to be copied.

@@ -204,12 +204,15 @@ class Retention:
           skewed clock only shortens or lengthens the time a reader that was reading one had to finish, since a
           retired folder is never loaded again);
         - folders the pointer does not reference, of a writer epoch older than the pointer's (their writer is
-          fenced, so it can never commit them): those without a manifest, and those whose manifest lies outside the
-          current lineage (the writer died between its manifest and the pointer update, so no resume can ever pick
-          them). A save in progress of the current writer is never touched, whatever its age or the clocks, nor is
-          an unreferenced commit inside the lineage. ``orphan_grace_seconds`` leaves such a folder a while longer,
-          measured with the store's own timestamps (its newest object against the pointer's last write), never
-          against this host's clock;
+          fenced, so it can never commit them): those without a manifest, and those with one (a stray: the writer
+          died between its manifest and the pointer update), inside the current lineage or not. A stray no job
+          resumed is no checkpoint of the catalog, so retention never counts it and may delete the folders whose
+          objects it shares (``last.ckpt`` saved at a top-k save's step, or an incremental save); kept, it would
+          outlive them with a manifest naming objects that are gone. One a job resumed is live (the pointer protects
+          it while the lineage holds it, with the folders of its data). A save in progress of the current writer is
+          never touched, whatever its age or the clocks. ``orphan_grace_seconds`` leaves such a folder a while
+          longer, measured with the store's own timestamps (its newest object against the pointer's last write),
+          never against this host's clock;
         - with ``abandoned`` only: checkpoints the pointer catalogs outside the current lineage (a branch a
           rollback left behind).
 
@@ -275,12 +278,12 @@ class Retention:
                 if MANIFEST_NAME not in objects:
                     partial.append(folder)
                     doomed.append((self.store.url(folder), f"no manifest, written by fenced writer epoch {epoch}"))
-                elif self._outside(lineage, folder, incarnation):
-                    # Its writer died (or was fenced) between the manifest and the pointer update: never visible,
-                    # and outside the lineage, so no resume can ever pick it. One inside the lineage is kept.
+                elif (where := self._stray(lineage, folder, incarnation)) is not None:
+                    # Its writer died (or was fenced) between the manifest and the pointer update: never cataloged,
+                    # and no job resumed it (that one is live), so nothing needs it.
                     committed.append(folder)
                     doomed.append((self.store.url(folder), (f"manifest never referenced by the pointer, writer epoch"
-                                                            f" {epoch} fenced, outside the current lineage")))
+                                                            f" {epoch} fenced, {where} the current lineage")))
         if not dry_run:
             for folder in partial:
                 self.discard(folder)
@@ -309,18 +312,18 @@ class Retention:
             if match and int(match.group(1)) < oldest and int(match.group(1)) not in pointer.origins:
                 self.discard(f"{ORIGINS_DIR}/{record}")
 
-    def _outside(self, lineage: Lineage, folder: str, root_id: str) -> bool:
-        """Whether the unreferenced commit ``folder`` is no checkpoint of this root's current run: outside its
-        lineage, or of another incarnation of the root (a job of a deleted one wrote it into the recreated root;
-        its writer epoch may well fall inside this lineage's)."""
+    def _stray(self, lineage: Lineage, folder: str, root_id: str) -> str | None:
+        """Where the unreferenced commit ``folder`` of a fenced writer lies ("inside" or "outside" this root's
+        current lineage; another incarnation's commit, written into the recreated root by a job of a deleted one,
+        is outside whatever its writer epoch), or None when it is not ours to collect."""
         try:
             manifest = self.reader.read_manifest(folder)
-            return (bool(manifest.root_id and root_id and manifest.root_id != root_id)
-                    or not lineage.contains(manifest))
         except CheckpointCorruptedError:
-            return True  # a manifest that does not load makes nothing loadable
+            return "outside"  # a manifest that does not load makes nothing loadable
         except UnsupportedFormatError:
-            return False  # a newer version wrote it: not ours to judge
+            return None  # a newer version wrote it: not ours to judge
+        other = bool(manifest.root_id and root_id and manifest.root_id != root_id)
+        return "outside" if other or not lineage.contains(manifest) else "inside"
 
 
 def _once(doomed: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Twelve one-line breakages of the storage protocol's safety rules, and which tests catch each.
+"""Fourteen one-line breakages of the storage protocol's safety rules, and which tests catch each.
 
 Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 
@@ -65,10 +65,14 @@ MUTATIONS = [
              "lightning_resilient/io/retention.py",
              "if epoch >= head:", "if epoch > head:",
              related=("tests/io/test_gc.py",)),
-    Mutation("gc-lineage", "GC deleting unreferenced commits inside the lineage",
-             "lightning_resilient/io/retention.py",
-             "elif self._outside(lineage, folder, incarnation):", "else:",
+    Mutation("stray-protection", "a claim or adopt dropping the protection of a stray a job of the lineage resumed",
+             "lightning_resilient/io/fencing.py",
+             'kept[commit] = f"{_IN_LINEAGE} (resumed by {writer})"', "continue",
              related=("tests/io/test_gc.py", "tests/io/test_lineage.py")),
+    Mutation("adopt-resumed", "a local tier's adopt not protecting the local-only stray its job resumed",
+             "lightning_resilient/io/fencing.py",
+             "protect(p, resumed, self.writer)", "pass",
+             related=("tests/io/test_tiered.py",)),
     Mutation("pointer-rebuild", "a missing pointer not rebuilt before an update", "lightning_resilient/io/fencing.py",
              "base = scan.pointer()", "base = Pointer()",
              related=("tests/io/test_gc.py", "tests/io/test_protocol.py")),
@@ -93,6 +97,11 @@ MUTATIONS = [
              "lightning_resilient/io/pointer.py",
              "folders = {f for e in self.entries() for f in e.folders}",
              "folders = {e.commit for e in self.entries()}",
+             related=("tests/io/test_incremental.py",)),
+    Mutation("dedup-fingerprint", "an incremental save trusting the version counter alone (a .data write unseen)",
+             "lightning_resilient/io/incremental.py",
+             "and prints.get(i) == m.print for m, i in zip(stored.members, idx, strict=True)]",
+             "and True for m, i in zip(stored.members, idx, strict=True)]",
              related=("tests/io/test_incremental.py",)),
     Mutation("dedup-live-guard", "an incremental save referencing objects of folders the pointer no longer keeps",
              "lightning_resilient/io/incremental.py",

@@ -8,8 +8,9 @@ commit (which job wrote it, at which step, under which name), and derives from t
   start (ordered by writer epoch, step, creation), and the lineage *below* a commit (what a load of it falls back to);
 - which commits retention or ``gc`` *may* have deleted by now (``may_go``): a name saved again, ``keep_last`` beyond
   the newest states of the lineage (never the latest, never what the writing job resumed from), ``gc --abandoned``,
-  a commit no pointer ever named outside the lineage, a damaged manifest no pointer names, a commit a rebuilt
-  pointer no longer catalogs (another commit of its name outranks it);
+  a commit no pointer ever named (a stray) of a fenced writer that no job resumed or that lies outside the lineage,
+  a damaged manifest no pointer names, a commit a rebuilt pointer no longer catalogs (another commit of its name
+  outranks it);
 - so which commits must still be whole (``must_keep``), and what a resume or a load must return.
 
 The model never asks the package what the lineage is or what retention dropped: a package bug that changes either
@@ -215,12 +216,14 @@ class RootModel:
             self.retain(self.keep)
         protected = self.protected()
         head = self.head()
+        resumed = {j.origin for j in self.claimed() if j.origin is not None}
         for c in self.commits.values():
             if c is protected:
                 continue
             outside = not self.in_lineage(c)
-            # A manifest no pointer ever moved to, of a fenced writer, outside the lineage: gc collects it.
-            if c.stray and not c.cataloged and outside and c.job is not head:
+            # A manifest no pointer ever moved to, of a fenced writer: gc collects it, unless a job resumed it and
+            # the lineage holds it (then the pointer protects it).
+            if c.stray and not c.cataloged and c.job is not head and (outside or c not in resumed):
                 c.may_go = True
             # A manifest that does not load, and that the pointer does not name: gc collects it.
             if c.manifest_damaged and (catalog is None or c.folder not in catalog):
@@ -228,7 +231,8 @@ class RootModel:
 
     def must_keep(self) -> list[Commit]:
         """The durable commits that must be whole now: what the writing job resumed from, every commit the catalog
-        named that nothing may have dropped since, and every stray of the lineage."""
+        named that nothing may have dropped since, and every stray of the lineage a job resumed (or that a fenced
+        writer may still be about to find refused: ``settle`` says which may go)."""
         protected = self.protected()
         out = []
         for c in self.commits.values():

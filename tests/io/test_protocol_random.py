@@ -34,7 +34,7 @@ the store that
 
 The directed tests at the end each reproduce one rule the random run reaches only rarely (or one protocol gap it
 found: a fixed one as a plain test, the one left as a strict xfail). ``tests/io/mutations.py`` shows which of these
-tests catch twelve one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
+tests catch fourteen one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
 
 Seeds in the suite: ``SEEDS`` per store (and ``KILL_SEEDS`` for the variant with SIGKILLs), each its own test item,
 sized so that the randomized items together cost about a minute of one core. ``pytest --soak`` runs
@@ -106,8 +106,7 @@ SETTINGS: dict[str, Any] = {"shard_size": 4096, "chunk_size": 2048, "orphan_grac
 WAIT = 60.0  # seconds a paused or saving job may take to reach its next instant (a hang fails the run)
 
 # A protocol gap the model finds gets a directed test at the end of this module; while it is open, a strict xfail
-# naming it (and a tolerance in the randomized run, marked KNOWN), both removed with the fix. One is open:
-# test_a_stray_of_the_lineage_keeps_the_objects_it_shares (docs/protocol.md); the randomized run has not met it yet.
+# naming it (and a tolerance in the randomized run, marked KNOWN), both removed with the fix. None is open.
 
 
 class Died(BaseException):
@@ -1816,15 +1815,15 @@ def test_gc_keeps_the_data_of_what_the_writer_resumed_from_whatever_else_shares_
     reader(url).reader.verify(twin.commit)  # every object of what B resumed from is still there, intact
 
 
-@pytest.mark.xfail(strict=True, reason="open protocol gap (docs/protocol.md): retention retires the folder a stray of"
-                   " the lineage shares objects with; gc keeps the stray's manifest, whose objects are then gone")
 @pytest.mark.parametrize("dedup", [False, True], ids=["same-step-sharing", "dedup"])
-def test_a_stray_of_the_lineage_keeps_the_objects_it_shares(local_backend, dedup):
+def test_a_stray_of_the_lineage_never_outlives_the_objects_it_shares(local_backend, dedup):
     """A saves step=2.ckpt, then last.ckpt at step 2 (which references step=2's objects: the same step, or with dedup
     every unchanged object back to step=1's) and dies before its pointer move: a stray inside the lineage that B,
-    resuming step=2.ckpt, continues. gc keeps such a stray (it may still be resumed), but nothing keeps the folders it
-    references: once C's keep_last retires step=2.ckpt (and step=1.ckpt), their data goes, and the stray's manifest
-    names objects that are gone (a rebuilt pointer would catalog it as last.ckpt; its load fails verification)."""
+    resuming step=2.ckpt, continues. No job resumed the stray, so no catalog or protection keeps the folders it
+    references: once C's keep_last retires step=2.ckpt (and step=1.ckpt), their data goes. gc used to keep every
+    stray of the lineage, which left its manifest naming objects that were gone (a rebuilt pointer would catalog it
+    as last.ckpt, and its load failed verification); now gc collects it with the other strays (at B's claim here,
+    grace 0). Every manifest left in the store verifies."""
     url = normalize(local_backend.root)
     a = CheckpointRoot(open_store(url, None, RetryPolicy(3, 0.01, 0.1)),
                        RootSettings(keep_last=None, max_concurrency=1, dedup=dedup, **SETTINGS),
@@ -1835,6 +1834,8 @@ def test_a_stray_of_the_lineage_keeps_the_objects_it_shares(local_backend, dedup
     gate, thread, _ = _paused_save(a, 2, "last.ckpt", "pointer")  # A dies there
     stray = gate.folders[-1]
     try:
+        shared = set(Entry.from_manifest(a.read_manifest(stray)).folders) - {stray}
+        assert shared, "the stray shares no other commit's objects: the test would show nothing"
         b = _job(url)
         b.claim(resumed_from=b.read_pointer()[0].latest)  # step=2.ckpt: the stray is in B's lineage
         b.save(content("b", 3), "step=3.ckpt")
@@ -1843,8 +1844,15 @@ def test_a_stray_of_the_lineage_keeps_the_objects_it_shares(local_backend, dedup
         for step in (4, 5, 6):
             c.save(content("c", step), f"step={step}.ckpt")
         reader(url).collect_garbage()
-        assert c.store.exists(f"{stray}/{MANIFEST_NAME}")  # kept: a stray of the lineage
-        reader(url).reader.verify(stray)  # fails: the objects it shares are gone
+        assert not c.store.exists(f"{stray}/{MANIFEST_NAME}"), "gc kept a stray no job resumed"
+        assert not any(c.store.exists(f"{f}/{MANIFEST_NAME}") for f in shared), "retention kept what C dropped"
+        operator = reader(url)
+        for name in c.store.list_dir(""):
+            if name.startswith("."):
+                continue
+            for child in c.store.list_dir(name):
+                if c.store.exists(f"{name}/{child}/{MANIFEST_NAME}"):
+                    operator.reader.verify(f"{name}/{child}")  # no manifest names an object that is gone
     finally:
         gate.kill()
         thread.join(WAIT)
