@@ -257,6 +257,16 @@ def _check(root: CheckpointRoot, entry: Entry, quick: bool) -> str:
         return f"NO: {exc}"
 
 
+def _stored_here(root: CheckpointRoot, entry: Entry) -> int | None:
+    """The bytes of ``entry``'s objects in its own folder (the rest it references: another commit stored them);
+    None when its manifest does not load (the verifies column says why)."""
+    try:
+        manifest = root.read_manifest(entry.commit)
+    except CheckpointError:
+        return None
+    return sum(o.size for o in manifest.objects if o.path.rsplit("/", 1)[0] == entry.commit)
+
+
 def _ls(args: argparse.Namespace) -> int:
     from lightning_resilient.io.catalog import stock_checkpoints
     from lightning_resilient.io.fencing import RESUMED
@@ -289,15 +299,22 @@ def _ls(args: argparse.Namespace) -> int:
     rows = [(e, _check(root, e, args.quick)) for e in members + abandoned]
     latest_commit = pointer.latest.commit if pointer.latest else None
     print()
-    print("| name | step | epoch | writer epoch | size | age | commit | verifies |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
+    print("| name | step | epoch | writer epoch | size | stored here | age | commit | verifies |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+    sharing = 0
     for e, status in rows:
         marks = (" (latest)" if e.commit == latest_commit and not scanned else "") + (
             " (resumed from)" if pointer.protected.get(e.commit, "").startswith(RESUMED) else "") + (
             " (abandoned branch)" if e in abandoned else "") + (
             " (emergency save: preemption)" if e.name.startswith(PREEMPTION_PREFIX) else "")
-        print(f"| {e.name}{marks} | {e.step} | {e.epoch} | {e.writer_epoch} | {_size(e.size)} | {_age(e.created)} |"
-              f" {e.commit} | {status} |")
+        here = _stored_here(root, e)
+        sharing += here is not None and len(set(e.folders) - {e.commit}) > 0
+        print(f"| {e.name}{marks} | {e.step} | {e.epoch} | {e.writer_epoch} | {_size(e.size)} |"
+              f" {'?' if here is None else _size(here)} | {_age(e.created)} | {e.commit} | {status} |")
+    if sharing:
+        print(f"\n{sharing} checkpoint(s) reference objects another commit stored (last.ckpt saved at a top-k save's"
+              " step, or unchanged tensors with dedup=True): 'size' is what a load reads, 'stored here' what the"
+              " commit wrote itself. Each is still complete; copy one elsewhere with `lightning-resilient export`.")
     # What `gc` would delete now (default grace), so that every hint below says what acts on what it describes.
     collectable = {url for url, _ in root.collect_garbage(dry_run=True)} if not scanned else set()
     gc_root = f"`lightning-resilient gc {args.root}`"
@@ -332,8 +349,8 @@ def _ls(args: argparse.Namespace) -> int:
     if others and not scanned:
         print(f"\n{len(others)} committed folder(s) the pointer does not reference (a job died between a save's"
               " manifest and its pointer update, or a rebuilt pointer named only the newest commit of a name): "
-              + _gc_hint(others, root, collectable, gc_root, "are kept while they belong to the current run or to"
-                         " the job writing the root, or are younger than --grace (default: an hour)"))
+              + _gc_hint(others, root, collectable, gc_root, "are saves of the job writing the root (never"
+                         " collected while it writes) or younger than --grace (default: an hour)"))
     if uncommitted:
         print(f"\n{len(uncommitted)} folder(s) without a manifest (interrupted saves, or a save in progress; never"
               " loadable): "

@@ -51,6 +51,30 @@ def test_ls_shows_pointer_checkpoints_and_leftovers(filled, capsys):
     assert "1 folder(s) without a manifest" in out
 
 
+def test_ls_shows_what_each_commit_stored_itself_beside_what_it_references(local_backend, make_io, capsys):
+    """With dedup, a commit's size is what a load reads; 'stored here' is what it wrote (the frozen base is the
+    first commit's)."""
+    import torch
+
+    io = make_io(local_backend, dedup=True)
+    base, adapter = torch.randn(1024, 1024), torch.zeros(64)  # 4 MiB frozen, 256 bytes trained
+    for step in (1, 2, 3):
+        adapter.add_(1.0)
+        io.save_checkpoint({"base": base, "adapter": adapter, "global_step": step},
+                           local_backend.url(f"step={step}.ckpt"))
+    assert run(local_backend, "ls", local_backend.root) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(" |")[0][2:].split(" (")[0]: [c.strip() for c in line.split("|")[1:-1]]
+            for line in out.splitlines() if line.startswith("| step=")}
+    header = next(line for line in out.splitlines() if line.startswith("| name |"))
+    columns = [c.strip() for c in header.split("|")[1:-1]]
+    size, here = columns.index("size"), columns.index("stored here")
+    assert rows["step=1.ckpt"][here] == rows["step=1.ckpt"][size]  # the first stores everything
+    for name in ("step=2.ckpt", "step=3.ckpt"):
+        assert rows[name][size].endswith(" MB") and rows[name][here].endswith((" kB", " B")), rows[name]
+    assert "2 checkpoint(s) reference objects another commit stored" in out
+
+
 def test_ls_and_verify_report_corruption_with_exit_status_1(filled, capsys):
     commit = read_pointer(filled).checkpoints["epoch=0-step=2.ckpt"].commit
     shard = next(p for p in filled.fs().find(filled.path(commit)) if "shard-" in p)

@@ -170,6 +170,58 @@ def test_an_in_place_change_to_a_frozen_tensor_is_saved(store, make_io):
     assert new_bytes(manifest) >= run.model.base[1].weight.numel() * 4  # the changed tensor was written again
 
 
+def test_a_change_behind_the_version_counter_is_saved(store, make_io):
+    """An EMA teacher updated as DINO does, ``p.data.mul_(m).add_(...)``: ``.data`` is a tensor with a counter of its
+    own, so the frozen tensor's version does not move. The fingerprint sees the new bytes: the commit holds them."""
+    run = Run()
+    io = make_io(store, dedup=True)
+    for _ in range(2):
+        run.train()
+        io.save_checkpoint(run.checkpoint(), store.url(f"step={run.step}.ckpt"))
+    teacher = run.model.base[1].weight
+    version = teacher._version
+    teacher.data.mul_(0.5).add_(0.25)  # (behind the counter: the point of this test)
+    run.model.norms[0].bias.data.add_(1.0)  # a small frozen tensor, packed with others
+    assert teacher._version == version
+    run.train()
+    expected = clone(run.checkpoint())
+    io.save_checkpoint(run.checkpoint(), store.url("ema.ckpt"))
+    assert_same(load_alone(make_io(store), store, "ema.ckpt"), expected)
+    manifest = manifest_of(store, read_pointer(store).latest.commit)
+    assert new_bytes(manifest) >= teacher.numel() * 4  # written again, not referenced
+    run.train()  # and from then on referenced again
+    io.save_checkpoint(run.checkpoint(), store.url(f"step={run.step}.ckpt"))
+    assert new_bytes(manifest_of(store, read_pointer(store).latest.commit)) <= 4 * run.trainable_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64])
+def test_the_fingerprint_sees_every_change_of_one_word_and_blocks_moved(dtype):
+    from lightning_resilient.io.incremental import fingerprint
+
+    gen = torch.Generator().manual_seed(0)
+    t = (torch.rand(3 * 2**12 + 7, generator=gen) * 100).to(dtype)  # several blocks and a tail
+    base = fingerprint(t).tolist()
+    assert fingerprint(t.clone()).tolist() == base  # the bytes, not the storage
+    for at in (0, 511, 512, t.numel() // 2, t.numel() - 1):
+        changed = t.clone()
+        changed.view(torch.uint8)[at * t.element_size()] ^= 1  # one bit
+        assert fingerprint(changed).tolist() != base, at
+    words = t.view(torch.uint8)
+    size = 4096
+    moved = words.clone()
+    moved[:size], moved[size : 2 * size] = words[size : 2 * size].clone(), words[:size].clone()  # two blocks swapped
+    assert fingerprint(moved.view(dtype)).tolist() != base
+    assert fingerprint(t[: t.numel() - 1]).tolist() != base  # one element fewer
+
+
+def test_the_fingerprint_reads_a_non_contiguous_tensor_by_its_values():
+    from lightning_resilient.io.incremental import fingerprint
+
+    t = torch.arange(64 * 64, dtype=torch.float32).view(64, 64)
+    assert fingerprint(t.t()).tolist() == fingerprint(t.t().contiguous()).tolist()
+    assert fingerprint(t.t()).tolist() != fingerprint(t).tolist()
+
+
 def test_a_clone_per_save_falls_back_to_digests(local_backend, make_io):
     # Identities are lost (every tensor a fresh clone, as some async wrappers save): unchanged objects are still
     # referenced, found by digest after hashing, never by identity.
