@@ -178,10 +178,12 @@ def test_step_time_benchmark_smoke(tmp_path):
     assert summary["replicate/gpu"]["tier1_mb"] >= 4  # the whole commit on the receiving node
 
 
-def test_incremental_benchmark_smoke(tmp_path):
-    text = load("incremental").main(["--base-mib", "16", "--saves", "3", "--repeat", "1", "--dir", str(tmp_path),
-                                     "--out", str(tmp_path / "i")])
-    assert "| lora | on |" in text and "| full | off |" in text
+@pytest.mark.parametrize("store", ["local", pytest.param("s3-latency", marks=pytest.mark.slow)])
+def test_incremental_benchmark_smoke(tmp_path, store):
+    text = load("incremental").main(["--base-mib", "16" if store == "local" else "4", "--saves", "3", "--repeat", "1",
+                                     "--dir", str(tmp_path), "--store", store, "--out", str(tmp_path / "i")])
+    assert "| lora | sync | on |" in text and "| full | async | off |" in text
     runs = json.loads((tmp_path / "i.json").read_text())["runs"]
-    lora = next(r for r in runs if r["case"] == "lora" and r["dedup"])
-    assert lora["saves"][-1]["written"] <= 4 * lora["trainable_bytes"]
+    for background in (False, True):
+        lora = next(r for r in runs if r["case"] == "lora" and r["dedup"] and r["async"] == background)
+        assert lora["saves"][-1]["written"] <= 4 * lora["trainable_bytes"]

@@ -178,11 +178,14 @@ class AtomicCheckpointIO(CheckpointIO):
             this process's last commit into the root; those of unchanged tensors (a frozen base) are referenced from
             the commit that stored them, which the pointer then keeps alive (``keep_last``, removals and ``gc`` delete
             a folder only once no live checkpoint references it). Every commit still lists each object it needs with
-            its checksums, so it loads, verifies and exports alone. "Unchanged" is told without reading the bytes:
-            the same tensor storage with the same torch version counter (a change through ``tensor.data`` or a numpy
-            view does not move the counter and is not saved: see the docs). False (the default in this release):
-            every save writes everything. Not yet with ``local_tier`` (persists and replicas) or ``async_save``: both
-            are refused here; a sharded strategy's saves ignore it (written in full).
+            its checksums, so it loads, verifies and exports alone. "Unchanged" is told without copying the bytes:
+            the same tensor storage with the same torch version counter, confirmed by a fingerprint of its bytes
+            taken on its own device (so a change through ``tensor.data`` or a numpy view, which the counter misses,
+            is saved: see the docs). With ``async_save`` only the tensors of the objects a save writes are copied
+            into its snapshot; with ``local_tier`` the local commits are incremental and a persist copies to the
+            store only the objects it does not hold yet. False (the default in this release): every save writes
+            everything. Not yet for copies between nodes (a local tier on several nodes with ``replicas``: refused
+            when the fit starts); a sharded strategy's saves ignore it (written in full).
     """
 
     def __init__(
@@ -233,11 +236,10 @@ class AtomicCheckpointIO(CheckpointIO):
         tier = TierSettings.given(local_tier, persist_every, local_keep, replicas, max_persist_failures,
                                   max_seconds_without_durable)
         self.tier_settings = tier
-        if self.settings.dedup and (async_save or tier.local_tier is not None):
-            given = "async_save=True" if async_save else f"local_tier={tier.local_tier!r}"
-            raise ValueError(f"dedup=True is not supported with {given} yet (incremental saves go to a plain root,"
-                             " synchronously): use dedup=False, or drop " + given.split("=")[0])
         self.dedup = self.settings.dedup
+        if self.dedup and tier.local_tier is not None and tier.replicas is not None and tier.replicas > 1:
+            raise ValueError(f"dedup=True with local_tier and replicas={tier.replicas}: copies of incremental"
+                             " commits between nodes are not supported yet; pass replicas=1, or dedup=False")
         self.local_tier, self.persist_every, self.local_keep = tier.local_tier, tier.persist_every, tier.local_keep
         self.replicas = tier.replicas
         self.max_persist_failures, self.max_seconds_without_durable = (tier.max_persist_failures,
@@ -270,7 +272,7 @@ class AtomicCheckpointIO(CheckpointIO):
                                  node_cache_dir=self.node_cache_dir, root_for=self.root)
         # With a local tier on several processes: the job's nodes, and the copies between them (io/replicas.py).
         self._link = NodesLink(self.tier_settings, self.collective_timeout, tiers_for=self.tiers,
-                               open_tiers=self._opened.tier_list)
+                               open_tiers=self._opened.tier_list, dedup=self.dedup)
         self._claims = LoadClaims(root_for=self.root, reopen=self._opened.reopen, fit=self._fit)
         self._saves = PluginSaves(local_tier=self.local_tier, async_save=self.async_save, pin_memory=self.pin_memory,
                                   root_for=self.root, tiers_for=self.tiers, stats_for=self.save_stats_for,

@@ -318,11 +318,12 @@ class WriterFence:
 
     def _origin_gone(self, resumed: Entry) -> CheckpointError:
         return CheckpointError(
-            f"{self.store.url(resumed.commit)}, the checkpoint this job resumed from, was deleted by the retention of"
-            " the"
-            f" job still writing {self.url} before this job claimed the root, so this job's lineage cannot be"
-            " recorded: nothing of it was committed. Stop the old job, then run this one again: it resumes the newest"
-            " checkpoint. (A fit that resumes claims the root as soon as it loads, unless claim_on_load=False.)")
+            f"{self.store.url(resumed.commit)}, the checkpoint this job resumed from, was deleted before this job"
+            f" claimed {self.url}: by the retention of a job still writing it, or by gc (a checkpoint no catalog"
+            " names: its writer died before committing it). This job's lineage cannot be recorded: nothing of it was"
+            " committed. Stop the old job if one runs, then run this one again: it resumes the newest checkpoint. (A"
+            " fit that resumes claims the root as soon as it loads, unless claim_on_load=False; Fabric and a plain"
+            " load claim at the first save.)")
 
     def _record_origin(self, epoch: int, origin: Origin) -> None:
         """Store writer epoch ``epoch``'s origin beside the pointer, so that the lineage survives a lost pointer

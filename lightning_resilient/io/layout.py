@@ -264,24 +264,34 @@ class Snapshot:
         assert self._buffer is not None
         return self._buffer.numpy().data[offset : offset + nbytes]
 
-    def fill(self, slots: list[TensorSlot], total: int, step: int | None = None) -> None:
+    def fill(self, slots: list[TensorSlot], total: int, step: int | None = None, *,
+             regions: list[tuple[int, int]] | None = None) -> None:
+        """Copy ``slots`` into the buffer at their stream offsets, the padding between them zeroed. ``regions``
+        (an incremental save): only these ``[start, end)`` spans of the stream are uploaded, and ``slots`` are the
+        tensors inside them; padding is zeroed inside them only (the rest of the buffer is never read)."""
         if self._buffer is None or self._buffer.numel() < total:
             self._buffer = None  # let the old one go before the new one is allocated
             self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
             self.allocations.append(max(total, 1))
         buffer = self._buffer
         on_cuda = False
-        pos = 0
-        for slot in sorted(slots, key=lambda s: s.offset):
-            if slot.offset > pos:
-                buffer[pos : slot.offset].zero_()  # padding: the same bytes a synchronous save writes
-            pos = max(pos, slot.offset + slot.nbytes)
-            if not slot.nbytes:
-                continue
-            src = slot.tensor.detach().resolve_conj().resolve_neg()
-            dst = buffer[slot.offset : slot.offset + slot.nbytes].view(src.dtype).view(src.shape)
-            on_cuda = on_cuda or src.device.type == "cuda"
-            dst.copy_(src, non_blocking=self.pin_memory and src.device.type == "cuda")
+        ordered = sorted(slots, key=lambda s: s.offset)
+        for start, end in regions if regions is not None else [(0, total)]:
+            pos = start
+            for slot in ordered:
+                if slot.offset < start or slot.offset >= end:
+                    continue
+                if slot.offset > pos:
+                    buffer[pos : slot.offset].zero_()  # padding: the same bytes a synchronous save writes
+                pos = max(pos, slot.offset + slot.nbytes)
+                if not slot.nbytes:
+                    continue
+                src = slot.tensor.detach().resolve_conj().resolve_neg()
+                dst = buffer[slot.offset : slot.offset + slot.nbytes].view(src.dtype).view(src.shape)
+                on_cuda = on_cuda or src.device.type == "cuda"
+                dst.copy_(src, non_blocking=self.pin_memory and src.device.type == "cuda")
+            if regions is not None and end > pos:
+                buffer[pos:end].zero_()  # the unit's own padding up to its end
         self._held = []
         for slot in slots:
             try:

@@ -9,15 +9,19 @@ Nothing else in the package deletes a committed checkpoint's data. The rules (ea
   (:meth:`Retention.end_of_writer`, so that a finished run holds what Lightning kept and nothing more), and, for an
   operator's ``gc``, a pointer that has not changed for ``orphan_grace_seconds`` (the job that retired them stopped);
 - a folder the pointer does not reference, written by a writer epoch older than the pointer's (a fenced writer,
-  which can never commit it): without a manifest (a crashed upload), or with one outside the current lineage (the
-  writer died between its manifest and the pointer update: never visible, never resumable). A save in progress
-  of the current writer is never touched, whatever its age or the clocks;
+  which can never commit it): without a manifest (a crashed upload), or with one (a *stray*: the writer died between
+  its manifest and the pointer update, so no catalog ever named it), unless a job resumed it (the pointer then
+  protects it). A stray inside the current lineage is collected too: no retention counts it, so it would outlive
+  the folders whose objects it shares. A save in progress of the current writer is never touched, whatever its age
+  or the clocks;
 - with ``gc --abandoned`` only: checkpoints the pointer catalogs outside the current lineage (a branch a rollback
   left behind).
 
 A folder with a manifest is a committed checkpoint whatever the pointer says: a missing pointer makes nothing
 deletable (it is rebuilt from the manifests), a damaged one stops collection until it is repaired, and a commit the
-pointer does not reference is kept while it belongs to the current lineage. The latest checkpoint and the one a job
+pointer does not reference is kept for ``orphan_grace_seconds`` (by the store's timestamps) and while a job resumed
+it; ``gc`` reads the pointer again before it deletes, so a stray a claim (or a rebuild) made live meanwhile is kept.
+The latest checkpoint and the one a job
 resumed from are never dropped, nor is a checkpoint whose name a ``ModelCheckpoint`` of the run still reports
 (``best_model_path``, ``best_k_models``, ``last_model_path``: the pointer's ``reported``, see ``reported.py``):
 ``keep_last`` keeps the newest states as before, and a reported checkpoint older than those besides them (in a
@@ -284,6 +288,20 @@ class Retention:
                     committed.append(folder)
                     doomed.append((self.store.url(folder), (f"manifest never referenced by the pointer, writer epoch"
                                                             f" {epoch} fenced, {where} the current lineage")))
+        if not dry_run and (partial or committed):
+            # A claim that resumed a stray protects it, and a pointer rebuilt after a loss catalogs it: either may
+            # have happened since the pointer was read above. Read it again and keep what it references now (the
+            # window left is this read to the deletes below); without a pointer, delete nothing.
+            again, _ = self.fence.read_pointer()
+            now = again.live_folders() | set(again.retired) if again is not None else None
+            referenced = [f for f in partial + committed if now is None or (f in now and f not in due)]
+            if referenced:
+                log.info("gc under %s keeps %d folder(s) the pointer references since it was read", self.url,
+                         len(referenced))
+                partial = [f for f in partial if f not in referenced]
+                committed = [f for f in committed if f not in referenced]
+                gone = {self.store.url(f) for f in referenced}
+                doomed = [(url, why) for url, why in doomed if url not in gone]
         if not dry_run:
             for folder in partial:
                 self.discard(folder)

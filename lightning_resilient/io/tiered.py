@@ -32,7 +32,7 @@ from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
 
-from lightning_resilient.errors import CheckpointCorruptedError, PersistFailedError, StaleWriterError
+from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError, PersistFailedError, StaleWriterError
 from lightning_resilient.io import layout
 from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.durable_names import DurableNames
@@ -79,10 +79,11 @@ class TieredRoot:
     def __init__(self, durable: CheckpointRoot, local: CheckpointRoot, *, persist_every: int,
                  executor: Callable[[], Executor], max_persist_failures: int | None = None,
                  max_seconds_without_durable: float | None = None, retry_delay: float = 10.0) -> None:
-        if durable.settings.dedup or local.settings.dedup:
-            # A persist copies a local commit's objects into its own folder, and local retention and holds keep
-            # commits, not the folders they reference: neither knows incremental commits yet (issue 41).
-            raise ValueError("dedup is not supported with a local tier yet: open both roots with dedup=False")
+        if durable.settings.dedup != local.settings.dedup:
+            # Incremental local commits persist as incremental durable ones: the durable root must remember what it
+            # stores across steps (``RootWriter.stored_like``) to reference it from the next persist.
+            raise ValueError(f"dedup must be the same for a durable root and its local tier: dedup="
+                             f"{durable.settings.dedup} for {durable.url}, {local.settings.dedup} for {local.url}")
         self.durable = durable
         self.local = local
         # Lightning names the local commits by the durable folder: what a save's ModelCheckpoints report is read
@@ -299,16 +300,45 @@ class TieredRoot:
         self.durable.writer.make_room(manifest.name)  # a stock file of that name (a run from before the plugin)
         try:
             copied = self.copier(manifest) if self.copier is not None else None
-            self.durable.publish(copied if copied is not None else self._copy(manifest))
+            if copied is not None:
+                self.durable.publish(copied)
+                return
+            durable = self._copy(manifest)
+            try:
+                self.durable.publish(durable)
+            except CheckpointError as exc:
+                if isinstance(exc, StaleWriterError) or not self._lost_a_reference(durable):
+                    raise
+                # A durable commit whose objects this persist referenced left the durable catalog while it copied
+                # (an operator's gc --keep-last, a removal), and the commit was refused: copy what it lacks now,
+                # with the targets of the pointer as it is, once.
+                log.info("persisting %s again: a durable checkpoint it referenced was dropped meanwhile (%s)",
+                         manifest.commit, exc)
+                self.durable.publish(self._copy(manifest))
         except BaseException as exc:
             self.durable.writer.abandon(manifest.commit, exc)
             self.durable.writer.put_back(manifest.name)
             raise
 
+    def _lost_a_reference(self, durable: Manifest) -> bool:
+        """Whether an object ``durable`` references outside its own folder lies in a folder the durable pointer no
+        longer keeps live."""
+        pointer, _ = self.durable.read_pointer()
+        live = pointer.live_folders() if pointer is not None else set()
+        return any(o.path.rsplit("/", 1)[0] not in live for o in durable.objects
+                   if o.path.rsplit("/", 1)[0] != durable.commit)
+
     def copy_targets(self, manifest: Manifest) -> list[str]:
-        """Where each of ``manifest``'s objects goes in the durable root ("" for one that is there already): an
-        object shared with another commit of the same step stays shared when that commit is durable already;
-        otherwise it is copied into this commit's own folder."""
+        """Where each of ``manifest``'s objects goes in the durable root: "" for one that is there already at its
+        path (an object shared with another commit, of the same step or, with ``dedup``, an earlier one, whose
+        folder is durable and live), another commit's path for one the durable root holds with the same bytes
+        elsewhere (with ``dedup``: the frozen base a persist copied before, known by its digest), otherwise a path
+        in this commit's own folder, where it is copied.
+
+        A commit's own objects are always copied to their own paths, never referenced elsewhere: so a persisted
+        folder holds every object the local folder of that name held, which is what makes "" right for any other
+        commit that shares them. Copies land only in the commit's own folder: a target outside it is an object the
+        durable root holds (:meth:`copy_objects` skips it), which the durable pointer update checks is still live."""
         pointer, _ = self.durable.read_pointer()
         live = pointer.live_folders() if pointer is not None else set()
         commit = manifest.commit
@@ -319,6 +349,8 @@ class TieredRoot:
                 targets.append(obj.path)
             elif folder in live:
                 targets.append("")  # already durable: referenced, not copied
+            elif (held := self.durable.writer.stored_like(obj, live) if self.durable.settings.dedup else None):
+                targets.append(held)
             else:
                 targets.append(f"{commit}/shared-{i:05d}-{obj.path.rsplit('/', 1)[-1]}")
         return targets
@@ -328,8 +360,8 @@ class TieredRoot:
         verified against the manifest on the way (a damaged local copy is never persisted)."""
         def copy(i: int) -> int:
             obj, target = manifest.objects[i], targets[i]
-            if not target:
-                return 0
+            if not target or not target.startswith(f"{manifest.commit}/"):
+                return 0  # held by the durable root already (see copy_targets)
             data = memoryview(self.local.store.read(obj.path))
             if manifest.chunk_size and chunk_digests([data], manifest.chunk_size) != obj.chunks:
                 raise CheckpointCorruptedError(f"{self.local.store.url(obj.path)} does not match its manifest: the"

@@ -27,7 +27,7 @@ from lightning_resilient.errors import CheckpointError, StaleWriterError
 from lightning_resilient.io import incremental, layout
 from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.fencing import WriterFence, is_resumed
-from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder, writer_epoch_of
+from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
 from lightning_resilient.io.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -153,14 +153,15 @@ class RootWriter:
         ``reported.py``), unless ``reported`` gives them (a weights-only save carries no callback state: the plugin
         reads the Trainer's callbacks).
 
-        With ``dedup`` (and no snapshot: the async path is not incremental yet; ``reuse=False``: a sharded
-        save's rest), the stream is laid out by ``io/incremental.py`` and objects of unchanged tensors are referenced.
+        With ``dedup`` (not for ``reuse=False``: a sharded save's rest), the stream is laid out by
+        ``io/incremental.py`` and objects of unchanged tensors are referenced; an async save copies into its snapshot
+        only the tensors of the objects it writes.
         """
         skeleton, slots = layout.flatten(checkpoint)
         plan: incremental.Plan | None = None
         if self.dedup:
             self._keep_live()
-        if self.dedup and reuse and snapshot is None:
+        if self.dedup and reuse:
             plan = self._stored.plan(slots, own=min(self.shard_size, incremental.OWN),
                                      pack=min(self.shard_size, incremental.PACK), shard=self.shard_size)
             total = plan.total
@@ -174,6 +175,17 @@ class RootWriter:
         if snapshot is None:
             sources: Any = layout.host_sources(slots) if plan is None else _HostSources(slots)
             pieces: Callable[[int, int], list[memoryview]] = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
+        elif plan is not None:
+            # An incremental async save: only the tensors of the units it writes are copied (the referenced ones
+            # are never read), into the buffer at their stream offsets, each written unit's padding zeroed.
+            regions = [(u.spans[0][0], u.spans[-1][1]) for u in plan.units if u.reuse is None and u.spans]
+            inside = {i for u in plan.units if u.reuse is None for i in u.members}
+            if before_fill is not None:
+                before_fill()
+            snapshot.fill([s for i, s in enumerate(slots) if i in inside], total, step, regions=regions)
+            view = snapshot.sources(total)
+            pieces = lambda a, b: [view[a:b]]  # noqa: E731
+            ready = snapshot.wait
         else:
             held = snapshot.match(slots, step)
             changed = sum(s.nbytes for s, ok in zip(slots, held or [], strict=False) if not ok)  # none held: 0
@@ -197,21 +209,32 @@ class RootWriter:
                         plan=plan, slots=slots if plan is not None else None)
 
     def _keep_live(self) -> None:
-        """Before an incremental save: forget what this writer stored outside the folders the pointer keeps live now
-        (a removal since the last commit may have retired one), or under another writer epoch."""
+        """Before an incremental save: forget what this writer knows of objects outside the folders the pointer
+        keeps live now (a removal since the last commit may have retired one).
+
+        Units stored by identity are this writer's own commits, of its writer epoch. Objects known by digest may
+        also be those of the checkpoint this job resumed (``remember_loaded``), of an earlier writer epoch: a resumed
+        job's first save reads and hashes every tensor (their identities are new) and references the objects whose
+        bytes are unchanged, so the frozen base is not written again at each restart. That is as safe as a
+        reference to this writer's own objects: only folders live in the pointer now are referenced, the pointer
+        update that commits the save checks again that each still is (inside the conditional write), and nothing
+        deletes a live folder (a fenced writer deletes only what its own last pointer had retired, and it cannot
+        update the pointer any more)."""
         try:
             pointer, _ = self.fence.read_pointer()
         except Exception:
             pointer = None
-        epoch = self.fence.writer_epoch
-        if pointer is None or epoch is None or pointer.writer_epoch != epoch:
+        if pointer is None:
             self._stored.clear()
             self._known = {}
             return
         live = pointer.live_folders()
-        self._stored.keep(live, epoch)
-        self._known = {k: v for k, v in self._known.items() if _folder_of(v) in live
-                       and writer_epoch_of(_folder_of(v)) == epoch}
+        epoch = self.fence.writer_epoch
+        if epoch is not None and pointer.writer_epoch == epoch:
+            self._stored.keep(live, epoch)
+        else:
+            self._stored.clear()
+        self._known = {k: v for k, v in self._known.items() if _folder_of(v) in live}
 
     def new_commit_folder(self, name: str, created: float) -> str:
         """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
@@ -533,6 +556,12 @@ class RootWriter:
             return  # not a name of ours (nothing to remove, and no reason to claim the root or write its pointer)
         self._claim()
         self.fence.update(drop, fenced=True)
+
+    def stored_like(self, obj: ObjectEntry, live: set[str]) -> str | None:
+        """The path of an object this writer stored or loaded with ``obj``'s bytes (its digest and size), in one of
+        the ``live`` folders; None when it knows none (a tier's persist references it instead of copying)."""
+        path = self._known.get((obj.digest, obj.size))
+        return path if path is not None and _folder_of(path) in live else None
 
     def remember_loaded(self, manifest: Manifest) -> None:
         """A loaded checkpoint's objects: a save of the same step that holds identical bytes references them."""

@@ -1,4 +1,4 @@
-"""Fourteen one-line breakages of the storage protocol's safety rules, and which tests catch each.
+"""Sixteen one-line breakages of the storage protocol's safety rules, and which tests catch each.
 
 Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 
@@ -73,6 +73,10 @@ MUTATIONS = [
              "lightning_resilient/io/fencing.py",
              "protect(p, resumed, self.writer)", "pass",
              related=("tests/io/test_tiered.py",)),
+    Mutation("gc-reread", "gc deleting from the pointer it read first (a stray a claim or a rebuild made live since)",
+             "lightning_resilient/io/retention.py",
+             "if not dry_run and (partial or committed):", "if False:",
+             related=("tests/io/test_gc.py",)),
     Mutation("pointer-rebuild", "a missing pointer not rebuilt before an update", "lightning_resilient/io/fencing.py",
              "base = scan.pointer()", "base = Pointer()",
              related=("tests/io/test_gc.py", "tests/io/test_protocol.py")),
@@ -102,6 +106,11 @@ MUTATIONS = [
              "lightning_resilient/io/incremental.py",
              "and prints.get(i) == m.print for m, i in zip(stored.members, idx, strict=True)]",
              "and True for m, i in zip(stored.members, idx, strict=True)]",
+             related=("tests/io/test_incremental.py",)),
+    Mutation("persist-digest", "a tier's persist copying the base again instead of referencing the durable copy",
+             "lightning_resilient/io/tiered.py",
+             "elif (held := self.durable.writer.stored_like(obj, live) if self.durable.settings.dedup else None):",
+             "elif (held := None):",
              related=("tests/io/test_incremental.py",)),
     Mutation("dedup-live-guard", "an incremental save referencing objects of folders the pointer no longer keeps",
              "lightning_resilient/io/incremental.py",

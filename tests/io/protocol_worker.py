@@ -28,8 +28,9 @@ def content(tag: str, step: int) -> dict[str, Any]:
     """The checkpoint a job tagged ``tag`` saves at ``step``: its bytes tell which job and step wrote it."""
     seed = int.from_bytes(hashlib.sha256(f"{tag}/{step}".encode()).digest()[:8], "little")
     g = torch.Generator().manual_seed(seed)
-    # The job's frozen weights: the same bytes at every step (what an incremental save references, not rewrites).
-    frozen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little"))
+    # The frozen weights: the same bytes at every step and in every job (what an incremental save references, not
+    # rewrites: a resumed job's first save finds them by digest among the objects of the checkpoint it loaded).
+    frozen = torch.Generator().manual_seed(20261206)
     return {"global_step": step, "epoch": 0, "job": tag,
             "state_dict": {"w": torch.randn(3000, generator=g), "b": torch.randn(64, generator=g).double(),
                            "frozen": torch.randn(2048, generator=frozen)},
@@ -60,6 +61,7 @@ def writer(lines: IO[str], out: IO[str]) -> None:
         assert found is not None
         loaded = root.load(found.entry.commit, map_location=None, weights_only=True)
         root.resumed(found.entry)
+        root.remember_loaded(loaded)  # as the plugin's load does: a dedup writer references its unchanged objects
         step = loaded.checkpoint["global_step"]
     say(f"READY {step}")
     for line in lines:

@@ -246,7 +246,7 @@ def test_a_job_whose_origin_was_retired_before_it_claimed_refuses_to_commit(loca
     new.root(backend.root).resumed(read_pointer(backend).latest)  # what a resuming fit records (fit is not run here)
     for step in (2, 3):
         old.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
-    with pytest.raises(CheckpointError, match="the checkpoint this job resumed from, was deleted by the retention"):
+    with pytest.raises(CheckpointError, match="the checkpoint this job resumed from, was deleted before this job"):
         new.save_checkpoint(make_checkpoint(2, seed=9), backend.url("new-step=2.ckpt"))
     assert read_pointer(backend).writer_epoch == 1  # the old job is not fenced by a claim that could not be made
     assert find_latest_checkpoint(backend.root).startswith(backend.url("step=3.ckpt/"))

@@ -222,6 +222,36 @@ def test_the_fingerprint_reads_a_non_contiguous_tensor_by_its_values():
     assert fingerprint(t.t()).tolist() != fingerprint(t).tolist()
 
 
+def test_async_saves_copy_only_what_they_write_and_every_commit_is_its_steps_state(store, make_io, monkeypatch):
+    """async_save=True with dedup: the snapshot gets only the tensors of the units a save writes (the trained
+    adapters, not the frozen base), training changes the live tensors while the upload runs, and every commit loads,
+    alone, exactly the state handed to its save."""
+    from lightning_resilient.io import layout
+
+    copied: list[int] = []
+    fill = layout.Snapshot.fill
+
+    def counting(self: Any, slots: Any, *args: Any, **kwargs: Any) -> None:
+        copied.append(sum(s.nbytes for s in slots))
+        fill(self, slots, *args, **kwargs)
+
+    monkeypatch.setattr(layout.Snapshot, "fill", counting)
+    run = Run()
+    io = make_io(store, dedup=True, async_save=True)
+    expected = {}
+    for _ in range(5):
+        run.train()
+        expected[run.step] = clone(run.checkpoint())
+        io.save_checkpoint(run.checkpoint(), store.url(f"step={run.step}.ckpt"))
+        run.train()  # while the upload runs: the adapters change in place
+    io.teardown()
+    assert copied[0] >= run.base_bytes and all(c <= 4 * run.trainable_bytes for c in copied[2:]), copied
+    for step, state in expected.items():
+        assert_same(load_alone(make_io(store), store, f"step={step}.ckpt"), state)
+    written = new_bytes(manifest_of(store, read_pointer(store).latest.commit))
+    assert written <= 4 * run.trainable_bytes, written
+
+
 def test_a_clone_per_save_falls_back_to_digests(local_backend, make_io):
     # Identities are lost (every tensor a fresh clone, as some async wrappers save): unchanged objects are still
     # referenced, found by digest after hashing, never by identity.
@@ -237,23 +267,41 @@ def test_a_clone_per_save_falls_back_to_digests(local_backend, make_io):
     assert written[-1] < run.base_bytes / 4, written
 
 
-def test_a_new_writer_epoch_references_nothing_of_the_old_one(local_backend, make_io):
+@pytest.mark.parametrize("claim_on_load", [False, True], ids=["claim-at-first-save", "claim-on-load"])
+def test_a_resumed_job_references_the_base_of_the_checkpoint_it_loaded(store, make_io, claim_on_load):
+    """A job resumes a dedup run (a new writer epoch, a model whose tensors are new objects): its first save reads
+    and hashes every tensor, finds the frozen base's bytes among the loaded checkpoint's objects and references them
+    (the base is not written again at each restart); from its second save on, by identity. The old job, fenced, can
+    neither commit nor delete what the new one references."""
     run = Run()
-    first = make_io(local_backend, dedup=True)
+    first = make_io(store, dedup=True)
     for _ in range(2):
         run.train()
-        first.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
-    resumed = make_io(local_backend, dedup=True, claim_on_load=True)
-    resumed.load_checkpoint(local_backend.url(f"step={run.step}.ckpt"))  # claims: epoch 2
-    run.train()
-    resumed.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
-    latest = read_pointer(local_backend).latest
-    assert latest.folders == (latest.commit,)  # the first save of an epoch is whole
+        first.save_checkpoint(run.checkpoint(), store.url(f"step={run.step}.ckpt"))
+    old_folders = set(read_pointer(store).latest.folders)
+    resumed_run = Run()  # a fresh process: the same model, loaded from the checkpoint
+    resumed = make_io(store, dedup=True, claim_on_load=claim_on_load)
+    state = resumed.load_checkpoint(store.url(f"step={run.step}.ckpt"))
+    resumed_run.model.load_state_dict(state["state_dict"])
+    resumed_run.opt.load_state_dict(state["optimizer_states"][0])
+    resumed_run.step = run.step
+    for _ in range(2):
+        resumed_run.train()
+        expected = clone(resumed_run.checkpoint())
+        resumed.save_checkpoint(resumed_run.checkpoint(), store.url(f"step={resumed_run.step}.ckpt"))
+        latest = read_pointer(store).latest
+        assert set(latest.folders) & old_folders, "the base was written again"
+        assert new_bytes(manifest_of(store, latest.commit)) < resumed_run.base_bytes / 4
+        assert_same(load_alone(make_io(store), store, f"step={resumed_run.step}.ckpt"), expected)
     with pytest.raises(StaleWriterError):
         run.train()
-        first.save_checkpoint(run.checkpoint(), local_backend.url(f"step={run.step}.ckpt"))
-    latest = read_pointer(local_backend).latest
-    assert set(latest.folders) <= read_pointer(local_backend).live_folders()
+        first.save_checkpoint(run.checkpoint(), store.url(f"step={run.step}.ckpt"))
+    first.teardown()
+    pointer = read_pointer(store)
+    assert set(pointer.latest.folders) <= pointer.live_folders()
+    for folder in pointer.latest.folders:
+        assert store.fs().exists(store.path(f"{folder}/manifest.json")), folder
+    assert_same(load_alone(make_io(store), store, f"step={resumed_run.step}.ckpt"), expected)
 
 
 def _two_saves_then_drop_them(backend: Any, make_io: Any) -> tuple[Run, AtomicCheckpointIO]:
@@ -294,10 +342,9 @@ def test_the_pointer_update_refuses_a_reference_to_a_retired_folder(local_backen
 
 
 def test_dedup_refuses_what_it_does_not_handle_yet(tmp_path):
-    with pytest.raises(ValueError, match="dedup=True is not supported with async_save"):
-        AtomicCheckpointIO(dedup=True, async_save=True)
-    with pytest.raises(ValueError, match="dedup=True is not supported with local_tier"):
-        AtomicCheckpointIO(dedup=True, local_tier=str(tmp_path))
+    with pytest.raises(ValueError, match="replicas=2: copies of incremental commits between nodes"):
+        AtomicCheckpointIO(dedup=True, local_tier=str(tmp_path), replicas=2)
+    assert AtomicCheckpointIO(dedup=True, local_tier=str(tmp_path)).dedup is True  # (one node: no copies)
     with pytest.raises(TypeError, match="dedup"):
         AtomicCheckpointIO(dedup="yes")  # type: ignore[arg-type]
     assert AtomicCheckpointIO().dedup is False
@@ -350,8 +397,9 @@ def test_a_tensor_held_twice_and_an_inference_tensor_are_always_written(local_ba
     assert_same(load_alone(make_io(local_backend), local_backend, "step=4.ckpt")["state_dict"], ckpt["state_dict"])
 
 
-def test_a_tiered_root_refuses_dedup(local_backend, tmp_path):
+def test_a_tiered_root_needs_the_same_dedup_on_both_roots(local_backend, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
 
     from lightning_resilient.io.root import RootSettings, open_root
     from lightning_resilient.io.tiered import TieredRoot
@@ -359,6 +407,73 @@ def test_a_tiered_root_refuses_dedup(local_backend, tmp_path):
     settings = RootSettings(keep_last=None, shard_size=4096, orphan_grace_seconds=0.0, fallback_on_corruption=True,
                             dedup=True)
     durable = open_root(local_backend.root, settings=settings)
-    local = open_root(str(tmp_path / "tier"), settings=settings)
-    with pytest.raises(ValueError, match="dedup is not supported with a local tier"):
+    local = open_root(str(tmp_path / "tier"), settings=replace(settings, dedup=False))
+    with pytest.raises(ValueError, match="dedup must be the same for a durable root and its local tier"):
         TieredRoot(durable, local, persist_every=1, executor=lambda: ThreadPoolExecutor(1))
+
+
+@pytest.mark.parametrize("persist_every", [1, 2])
+def test_a_local_tier_persists_only_what_the_store_does_not_hold(store, make_io, tmp_path, persist_every):
+    """dedup with a local tier: the local commits are incremental, and each persist copies to the store only the
+    objects it does not hold yet. With persist_every=2 the local commit the first persisted one references was never
+    persisted: its base is copied once (into the persisted commit's folder), and later persists find it there by
+    digest. Every durable commit loads alone, bit-exact; so does a resume from the local tier."""
+    run = Run()
+    io = make_io(store, dedup=True, local_tier=str(tmp_path / "node"), persist_every=persist_every, keep_last=3)
+    expected: dict[int, Any] = {}
+    copied: dict[int, int] = {}  # step -> bytes its persist copied into the store
+    for _ in range(6):
+        run.train()
+        expected[run.step] = clone(run.checkpoint())
+        io.save_checkpoint(run.checkpoint(), store.url(f"step={run.step}.ckpt"))
+        io.wait()  # (each persist before the next save: which steps are durable does not depend on timing)
+        latest = read_pointer(store).latest if store.fs().exists(store.path(".lightning_resilient")) else None
+        if latest is not None and latest.step == run.step:
+            copied[run.step] = new_bytes(manifest_of(store, latest.commit))
+    io.teardown()
+    steps = sorted(copied)
+    assert len(steps) == 6 // persist_every, copied
+    assert copied[steps[0]] >= run.base_bytes, copied  # the first persist carries the base
+    assert all(copied[s] <= 4 * run.trainable_bytes for s in steps[1:]), copied  # then only what changed
+    durable = sorted(read_pointer(store).checkpoints.values(), key=lambda e: e.step)
+    for entry in durable:
+        assert_same(load_alone(make_io(store), store, entry.name), expected[entry.step])
+    restart = make_io(store, dedup=True, local_tier=str(tmp_path / "node"))
+    loaded = restart.load_checkpoint(store.url(f"step={run.step}.ckpt"), weights_only=True)
+    assert_same(loaded, expected[run.step])
+    restart.teardown()
+
+
+def test_a_persist_whose_referenced_durable_commit_is_dropped_meanwhile_copies_it_instead(local_backend, make_io,
+                                                                                           tmp_path, monkeypatch):
+    """A persist references the base in the durable folder of an earlier commit; an operator drops that commit
+    (``gc --keep-last`` or a removal) while the persist copies. The durable commit is refused (its objects are
+    checked just before the manifest), and the persist copies again with the pointer as it is: committed, whole."""
+    from lightning_resilient.io.tiered import TieredRoot
+
+    run = Run()
+    io = make_io(local_backend, dedup=True, local_tier=str(tmp_path / "node"), persist_every=1)
+    run.train()
+    io.save_checkpoint(run.checkpoint(), local_backend.url("step=1.ckpt"))
+    io.wait()
+    first = read_pointer(local_backend).latest
+    copy = TieredRoot._copy
+    dropped: list[str] = []
+
+    def copy_then_drop(self: TieredRoot, manifest: Manifest) -> Manifest:
+        out = copy(self, manifest)
+        if not dropped and any(o.path.startswith(f"{first.commit}/") for o in out.objects):
+            dropped.append(first.commit)
+            make_io(local_backend).root(local_backend.root).retention.drop({first.commit})  # the operator
+        return out
+
+    monkeypatch.setattr(TieredRoot, "_copy", copy_then_drop)
+    run.train()
+    expected = clone(run.checkpoint())
+    io.save_checkpoint(run.checkpoint(), local_backend.url("step=2.ckpt"))
+    io.wait()
+    io.teardown()
+    assert dropped, "the persist never referenced the first commit's folder: the test shows nothing"
+    latest = read_pointer(local_backend).latest
+    assert latest.step == 2 and first.commit not in latest.folders
+    assert_same(load_alone(make_io(local_backend), local_backend, "step=2.ckpt"), expected)
