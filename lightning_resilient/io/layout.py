@@ -170,7 +170,9 @@ class _Extents:
     """Sorted (offset, nbytes, index) of the tensors in a stream, for finding those that overlap a range."""
 
     def __init__(self, extents: list[tuple[int, int]]) -> None:
-        order = sorted(range(len(extents)), key=lambda i: extents[i][0])
+        # Empty tensors hold no byte of the stream: left out, so that one placed at the offset of a tensor (as an
+        # incremental layout places them, at 0) never hides that tensor from the search below.
+        order = sorted((i for i in range(len(extents)) if extents[i][1]), key=lambda i: extents[i][0])
         self.starts = [extents[i][0] for i in order]
         self.items = [(extents[i][0], extents[i][1], i) for i in order]
 

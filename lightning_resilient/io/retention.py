@@ -293,8 +293,8 @@ class Retention:
             # have happened since the pointer was read above. Read it again and keep what it references now (the
             # window left is this read to the deletes below); without a pointer, delete nothing.
             again, _ = self.fence.read_pointer()
-            now = again.live_folders() | set(again.retired) if again is not None else None
-            referenced = [f for f in partial + committed if now is None or (f in now and f not in due)]
+            now = again.live_folders() if again is not None else None
+            referenced = [f for f in partial + committed if now is None or f in now]
             if referenced:
                 log.info("gc under %s keeps %d folder(s) the pointer references since it was read", self.url,
                          len(referenced))

@@ -159,6 +159,13 @@ class RootWriter:
         """
         skeleton, slots = layout.flatten(checkpoint)
         plan: incremental.Plan | None = None
+        if self.dedup and reuse and snapshot is not None and before_fill is not None:
+            # An incremental async save plans from what the previous save committed and the pointer after it: wait
+            # for that commit first (the fill below would wait for it anyway). Planned from the record before it,
+            # this save could reference a folder that commit's retention retires, and its pointer update would
+            # refuse it; and that commit's thread updates the record this plan reads.
+            before_fill()
+            before_fill = None
         if self.dedup:
             self._keep_live()
         if self.dedup and reuse:

@@ -96,6 +96,9 @@ class RootModel:
         self.damaged: set[str] = set()  # objects whose bytes the test flipped (root-relative paths)
         self.seq = 0
         self.lost = False  # the pointer was deleted and not rebuilt yet
+        # Strays a job resumed whose protection holds: each claim keeps those its lineage holds and adds what it
+        # resumed when no catalog names it (a claim whose lineage leaves one out ends its protection for good).
+        self.kept_strays: set[Commit] = set()
 
     # -- who writes ------------------------------------------------------------------------------------------------
     def claimed(self) -> list[Job]:
@@ -208,6 +211,11 @@ class RootModel:
         if origin is not None and origin.job.root is self and (catalog is None or origin.folder not in catalog) \
                 and not self.in_lineage(origin):
             origin.may_go = True
+        self.kept_strays = {c for c in self.kept_strays if self.in_lineage(c) and not c.cataloged}
+        mine = job.origin
+        if mine is not None and not job.elsewhere and mine.job.root is self and catalog is not None \
+                and mine.folder not in catalog:
+            self.kept_strays.add(mine)
 
     def settle(self, catalog: set[str] | None) -> None:
         """Apply the rules that hold whatever the last operation was (``catalog``: the commits the pointer's catalog
@@ -216,14 +224,13 @@ class RootModel:
             self.retain(self.keep)
         protected = self.protected()
         head = self.head()
-        resumed = {j.origin for j in self.claimed() if j.origin is not None}
         for c in self.commits.values():
             if c is protected:
                 continue
             outside = not self.in_lineage(c)
             # A manifest no pointer ever moved to, of a fenced writer: gc collects it, unless a job resumed it and
-            # the lineage holds it (then the pointer protects it).
-            if c.stray and not c.cataloged and c.job is not head and (outside or c not in resumed):
+            # every claim since kept that protection (each lineage since held it).
+            if c.stray and not c.cataloged and c.job is not head and (outside or c not in self.kept_strays):
                 c.may_go = True
             # A manifest that does not load, and that the pointer does not name: gc collects it.
             if c.manifest_damaged and (catalog is None or c.folder not in catalog):
