@@ -5,7 +5,8 @@ OPTIONS (JSON): ``procs`` ("one", "ddp": 2 processes, "nodes": one of 2 loopback
 environment), ``ckpt`` ("topk_last": a top-2 ModelCheckpoint on the logged loss with ``save_last``; "every_n": every
 2 steps, all kept), ``async`` ("none", "own": ``async_save=True``, "wrapper": Lightning's ``AsyncCheckpointIO``
 around the plugin), ``tier`` (a local tier at ``LOCAL_TIER``, persisting every 2nd save), ``s3`` (the root is on S3
-at ``AWS_ENDPOINT_URL``, as Lightning's own client sees it too), ``max_steps``.
+at ``AWS_ENDPOINT_URL``, as Lightning's own client sees it too), ``dedup`` (incremental saves; with a local tier on
+nodes, ``replicas=1``), ``max_steps``. The model has a frozen input layer (a fine-tune's base).
 
 Every setup has ``ResumeStateCallback`` and ``PreemptionCheckpoint`` and resumes with the README's idiom
 (``find_latest_checkpoint(root, local_tier=...)`` on every process). It prints ``START rank=<r> step=<s>`` on every
@@ -46,11 +47,15 @@ def say(line: str) -> None:
 class Net(LightningModule):
     def __init__(self) -> None:
         super().__init__()
+        # A frozen input layer (a fine-tune's base): what an incremental save references instead of rewriting.
+        self.base = torch.nn.Linear(8, 8)
+        self.base.requires_grad_(False)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x + 0.01 * torch.randn_like(x)), y)  # an RNG draw per step
+        x = self.base(x + 0.01 * torch.randn_like(x))  # an RNG draw per step
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, on_step=True, sync_dist=True)  # (every rank ranks the same top-k)
         return loss
 
@@ -89,8 +94,11 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     local_tier = os.environ["LOCAL_TIER"] if options["tier"] else None
     tier: dict[str, Any] = {"local_tier": local_tier, "persist_every": 2, "max_persist_failures": None} \
         if local_tier else {}
+    dedup = bool(options.get("dedup"))
+    if dedup and local_tier and options["procs"] == "nodes":
+        tier["replicas"] = 1  # (copies of incremental commits between nodes are refused)
     io = Announcing(storage_options=storage, async_save=options["async"] == "own", retry_attempts=3,
-                    retry_base_delay=0.05, retry_max_delay=0.2, **tier)
+                    retry_base_delay=0.05, retry_max_delay=0.2, dedup=dedup, **tier)
     if options["ckpt"] == "topk_last":
         checkpoint = ModelCheckpoint(dirpath=root, monitor="train_loss", mode="min", save_top_k=2,
                                      every_n_train_steps=2, save_last=True)

@@ -1,7 +1,8 @@
 """Whole setups, as users combine the parts: every feature passes its own tests, and here they run together.
 
-Six choices a user makes (the store; one process, DDP on 2 processes or 2 loopback nodes; top-k + last or every-n
-saves; no async, the plugin's own ``async_save`` or Lightning's ``AsyncCheckpointIO`` wrapper; a local tier or not)
+Seven choices a user makes (the store; one process, DDP on 2 processes or 2 loopback nodes; top-k + last or every-n
+saves; no async, the plugin's own ``async_save`` or Lightning's ``AsyncCheckpointIO`` wrapper; a local tier or not;
+incremental saves, ``dedup``, or not)
 and the fault that hits the job (SIGKILL, SIGTERM with ``PreemptionCheckpoint``, a store outage: S3 behind a proxy
 that closes its port, reached by Lightning's own client too). ``SETUPS`` covers every pair of choices (checked by
 ``test_the_setups_cover_every_pair_of_choices``) in 9 setups, each a real training job (``composition_child.py``):
@@ -59,28 +60,29 @@ class Setup:
     store: str  # "local", "s3"
     ckpt: str  # "topk_last", "every_n"
     tier: bool
+    dedup: bool = False  # incremental saves (a frozen layer's objects referenced, not rewritten)
 
     @property
     def id(self) -> str:
         return "-".join([self.procs, self.fault, f"async={self.async_}", self.store, self.ckpt,
-                         "tier" if self.tier else "no-tier"])
+                         "tier" if self.tier else "no-tier", *(["dedup"] if self.dedup else [])])
 
 
 # Every pair of choices at least once (an outage needs a store that can go down: S3).
 SETUPS = [
-    Setup("one", "kill", "none", "local", "every_n", False),
+    Setup("one", "kill", "none", "local", "every_n", False, dedup=True),
     Setup("one", "sigterm", "own", "local", "every_n", True),
-    Setup("one", "outage", "wrapper", "s3", "topk_last", True),
-    Setup("ddp", "kill", "own", "s3", "topk_last", True),
+    Setup("one", "outage", "wrapper", "s3", "topk_last", True, dedup=True),
+    Setup("ddp", "kill", "own", "s3", "topk_last", True, dedup=True),
     Setup("ddp", "sigterm", "wrapper", "local", "topk_last", False),
     Setup("ddp", "outage", "none", "s3", "every_n", True),
     Setup("nodes", "kill", "wrapper", "local", "every_n", True),
-    Setup("nodes", "sigterm", "none", "s3", "topk_last", True),
+    Setup("nodes", "sigterm", "none", "s3", "topk_last", True, dedup=True),  # (replicas=1: see composition_child)
     Setup("nodes", "outage", "own", "s3", "topk_last", False),
 ]
 CHOICES = {"procs": ("one", "ddp", "nodes"), "fault": ("kill", "sigterm", "outage"),
            "async_": ("none", "own", "wrapper"), "store": ("local", "s3"), "ckpt": ("topk_last", "every_n"),
-           "tier": (False, True)}
+           "tier": (False, True), "dedup": (False, True)}
 
 
 def test_the_setups_cover_every_pair_of_choices():
@@ -123,7 +125,7 @@ class Job:
     def __init__(self, setup: Setup, base: Path, root: str, out: Path, env: dict[str, str]) -> None:
         self.setup = setup
         options = {"procs": setup.procs, "ckpt": setup.ckpt, "async": setup.async_, "tier": setup.tier,
-                   "s3": setup.store == "s3", "max_steps": MAX_STEPS}
+                   "s3": setup.store == "s3", "dedup": setup.dedup, "max_steps": MAX_STEPS}
         nodes = 2 if setup.procs == "nodes" else 1
         port = str(_free_port())
         # The same command as the reference run's: no seed a test of this worker left (DDP shuffles with it).

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,19 +160,23 @@ def version_of(t: torch.Tensor) -> int | None:
         return None
 
 
+def _gone() -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class _Member:
-    ident: Ident
+    ident: Ident | None  # None: a tensor that can never be told unchanged (see StoredUnits.record)
     version: int
-    storage: weakref.ref[Any]
+    storage: Callable[[], Any]  # a weak reference to the storage read
     offset: int  # in the unit
     nbytes: int
     print: Print | None  # the fingerprint of the bytes stored (None: not taken; the counter saw the tensor change)
 
     def matches(self, seen: Seen | None, nbytes: int) -> bool:
         """Whether the version counter and the storage say the tensor is unchanged (the fingerprint confirms)."""
-        return (seen is not None and seen.ident == self.ident and seen.version == self.version
-                and nbytes == self.nbytes and self.storage() is seen.storage)
+        return (self.ident is not None and seen is not None and seen.ident == self.ident
+                and seen.version == self.version and nbytes == self.nbytes and self.storage() is seen.storage)
 
 
 @dataclass(frozen=True)
@@ -258,7 +263,7 @@ class StoredUnits:
         where = {s.ident: i for i, s in enumerate(seen) if s is not None}
         # The fingerprint is taken of each tensor the counter finds unchanged (to confirm it) and of each seen for
         # the first time (to confirm it at the next save); never of one the counter saw change.
-        stored_as = {m.ident: m for u in self._units for m in u.members}
+        stored_as = {m.ident: m for u in self._units for m in u.members if m.ident is not None}
         wanted = {i: slots[i].tensor for i, s in enumerate(seen) if s is not None
                   and (s.ident not in stored_as or stored_as[s.ident].matches(s, slots[i].nbytes))}
         prints = fingerprints(wanted)
@@ -266,7 +271,7 @@ class StoredUnits:
         taken: set[int] = set()
         known: set[int] = set()  # slots unchanged since stored, in a unit that is not reused as a whole
         for stored in self._units:
-            idx = [where.get(m.ident) for m in stored.members]
+            idx = [where.get(m.ident) if m.ident is not None else None for m in stored.members]
             same = [i is not None and m.matches(seen[i], slots[i].nbytes) and m.print is not None
                     and prints.get(i) == m.print for m, i in zip(stored.members, idx, strict=True)]
             if all(same) and not taken.intersection(i for i in idx if i is not None):
@@ -318,8 +323,11 @@ class StoredUnits:
         return Plan(units, pos, seen, prints)
 
     def record(self, plan: Plan, slots: list[layout.TensorSlot], objects: list[ObjectEntry]) -> None:
-        """After ``plan`` was committed with the stream ``objects``: remember its units, each only if every tensor of
-        it is still the one planned, at the version planned (its bytes were read unchanged)."""
+        """After ``plan`` was committed with the stream ``objects``: remember its units. A tensor of a unit counts
+        as stored only if it is still the one planned, at the version planned (its bytes were read unchanged);
+        another (one that could not be identified, or changed while uploaded) is remembered as one never found
+        unchanged, so its unit is never reused whole, while the unit's unchanged tensors are still known at the
+        next save (which packs them apart: a first save packs every small tensor together, the RNG states too)."""
         units: list[StoredUnit] = []
         at = 0
         for unit in plan.units:
@@ -328,10 +336,11 @@ class StoredUnits:
             members = []
             for i in unit.members:
                 seen = plan.seen[i]
+                offset, nbytes = slots[i].offset - unit.start, slots[i].nbytes
                 if seen is None or version_of(slots[i].tensor) != seen.version:
-                    break
-                members.append(_Member(seen.ident, seen.version, weakref.ref(seen.storage),
-                                       slots[i].offset - unit.start, slots[i].nbytes, plan.prints.get(i)))
-            else:
-                units.append(StoredUnit(tuple(members), tuple(mine)))
+                    members.append(_Member(None, -1, _gone, offset, nbytes, None))
+                else:
+                    members.append(_Member(seen.ident, seen.version, weakref.ref(seen.storage), offset, nbytes,
+                                           plan.prints.get(i)))
+            units.append(StoredUnit(tuple(members), tuple(mine)))
         self._units = units

@@ -28,6 +28,7 @@ from lightning_resilient.io import incremental, layout
 from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.fencing import WriterFence, is_resumed
 from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
+from lightning_resilient.io.known_objects import KnownObjects
 from lightning_resilient.io.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -113,15 +114,10 @@ class RootWriter:
         self.reader = reader
         self.retention = retention
         self._claim = claim
-        # (digest, size) -> root-relative path of the objects of the last commit, and its step. A save of the
-        # same step whose shard is byte-identical (ModelCheckpoint's save_last right after a top-k save)
-        # references the object instead of uploading it again. Only at the same step: checkpoints of
-        # different steps never share bytes, so one corrupted object can never take several of them down.
-        self._known: dict[tuple[str, int], str] = {}
-        self._known_step: int | None = None
-        # With dedup, saves of any step reference what this writer stored (``_known`` no longer resets at a new step,
-        # and ``_stored`` lets unchanged tensors be referenced without reading them), only in folders the pointer
-        # keeps live, of this writer's epoch.
+        # What a save may reference by digest instead of uploading (known_objects.py): the same step's objects, or
+        # with dedup any step's and the resumed checkpoint's; ``_stored`` lets unchanged tensors be referenced
+        # without reading them (only this writer's own commits, of its epoch).
+        self._known = KnownObjects(dedup=dedup)
         self.dedup = dedup
         self._stored = incremental.StoredUnits()
         # Files directly in the root (stock Lightning checkpoints), listed at this process's first save, and those
@@ -216,24 +212,16 @@ class RootWriter:
                         plan=plan, slots=slots if plan is not None else None)
 
     def _keep_live(self) -> None:
-        """Before an incremental save: forget what this writer knows of objects outside the folders the pointer
-        keeps live now (a removal since the last commit may have retired one).
-
-        Units stored by identity are this writer's own commits, of its writer epoch. Objects known by digest may
-        also be those of the checkpoint this job resumed (``remember_loaded``), of an earlier writer epoch: a resumed
-        job's first save reads and hashes every tensor (their identities are new) and references the objects whose
-        bytes are unchanged, so the frozen base is not written again at each restart. That is as safe as a
-        reference to this writer's own objects: only folders live in the pointer now are referenced, the pointer
-        update that commits the save checks again that each still is (inside the conditional write), and nothing
-        deletes a live folder (a fenced writer deletes only what its own last pointer had retired, and it cannot
-        update the pointer any more)."""
+        """Before an incremental save: forget the units stored by identity (this writer's own commits, of its
+        epoch) and the objects known by digest (``known_objects.py``: also the resumed checkpoint's, of an earlier
+        epoch) outside the folders the pointer keeps live now (a removal since the last commit may have retired one)."""
         try:
             pointer, _ = self.fence.read_pointer()
         except Exception:
             pointer = None
         if pointer is None:
             self._stored.clear()
-            self._known = {}
+            self._known.clear()
             return
         live = pointer.live_folders()
         epoch = self.fence.writer_epoch
@@ -241,7 +229,7 @@ class RootWriter:
             self._stored.keep(live, epoch)
         else:
             self._stored.clear()
-        self._known = {k: v for k, v in self._known.items() if _folder_of(v) in live}
+        self._known.keep_live(live)
 
     def new_commit_folder(self, name: str, created: float) -> str:
         """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
@@ -265,7 +253,7 @@ class RootWriter:
         """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel (with an
         incremental ``plan``: its objects, those it references as stored left unread); ``also``: one more object (a
         path and its bytes, the skeleton), uploaded beside them and entered last."""
-        known = self._known_now(step, plan is not None)
+        known = self._known.for_save(step, incremental=plan is not None)
         reused: list[ObjectEntry | None]
         if plan is not None:
             laid = plan.objects()
@@ -307,19 +295,12 @@ class RootWriter:
         except BaseException as exc:
             self._stored.clear()  # what it stored is unknown now: the next save reads everything again
             if self.dedup:
-                self._known = {}
+                self._known.clear()
             self._failed(prepared.name, folder, exc)
             raise
         if prepared.plan is not None and prepared.slots is not None:
             self._stored.record(prepared.plan, prepared.slots, [manifest.objects[i] for i in manifest.stream])
         return entry
-
-    def _known_now(self, step: int | None, incremental: bool) -> dict[tuple[str, int], str]:
-        """The stored objects a save of ``step`` may reference by digest: any step's for an ``incremental`` save (with
-        ``dedup``; filtered by ``_keep_live`` when it was prepared), else only those of a commit of the same step."""
-        if incremental:
-            return self._known
-        return self._known if step is not None and step == self._known_step else {}
 
     def stage(self, prepared: Prepared, *, folder: str, extra: list[ObjectEntry] | None = None,
               sharded: Callable[[list[ObjectEntry]], ShardedRecord] | None = None) -> Manifest:
@@ -500,7 +481,7 @@ class RootWriter:
         except BaseException:
             self._unwrite_if_incomplete(manifest, manifest.objects if held is None else held)
             raise
-        self._remember(manifest, new, held)
+        self._known.remember(manifest, new, held)
         written = sum(o.size for o in manifest.objects if _folder_of(o.path) == folder)
         log.info("committed %s (step %d, %d objects, %d bytes, %d of them new)", self.store.url(folder), entry.step,
                  len(manifest.objects), entry.size, written)
@@ -534,16 +515,6 @@ class RootWriter:
                 log.warning("%s names objects that were deleted while this fenced writer committed it: its manifest"
                             " was deleted again", self.store.url(manifest.commit))
 
-    def _remember(self, manifest: Manifest, pointer: Pointer | None = None,
-                  held: list[ObjectEntry] | None = None) -> None:
-        if manifest.step != self._known_step and not self.dedup:
-            self._known = {}
-        self._known_step = manifest.step
-        live = pointer.live_folders() if pointer is not None else None
-        self._known = {k: v for k, v in self._known.items() if live is None or v.rsplit("/", 1)[0] in live}
-        for obj in manifest.objects if held is None else held:  # only what this root stores may be referenced
-            self._known[(obj.digest, obj.size)] = obj.path
-
     # -- remove ------------------------------------------------------------------------------------------------
     def remove(self, name: str) -> None:
         def drop(p: Pointer) -> Pointer | None:
@@ -565,14 +536,14 @@ class RootWriter:
         self.fence.update(drop, fenced=True)
 
     def stored_like(self, obj: ObjectEntry, live: set[str]) -> str | None:
-        """The path of an object this writer stored or loaded with ``obj``'s bytes (its digest and size), in one of
-        the ``live`` folders; None when it knows none (a tier's persist references it instead of copying)."""
-        path = self._known.get((obj.digest, obj.size))
-        return path if path is not None and _folder_of(path) in live else None
+        """The path of an object this writer stored or loaded with ``obj``'s bytes, in one of the ``live`` folders;
+        None when it knows none (a tier's persist references it instead of copying)."""
+        return self._known.like(obj, live)
 
     def remember_loaded(self, manifest: Manifest) -> None:
-        """A loaded checkpoint's objects: a save of the same step that holds identical bytes references them."""
-        self._remember(manifest)
+        """A loaded checkpoint's objects: a save of the same step (with ``dedup``: any) that holds identical bytes
+        references them."""
+        self._known.remember(manifest)
 
 
 def _folder_of(path: str) -> str:
