@@ -103,6 +103,29 @@ class WriterFence:
             return None, None, False
         return pointer, None, True
 
+    def check_current_by_records(self) -> None:
+        """Without a pointer (lost, not rebuilt yet): refuse this writer (``StaleWriterError``) when the origin
+        records say a newer claim was made, or that the root was deleted and written again since its claim. What a
+        job fenced before its first save checks before it takes over anything else (a node-local tier)."""
+        if self.writer_epoch is None:
+            return
+        newest, root_id = 0, ""
+        for record in self.store.list_dir(ORIGINS_DIR):
+            match = re.fullmatch(r"e(\d+)\.json", record)
+            if match and int(match.group(1)) > newest:
+                newest = int(match.group(1))
+        if newest:
+            try:
+                _, _, root_id = Origin.from_record(self.store.read(origin_record_name(newest)),
+                                                   where=self.store.url(origin_record_name(newest)))
+            except (CheckpointError, OSError, ValueError):
+                root_id = ""
+        if self.root_id and root_id and root_id != self.root_id:
+            raise StaleWriterError(self.url, self.writer_epoch, newest, "a job of the root written again",
+                                   recreated=True)
+        if newest > self.writer_epoch:
+            raise StaleWriterError(self.url, self.writer_epoch, newest, "a newer job")
+
     def _newest_recorded_epoch(self) -> int:
         epochs = [int(m.group(1)) for m in (re.fullmatch(r"e(\d+)\.json", r) for r in self.store.list_dir(ORIGINS_DIR))
                   if m]

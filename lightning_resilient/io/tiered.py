@@ -137,10 +137,14 @@ class TieredRoot:
         claim = self._claim_made
         if claim is None or claim.writer_epoch != self.durable.writer_epoch:
             pointer, _ = self.durable.read_pointer()
+            # A job fenced before its first save (a newer claim, or the root deleted and written again since its
+            # claim) never adopts the local tier: its epoch would take it over from the job writing now, and a job
+            # of the old incarnation would even set aside the new one's local tier. Without a pointer (lost), the
+            # origin records tell.
             if pointer is not None:
-                # A job fenced before its first save (a newer claim, or the root deleted and written again since
-                # its claim) never adopts the local tier: its epoch would take it over from the job writing now.
                 self.durable.fence.check_current(pointer)
+            else:
+                self.durable.fence.check_current_by_records()
             # The incarnation this writer claimed (a pointer rebuilt since may carry none).
             root_id = self.durable.fence.root_id or (pointer.root_id if pointer is not None else "")
             claim = Claim(self.durable.url, self.durable.writer_epoch, origin,

@@ -1909,3 +1909,35 @@ def test_gc_keeps_a_stray_that_became_live_while_it_ran(local_backend, meanwhile
     finally:
         gate.kill()
         thread.join(WAIT)
+
+
+def test_an_old_incarnations_tier_job_never_sets_aside_the_new_ones_local_tier(local_backend, tmp_path):
+    """Tier job A claims the durable root and has not saved yet; the root is deleted and written again, and B (of
+    the new incarnation) saves through the same node's local tier. Then the durable pointer is lost. A's first save
+    must be refused (the origin records say the root was written again) before it adopts the local tier: adopting,
+    it took B's local tier for an earlier incarnation's and set it aside, which fenced B off its own tier. Found by a
+    soak of the model test (seed 2126799873, a zombie tier job of an old incarnation)."""
+    url = normalize(local_backend.root)
+    local_url = local_tier_url(str(tmp_path / "node"), url)
+
+    def tiers(durable: CheckpointRoot) -> TieredRoot:
+        return TieredRoot(durable, _job(local_url, keep=LOCAL_KEEP), persist_every=1,
+                          executor=lambda: ThreadPoolExecutor(1, thread_name_prefix="model-io"))
+
+    a_durable = _job(url)
+    a_durable.claim()
+    a = tiers(a_durable)
+    shutil.rmtree(local_backend.root)  # deleted; written again below: another incarnation
+    b_durable = _job(url)
+    b_durable.claim()
+    b = tiers(b_durable)
+    b.save(content("b", 1), "step=1.ckpt")
+    b.wait()
+    b.raise_error()
+    b_durable.store.remove_object(POINTER_NAME)
+    with pytest.raises(StaleWriterError, match="deleted and written again"):
+        a.save(content("a", 1), "step=1.ckpt")
+    assert not list(tmp_path.joinpath("node").glob("*.set-aside-*")), "A set B's local tier aside"
+    b.save(content("b", 2), "step=2.ckpt")  # B goes on through its tier
+    b.wait()
+    b.raise_error()
