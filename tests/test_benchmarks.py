@@ -180,7 +180,7 @@ def test_step_time_benchmark_smoke(tmp_path):
 
 @pytest.mark.parametrize("store", ["local", pytest.param("s3-latency", marks=pytest.mark.slow)])
 def test_incremental_benchmark_smoke(tmp_path, store):
-    text = load("incremental").main(["--base-mib", "16" if store == "local" else "4", "--saves", "3", "--repeat", "1",
+    text = load("incremental").main(["--base-mib", "4", "--saves", "3", "--repeat", "1",
                                      "--dir", str(tmp_path), "--store", store, "--out", str(tmp_path / "i")])
     assert "| lora | sync | on |" in text and "| full | async | off |" in text
     runs = json.loads((tmp_path / "i.json").read_text())["runs"]

@@ -495,6 +495,7 @@ def test_an_empty_tensor_never_hides_the_tensor_stored_at_its_offset(local_backe
     io.teardown()
 
 
+@pytest.mark.slow  # (three runs of ten background saves over a slowed store)
 def test_async_saves_whose_layout_shifts_each_commit_under_keep_last_1(local_backend, make_io, monkeypatch):
     """Background saves over a slow store, small tensors of several dtypes changing (a different few each step, so
     the packs of small tensors are laid out anew), keep_last=1, sometimes a second save of the step. Each save was

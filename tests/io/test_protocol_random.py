@@ -1309,10 +1309,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     suite = KILL_SEEDS if metafunc.function is test_randomized_protocol_model_with_sigkills else SEEDS
     cases = [(kind, seed) for kind in ("local", "s3")
              for seed in ([replay] if replay is not None else [None] if soak else suite[kind])]
-    # The S3 run is about 2000 requests through moto (20 s): left out of `make test-fast` with the other slow tests.
+    # The S3 run is about 2000 requests through moto (20 s): left out of `make test-fast` with the other slow tests,
+    # as are the local seeds past the first three (the fast suite's time: each is 3 s of a worker).
+    local = [seed for kind, seed in cases if kind == "local"]
     metafunc.parametrize(("kind", "seed"), [
         pytest.param(kind, seed, id=f"{kind}-{'soak' if seed is None else seed}",
-                     marks=[pytest.mark.slow] if kind == "s3" else []) for kind, seed in cases])
+                     marks=[pytest.mark.slow] if kind == "s3" or local.index(seed) >= 3 else [])
+        for kind, seed in cases])
 
 
 def _run(request: pytest.FixtureRequest, kind: str, seed: int | None, folder: Path, *, kills: bool = False) -> Run:
