@@ -109,11 +109,7 @@ class WriterFence:
         job fenced before its first save checks before it takes over anything else (a node-local tier)."""
         if self.writer_epoch is None:
             return
-        newest, root_id = 0, ""
-        for record in self.store.list_dir(ORIGINS_DIR):
-            match = re.fullmatch(r"e(\d+)\.json", record)
-            if match and int(match.group(1)) > newest:
-                newest = int(match.group(1))
+        newest, root_id = self._newest_recorded_epoch(), ""
         if newest:
             try:
                 _, _, root_id = Origin.from_record(self.store.read(origin_record_name(newest)),
