@@ -6,7 +6,8 @@ environment), ``ckpt`` ("topk_last": a top-2 ModelCheckpoint on the logged loss 
 2 steps, all kept), ``async`` ("none", "own": ``async_save=True``, "wrapper": Lightning's ``AsyncCheckpointIO``
 around the plugin), ``tier`` (a local tier at ``LOCAL_TIER``, persisting every 2nd save), ``s3`` (the root is on S3
 at ``AWS_ENDPOINT_URL``, as Lightning's own client sees it too), ``dedup`` (incremental saves; with a local tier on
-nodes, ``replicas=1``), ``max_steps``. The model has a frozen input layer (a fine-tune's base).
+nodes, each node's tier is sent only what it lacks), ``max_steps``. The model has a frozen input layer (a fine-tune's
+base).
 
 Every setup has ``ResumeStateCallback`` and ``PreemptionCheckpoint`` and resumes with the README's idiom
 (``find_latest_checkpoint(root, local_tier=...)`` on every process). It prints ``START rank=<r> step=<s>`` on every
@@ -95,8 +96,6 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
     tier: dict[str, Any] = {"local_tier": local_tier, "persist_every": 2, "max_persist_failures": None} \
         if local_tier else {}
     dedup = bool(options.get("dedup"))
-    if dedup and local_tier and options["procs"] == "nodes":
-        tier["replicas"] = 1  # (copies of incremental commits between nodes are refused)
     io = Announcing(storage_options=storage, async_save=options["async"] == "own", retry_attempts=3,
                     retry_base_delay=0.05, retry_max_delay=0.2, dedup=dedup, **tier)
     if options["ckpt"] == "topk_last":

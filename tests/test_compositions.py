@@ -77,7 +77,7 @@ SETUPS = [
     Setup("ddp", "sigterm", "wrapper", "local", "topk_last", False),
     Setup("ddp", "outage", "none", "s3", "every_n", True),
     Setup("nodes", "kill", "wrapper", "local", "every_n", True),
-    Setup("nodes", "sigterm", "none", "s3", "topk_last", True, dedup=True),  # (replicas=1: see composition_child)
+    Setup("nodes", "sigterm", "none", "s3", "topk_last", True, dedup=True),
     Setup("nodes", "outage", "own", "s3", "topk_last", False),
 ]
 CHOICES = {"procs": ("one", "ddp", "nodes"), "fault": ("kill", "sigterm", "outage"),

@@ -183,9 +183,9 @@ class AtomicCheckpointIO(CheckpointIO):
             taken on its own device (so a change through ``tensor.data`` or a numpy view, which the counter misses,
             is saved: see the docs). With ``async_save`` only the tensors of the objects a save writes are copied
             into its snapshot; with ``local_tier`` the local commits are incremental and a persist copies to the
-            store only the objects it does not hold yet. False (the default in this release): every save writes
-            everything. Not yet for copies between nodes (a local tier on several nodes with ``replicas``: refused
-            when the fit starts); a sharded strategy's saves ignore it (written in full).
+            store only the objects it does not hold yet; on several nodes each peer is sent only what its tier
+            lacks. False (the default in this release): every save writes everything. A sharded strategy's saves
+            ignore it (written in full).
     """
 
     def __init__(
@@ -237,9 +237,6 @@ class AtomicCheckpointIO(CheckpointIO):
                                   max_seconds_without_durable)
         self.tier_settings = tier
         self.dedup = self.settings.dedup
-        if self.dedup and tier.local_tier is not None and tier.replicas is not None and tier.replicas > 1:
-            raise ValueError(f"dedup=True with local_tier and replicas={tier.replicas}: copies of incremental"
-                             " commits between nodes are not supported yet; pass replicas=1, or dedup=False")
         self.local_tier, self.persist_every, self.local_keep = tier.local_tier, tier.persist_every, tier.local_keep
         self.replicas = tier.replicas
         self.max_persist_failures, self.max_seconds_without_durable = (tier.max_persist_failures,
@@ -272,7 +269,7 @@ class AtomicCheckpointIO(CheckpointIO):
                                  node_cache_dir=self.node_cache_dir, root_for=self.root)
         # With a local tier on several processes: the job's nodes, and the copies between them (io/replicas.py).
         self._link = NodesLink(self.tier_settings, self.collective_timeout, tiers_for=self.tiers,
-                               open_tiers=self._opened.tier_list, dedup=self.dedup)
+                               open_tiers=self._opened.tier_list)
         self._claims = LoadClaims(root_for=self.root, reopen=self._opened.reopen, fit=self._fit)
         self._saves = PluginSaves(local_tier=self.local_tier, async_save=self.async_save, pin_memory=self.pin_memory,
                                   root_for=self.root, tiers_for=self.tiers, stats_for=self.save_stats_for,

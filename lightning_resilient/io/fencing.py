@@ -262,9 +262,9 @@ class WriterFence:
         # What the run's ModelCheckpoints report from now on: what they reported at the save this job resumed (a
         # resume restores their state from it), nothing for a fresh start or a fork (their state is new, or names
         # another folder). Unknown (an origin held elsewhere, a save that carried no ModelCheckpoint state): as before.
-        reported = self._reported_at(resumed_from) if resumed_from is not None and not elsewhere else None
-        if resumed_from is None:
-            reported = []
+        reported: list[str] | None = [] if resumed_from is None else None
+        if resumed_from is not None and not elsewhere:
+            resumed_from, reported = self._as_stored_here(resumed_from)
 
         fresh_over: list[Entry] = []
         recorded = [origin]
@@ -326,14 +326,20 @@ class WriterFence:
                  f"forked from {fork.root}/{fork.commit}" if fork else "starting fresh")
         return self.writer_epoch
 
-    def _reported_at(self, entry: Entry) -> list[str] | None:
-        """The names the ModelCheckpoints reported at the save of ``entry`` (its manifest's); None when unknown."""
+    def _as_stored_here(self, entry: Entry) -> tuple[Entry, list[str] | None]:
+        """``entry`` as this root stores its commit (from its manifest here), and the names the ModelCheckpoints
+        reported at its save (None when unknown). A commit persisted from a node's local tier keeps its name but not
+        always its folders: objects it shared with a local commit that was never persisted were copied into its own
+        folder, or are referenced in another durable one. What a job resumed from a local copy is protected and named
+        latest with this root's folders, never with the local tier's (which this root may not hold: it would keep them
+        live, and a persist would reference objects that are not here)."""
         try:
-            return self.reader.read_manifest(entry.commit).reported
+            manifest = self.reader.read_manifest(entry.commit)
         except (CheckpointError, OSError) as exc:  # the claim goes on; the pointer keeps what it reported before
-            log.warning("could not read what the ModelCheckpoints reported at %s: %s", self.store.url(entry.commit),
-                        exc)
-            return None
+            log.warning("could not read the manifest of %s, the checkpoint this job resumed from: %s",
+                        self.store.url(entry.commit), exc)
+            return entry, None
+        return Entry.from_manifest(manifest), manifest.reported
 
     def _origin_gone(self, resumed: Entry) -> CheckpointError:
         return CheckpointError(

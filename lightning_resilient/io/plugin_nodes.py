@@ -33,9 +33,8 @@ class NodesLink:
     """
 
     def __init__(self, tier: TierSettings, collective_timeout: float, *, tiers_for: Callable[[str], TieredRoot],
-                 open_tiers: Callable[[], list[TieredRoot]], dedup: bool = False) -> None:
+                 open_tiers: Callable[[], list[TieredRoot]]) -> None:
         self.tier = tier
-        self.dedup = dedup
         self.collective_timeout = collective_timeout
         self._tiers_for = tiers_for
         self._open_tiers = open_tiers
@@ -57,12 +56,6 @@ class NodesLink:
         nodes = Nodes.join(int(getattr(strategy, "node_rank", 0)), int(getattr(strategy, "local_rank", 0)),
                            timeout=self.collective_timeout)
         replicas = self.tier.resolved_replicas(nodes.count)
-        if self.dedup and replicas > 1:
-            # A copy to a peer node sends a commit whole and needs the commits it references there too: not for
-            # incremental commits yet (issue 41). Every rank raises alike (the settings and node count are shared).
-            raise ValueError(f"dedup=True with a local tier on {nodes.count} nodes keeps each local commit on"
-                             f" {replicas} nodes (replicas), which incremental commits do not support yet: pass"
-                             " replicas=1 (only the store then holds a node's commits besides itself), or dedup=False")
         if self.tier.replicas is not None and self.tier.replicas > nodes.count and nodes.rank == 0:
             log.warning("replicas=%d but the job runs on %d node(s): each local commit is held by all of them",
                         self.tier.replicas, nodes.count)

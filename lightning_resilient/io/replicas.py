@@ -48,6 +48,7 @@ import datetime
 import functools
 import logging
 import threading
+import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -250,7 +251,47 @@ def _verified(manifest: Manifest, index: int, data: torch.Tensor | None) -> str 
 
 
 def _write(local: CheckpointRoot, manifest: Manifest, index: int, data: torch.Tensor) -> None:
-    local.store.write_pieces(manifest.objects[index].path, [layout.raw_bytes(data)])
+    """Write object ``index`` of ``manifest`` (checked) into the local tier. An object that is there already belongs
+    to another commit too (an object shared with an earlier one: ``last.ckpt`` at a top-k save's step, ``dedup``),
+    perhaps one this tier lists; a local write truncates in place, so it is replaced whole instead (written beside,
+    then renamed over it): a kill mid-copy never tears an object a listed commit needs."""
+    path = manifest.objects[index].path
+    if not local.store.exists(path):
+        local.store.write_pieces(path, [layout.raw_bytes(data)])
+        return
+    beside = f"{path}.{uuid.uuid4().hex[:8]}.incoming"
+    try:
+        local.store.write_pieces(beside, [layout.raw_bytes(data)])
+        local.store.move(beside, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            local.store.remove_object(beside)
+        raise
+
+
+def _lacking(local: CheckpointRoot, manifest: Manifest) -> list[int]:
+    """The objects of a full commit a peer's local tier must be sent to hold it: those of the commit's own folder,
+    and those it references in other folders unless stored there with their size in a folder this tier keeps live
+    (a commit it listed: an object the commit shares with an earlier one, ``last.ckpt`` at a top-k save's step or,
+    with ``dedup``, a frozen base; a live folder holds every object its commit named). Referenced objects it lacks
+    (the earlier commit's copy was dropped for a newer one, or retired here) are sent and written at their paths,
+    which the commit then keeps live (``RootWriter.publish``'s ``brought``). Everything when the tier cannot be
+    read."""
+    commit = manifest.commit
+    outside = {i: o for i, o in enumerate(manifest.objects) if o.path.rsplit("/", 1)[0] != commit}
+    if not outside:
+        return list(range(len(manifest.objects)))
+    try:
+        pointer, _ = local.read_pointer()
+        live = pointer.live_folders() if pointer is not None else set()
+        stored = local.reader.stored_sizes(o.path for o in outside.values()
+                                           if o.path.rsplit("/", 1)[0] in live)
+    except Exception as exc:  # (a damaged pointer: the tier rebuilds it at its next update)
+        log.info("node's local tier %s could not tell what it holds of %s (%s): all of it is copied", local.url,
+                 commit, exc)
+        return list(range(len(manifest.objects)))
+    return [i for i, o in enumerate(manifest.objects)
+            if i not in outside or o.path.rsplit("/", 1)[0] not in live or stored.get(o.path, -1) != o.size]
 
 
 # What a restore keeps in memory of the copies it received and checked, for the load that follows (it then reads
@@ -572,14 +613,22 @@ class Replicator:
         return self._replicate_parts(local, manifest)
 
     def _replicate_full(self, local: CheckpointRoot | None, manifest: Manifest, claim: Claim) -> str | None:
-        """Rank 0 broadcasts every object of a full commit; every other leader checks, writes, then commits it."""
+        """Every other leader tells which objects of a full commit its tier lacks (:func:`_lacking`: with ``dedup``
+        or an object shared with an earlier commit, only some); rank 0 broadcasts each object some leader lacks, and
+        each of them checks and writes those it lacks, then commits the manifest (the same manifest, so that every
+        node's copy names the same paths: what a restore between nodes relies on)."""
         problem: str | None = None if local is not None else "no local tier"
+        mine = _lacking(local, manifest) if self.nodes.rank != 0 and local is not None else []
+        wanted: list[Any] = [None] * self.nodes.count
+        dist.all_gather_object(wanted, mine, group=self.nodes.background)
+        needed = sorted({i for lacks in wanted for i in lacks or []})
+        lacks = set(mine)
         slot = functools.partial(_Slots(1).get, 0)  # (each object is written before the next one is read)
-        for index in range(len(manifest.objects)):
+        for index in needed:
             data = (_read(local, manifest.objects[index].path, slot) if self.nodes.rank == 0 and local is not None
                     else None)
             data = _broadcast_object(data, 0, self.nodes.background, slot)
-            if self.nodes.rank != 0 and problem is None:
+            if index in lacks and problem is None:
                 problem = _verified(manifest, index, data)
                 if problem is None:
                     assert data is not None and local is not None
@@ -590,11 +639,15 @@ class Replicator:
         if self.nodes.rank == 0 or problem is not None:
             return problem
         assert local is not None
+        brought = frozenset(manifest.objects[i].path.rsplit("/", 1)[0] for i in lacks) - {manifest.commit}
         try:
             adopt_claim(local, claim)
-            local.publish(manifest)  # the manifest last: a copy cut short is not a checkpoint here
+            local.publish(manifest, brought=brought)  # the manifest last: a copy cut short is not a checkpoint here
         except Exception as exc:
             return f"committing {manifest.commit} on node {self.nodes.node}: {exc}"
+        if brought:
+            log.info("node %d holds %s with objects of %s it lacked (copied with it)", self.nodes.node,
+                     manifest.commit, ", ".join(sorted(brought)))
         return None
 
     def _replicate_parts(self, local: CheckpointRoot | None, manifest: Manifest) -> str | None:
@@ -1064,10 +1117,13 @@ def _adopt_for_restore(local: CheckpointRoot, plan: Plan) -> None:
 def _commit_restored(local: CheckpointRoot, plan: Plan) -> None:
     """List a restored commit in this node's local tier pointer (manifest last), else write its manifest alone."""
     manifest = plan.manifest
+    # A full commit's restore wrote every object it names, those it shares with other commits at their paths too.
+    brought = (frozenset(o.path.rsplit("/", 1)[0] for o in manifest.objects) - {manifest.commit}
+               if manifest.sharded is None else frozenset())
     try:
         if local.writer_epoch == manifest.writer_epoch:
             local.publish(manifest, held=parts.held_objects(manifest, parts.held(local, manifest))
-                          if manifest.sharded is not None else None)
+                          if manifest.sharded is not None else None, brought=brought)
             return
     except Exception as exc:
         log.info("restored %s without listing it in %s: %s", plan.commit, local.url, exc)

@@ -230,11 +230,13 @@ class CheckpointRoot:
         self.settle()
         return self.writer.commit(prepared, folder=folder, extra=extra, sharded=sharded)
 
-    def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None) -> Entry:
+    def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None,
+                brought: frozenset[str] = frozenset()) -> Entry:
         """Commit ``manifest``, whose objects are stored (:meth:`RootWriter.publish`; ``held``: those of them this
-        root holds, when it holds one node's part of a sharded commit)."""
+        root holds, when it holds one node's part of a sharded commit; ``brought``: folders of other commits into
+        which the copy that publishes it wrote objects)."""
         self.settle()
-        return self.writer.publish(manifest, held=held)
+        return self.writer.publish(manifest, held=held, brought=brought)
 
     def remove(self, name: str) -> None:
         """Drop checkpoint ``name`` from the catalog (Lightning's ``remove_checkpoint``); retention deletes it."""

@@ -432,13 +432,18 @@ class RootWriter:
                         sharded=sharded(objects) if sharded is not None else None, origin=origin,
                         root_id=self.fence.lineage_id or "", reported=prepared.reported)
 
-    def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None) -> Entry:
+    def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None,
+                brought: frozenset[str] = frozenset()) -> Entry:
         """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer.
 
         A save's last step, and the whole of persisting a node-local checkpoint to its durable tier (the objects
         copied there first, the manifest the one the local tier committed: same commit, writer epoch and origin).
         ``held``: the objects this root holds of a sharded checkpoint written across nodes (one node's part of a
         local tier, see ``io/parts.py``): only they are checked; the manifest still names every object.
+        ``brought``: folders of other commits into which the copy that publishes this one (a peer node's replica, a
+        restore) wrote the objects it references there, because this root lacked them: they need not be live
+        already (this root may never have held their commit), the commit makes them live. Every other folder it
+        references must still be live when the pointer moves.
         """
         assert self.fence.writer_epoch is not None and manifest.writer_epoch == self.fence.writer_epoch
         folder, name, step, origin = manifest.commit, manifest.name, manifest.step, manifest.origin
@@ -450,7 +455,7 @@ class RootWriter:
         for path in (folder, name, ""):  # and it, and the folders holding it, before the pointer names it
             self.store.sync_folder(path)
         entry = Entry.from_manifest(manifest)
-        reused = set(entry.folders) - {folder}
+        reused = set(entry.folders) - {folder} - set(brought)
 
         def add(p: Pointer) -> Pointer:
             if not reused <= p.live_folders():  # shared bytes of an earlier commit must still be kept alive

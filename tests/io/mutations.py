@@ -1,4 +1,4 @@
-"""Sixteen one-line breakages of the storage protocol's safety rules, and which tests catch each.
+"""Eighteen one-line breakages of the storage protocol's safety rules, and which tests catch each.
 
 Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 
@@ -117,6 +117,16 @@ MUTATIONS = [
              "return folder in live and epoch is not None and writer_epoch_of(folder) == epoch",
              "return True",
              related=("tests/io/test_incremental.py",)),
+    Mutation("claim-stored-view", "a claim protecting a resumed local commit with the local tier's folders",
+             "lightning_resilient/io/fencing.py",
+             "return Entry.from_manifest(manifest), manifest.reported",
+             "return entry, manifest.reported",
+             related=("tests/io/test_incremental.py",)),
+    Mutation("replica-lacking", "a copy between nodes taking a referenced object as held where its folder is not live",
+             "lightning_resilient/io/replicas.py",
+             "if i not in outside or o.path.rsplit(\"/\", 1)[0] not in live or stored.get(o.path, -1) != o.size]",
+             "if i not in outside]",
+             related=("tests/io/test_replicas.py",)),
 ]
 
 

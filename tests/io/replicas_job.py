@@ -45,7 +45,7 @@ class Job:
     """One job's view of the tiers on this node: the roots, the nodes, the copies between them (what the plugin
     wires up, see ``AtomicCheckpointIO.nodes_for``)."""
 
-    def __init__(self, base: str, rank: int, node_of: list[int]) -> None:
+    def __init__(self, base: str, rank: int, node_of: list[int], *, dedup: bool = False) -> None:
         from lightning_resilient.io.local_tier import local_tier_url
         from lightning_resilient.io.parts import spans_nodes
         from lightning_resilient.io.replicas import Access, Nodes, Replicator
@@ -56,6 +56,8 @@ class Job:
         self.local_tier = os.path.join(base, f"nvme{node}")
         settings = RootSettings(keep_last=None, shard_size=256, chunk_size=64, orphan_grace_seconds=3600.0,
                                 fallback_on_corruption=True)
+        if dedup:  # (a frozen base of a few objects, not thousands)
+            settings = replace(settings, shard_size=2**20, chunk_size=2**16, dedup=True)
         roots: dict[str, Any] = {}
         tiers: dict[str, TieredRoot] = {}
 
@@ -76,7 +78,7 @@ class Job:
 
         self.root_for, self.tiers_for = root_for, tiers_for
         self.nodes = Nodes.join(node_rank=node, local_rank=node_of[:rank].count(node))
-        self.replicator = Replicator(self.nodes, Access(tiers_for), replicas=3)
+        self.replicator = Replicator(self.nodes, Access(tiers_for), replicas=len(set(node_of)))
         self.replicator.start()
 
 

@@ -341,10 +341,8 @@ def test_the_pointer_update_refuses_a_reference_to_a_retired_folder(local_backen
     assert latest.folders == (latest.commit,)
 
 
-def test_dedup_refuses_what_it_does_not_handle_yet(tmp_path):
-    with pytest.raises(ValueError, match="replicas=2: copies of incremental commits between nodes"):
-        AtomicCheckpointIO(dedup=True, local_tier=str(tmp_path), replicas=2)
-    assert AtomicCheckpointIO(dedup=True, local_tier=str(tmp_path)).dedup is True  # (one node: no copies)
+def test_dedup_takes_only_a_bool_and_goes_with_every_tier_setting(tmp_path):
+    assert AtomicCheckpointIO(dedup=True, local_tier=str(tmp_path), replicas=2).dedup is True  # (io/replicas.py)
     with pytest.raises(TypeError, match="dedup"):
         AtomicCheckpointIO(dedup="yes")  # type: ignore[arg-type]
     assert AtomicCheckpointIO().dedup is False
@@ -438,10 +436,23 @@ def test_a_local_tier_persists_only_what_the_store_does_not_hold(store, make_io,
     durable = sorted(read_pointer(store).checkpoints.values(), key=lambda e: e.step)
     for entry in durable:
         assert_same(load_alone(make_io(store), store, entry.name), expected[entry.step])
-    restart = make_io(store, dedup=True, local_tier=str(tmp_path / "node"))
+    restart = make_io(store, dedup=True, local_tier=str(tmp_path / "node"), persist_every=persist_every)
     loaded = restart.load_checkpoint(store.url(f"step={run.step}.ckpt"), weights_only=True)
     assert_same(loaded, expected[run.step])
+    # The restart goes on (its saves reference the base it loaded from the local tier) and persists: the durable
+    # root names the resumed checkpoint with its own folders, never the local tier's (with persist_every=2 the
+    # local base lies in a commit the store never held: naming it would make every persist reference it there).
+    for _ in range(2):
+        run.train()
+        expected[run.step] = clone(run.checkpoint())
+        restart.save_checkpoint(run.checkpoint(), store.url(f"step={run.step}.ckpt"))
+        restart.wait()
     restart.teardown()
+    pointer = read_pointer(store)
+    assert pointer.latest.step == run.step
+    for folder in pointer.live_folders():
+        assert store.fs().exists(store.path(folder)), f"the durable pointer keeps {folder}, which it does not hold"
+    assert_same(load_alone(make_io(store), store, f"step={run.step}.ckpt"), expected[run.step])
 
 
 def test_a_persist_whose_referenced_durable_commit_is_dropped_meanwhile_copies_it_instead(local_backend, make_io,

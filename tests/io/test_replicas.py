@@ -224,6 +224,34 @@ def test_a_receiver_checks_each_object_while_the_next_arrives_and_keeps_only_wha
         assert held is not None and bytes(held.numpy()) == source.store.read(manifest.objects[i].path)
 
 
+def test_a_copy_that_fails_over_an_object_the_tier_holds_leaves_that_object_whole(tmp_path, monkeypatch):
+    """An object a copy writes may be there already (shared with a commit the tier lists: a restore brings the
+    objects a commit shares with an earlier one). A local write truncates in place; so such an object is replaced
+    whole (written beside it, renamed over it): a copy cut short leaves the listed commit's object as it was."""
+    from lightning_resilient.io import replicas
+
+    root, manifest, _ = _stored_objects(tmp_path, 1)
+    path = manifest.objects[0].path
+    before = root.store.read(path)
+    write = type(root.store).write_pieces
+
+    def cut_short(store: Any, rel: str, pieces: Any) -> None:
+        raw = b"".join(bytes(p) for p in pieces)
+        write(store, rel, [raw[: len(raw) // 2]])  # half of it reaches the disk, then the node dies
+        raise OSError("killed mid-copy")
+
+    monkeypatch.setattr(type(root.store), "write_pieces", cut_short)
+    incoming = torch.frombuffer(bytearray(before), dtype=torch.uint8)
+    with pytest.raises(OSError, match="killed mid-copy"):
+        replicas._write(root, manifest, 0, incoming)
+    assert root.store.read(path) == before
+    assert sorted(p.name for p in Path(root.store.path(manifest.commit)).iterdir()) == \
+        sorted(o.path.rsplit("/", 1)[1] for o in manifest.objects)  # (nothing left beside it)
+    monkeypatch.setattr(type(root.store), "write_pieces", write)
+    replicas._write(root, manifest, 0, incoming)  # and a copy that completes replaces it
+    assert root.store.read(path) == before
+
+
 # -- real processes ----------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -268,6 +296,46 @@ def test_a_replaced_node_restores_from_the_next_replica_then_from_the_durable_ro
         assert ranks[2]["d collected"] == [] and ranks[2]["d listed"] == [3]
         assert ranks[2]["d verified"] == [[3, [2]]]  # listed: node 2's part and the common objects verify
         assert [rank["d again"] for rank in ranks] == [[3, "local", []]] * 3  # nothing restored again
+
+
+@pytest.mark.slow
+def test_incremental_commits_reach_a_peer_node_with_only_what_it_lacks_and_a_replaced_node_resumes_from_it(tmp_path):
+    """dedup on two nodes (io/replicas.py's _lacking): node 1 is sent only the objects its tier lacks; the base, first
+    met as objects of a commit whose own copy was dropped, is written at its paths and kept live by the commit that
+    references it; node 0, replaced, restores the newest commit from node 1 and the job's next saves reference it."""
+    import torch.multiprocessing as mp
+
+    from . import dedup_nodes_job
+
+    mp.start_processes(dedup_nodes_job.job, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    node0, node1 = json.loads((tmp_path / "result.json").read_text())
+    commits = {int(k): v for k, v in node0["commits"].items()}
+    base_bytes = dedup_nodes_job.BASE_NUMEL * 4
+    written = node1["written"]
+    # Step 1's copy was dropped: node 1 never received it. Step 2's copy brought the base's objects along, at their
+    # paths in step 1's folder; steps 3 and 4 sent only their own small objects.
+    assert commits[1] not in written and set(written) == {commits[2], commits[3], commits[4]}
+    base_paths = [p for p, _ in written[commits[2]] if p.startswith(commits[1] + "/")]
+    assert sum(n for p, n in written[commits[2]] if p in base_paths) == base_bytes
+    for step in (3, 4):
+        assert all(p.startswith(commits[step] + "/") for p, _ in written[commits[step]]), written[commits[step]]
+        assert sum(n for _, n in written[commits[step]]) < 64 * 1024
+    # Each tier lists its newest two (local_keep) and every byte of them verifies; node 1 lists what it never held
+    # whole (step 1's folder, partly) alive through them.
+    assert node0["node 0 first"] == {"listed": [3, 4], "verified": [3, 4]}
+    assert node1["node 1 first"] == {"listed": [3, 4], "verified": [3, 4]}
+    # Node 0 replaced: every rank resumed step 4 bit-identically (node 0 from the copy it restored from node 1).
+    assert node0["resumed"] == node1["resumed"] == [4, "local", True, True]
+    # The resumed job's saves reference the restored base; node 1 is sent only their own objects.
+    again = node1["written again"]
+    assert set(again) == {commits[5], commits[6]}
+    for step in (5, 6):
+        assert all(p.startswith(commits[step] + "/") for p, _ in again[commits[step]]), again[commits[step]]
+        assert sum(n for _, n in again[commits[step]]) < 64 * 1024
+    assert node0["node 0 resumed"] == {"listed": [5, 6], "verified": [5, 6]}
+    assert node1["node 1 resumed"] == {"listed": [5, 6], "verified": [5, 6]}
+    # Step 6 is durable (persist_every=2) and verifies: the durable root's pointer names only folders it holds.
+    assert node0["durable"] == [6, []]
 
 
 class Node:
