@@ -184,8 +184,8 @@ class AtomicCheckpointIO(CheckpointIO):
             is saved: see the docs). With ``async_save`` only the tensors of the objects a save writes are copied
             into its snapshot; with ``local_tier`` the local commits are incremental and a persist copies to the
             store only the objects it does not hold yet; on several nodes each peer is sent only what its tier
-            lacks. False (the default in this release): every save writes everything. A sharded strategy's saves
-            ignore it (written in full).
+            lacks. A sharded strategy's saves are incremental per rank (each rank's unchanged shards referenced).
+            False (the default in this release): every save writes everything.
     """
 
     def __init__(

@@ -68,6 +68,8 @@ class WriterFence:
         #: its claim when nothing of this root was loaded.
         self.pending_fork: Origin | None = None
         self._resumed_entry: Entry | None = None  # what this writer claimed with as its origin
+        # Another writer's, when its claim got this writer's epoch again (see _record_origin): fenced for good.
+        self._epoch_taken_by: str | None = None
         # Retired folders this process deleted: their records leave the pointer at its next update.
         self._deleted: set[str] = set()
 
@@ -214,6 +216,9 @@ class WriterFence:
         ``root_id`` (rebuilt from records that predate it) is this root's, whoever rebuilt it."""
         if self.writer_epoch is None:
             return
+        if self._epoch_taken_by is not None:
+            raise StaleWriterError(self.url, self.writer_epoch, self.writer_epoch, f"{self._epoch_taken_by}, which"
+                                   " claimed this epoch again after the pointer was lost")
         if self.root_id and pointer.root_id and pointer.root_id != self.root_id:
             raise StaleWriterError(self.url, self.writer_epoch, pointer.writer_epoch, pointer.writer, recreated=True)
         if pointer.writer_epoch > self.writer_epoch:
@@ -352,11 +357,25 @@ class WriterFence:
 
     def _record_origin(self, epoch: int, origin: Origin) -> None:
         """Store writer epoch ``epoch``'s origin beside the pointer, so that the lineage survives a lost pointer
-        even for a job that dies before its first commit (best effort: the manifests carry it too)."""
+        even for a job that dies before its first commit (best effort: the manifests carry it too).
+
+        Created only if absent: one epoch, one record, one writer. A record of this epoch by another writer means
+        that another claim got the same epoch: this claim's pointer swap left no trace before the pointer was lost
+        (no record yet, no folder), the rebuilt pointer did not count it, and a newer job claimed that epoch again.
+        This writer is then fenced for good (:class:`~lightning_resilient.StaleWriterError` now and at every later
+        update): two writers of one epoch would pass each other's fence."""
+        name = origin_record_name(epoch)
         try:
-            self.store.write(origin_record_name(epoch), origin.record(epoch, self.writer, self.root_id or ""))
+            if self.store.write_if(name, origin.record(epoch, self.writer, self.root_id or ""), None):
+                return
+            holder = Origin.record_writer(self.store.read(name), where=self.store.url(name))
         except Exception as exc:
             log.warning("could not record the origin of writer epoch %d under %s: %s", epoch, self.url, exc)
+            return
+        if holder != self.writer:  # (the same writer: its own create landed, only the response was lost)
+            self._epoch_taken_by = holder
+            raise StaleWriterError(self.url, epoch, epoch, f"{holder}, which claimed this epoch again after the"
+                                   " pointer was lost")
 
     def check_fencing(self) -> None:
         """Before this process writes the root as its writer (and when ``fit`` starts): refuse a store that accepts

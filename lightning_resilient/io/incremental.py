@@ -36,9 +36,10 @@ loads, verifies and exports alone.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ from lightning_resilient.io import layout
 from lightning_resilient.io.folders import writer_epoch_of
 from lightning_resilient.io.manifest import ObjectEntry
 
-__all__ = ["OWN", "PACK", "Plan", "StoredUnits", "Unit", "fingerprint", "identify"]
+__all__ = ["OWN", "PACK", "Plan", "RankStreams", "StoredUnits", "Unit", "fingerprint", "identify"]
 
 # A tensor of this many bytes or more gets objects of its own; smaller ones are packed into objects of up to PACK.
 OWN = 2**20
@@ -292,11 +293,14 @@ class StoredUnits:
                 small[i in known].append(i)
         for group in (small[True], small[False]):
             current: list[int] = []
+            end = 0  # where the current pack's last tensor ends (as _pack_offsets lays it out), kept as it grows
             for i in group:
-                if current and _pack_offsets([slots[j].nbytes for j in [*current, i]])[1] > pack:
+                nbytes = slots[i].nbytes
+                if current and layout._align(layout._align(end) + nbytes) > pack:
                     units.append(Unit(current))
-                    current = []
+                    current, end = [], 0
                 current.append(i)
+                end = layout._align(end) + nbytes
             if current:
                 units.append(Unit(current))
         units.sort(key=lambda u: u.members[0])
@@ -344,3 +348,49 @@ class StoredUnits:
                                            plan.prints.get(i)))
             units.append(StoredUnit(tuple(members), tuple(mine)))
         self._units = units
+
+
+class RankStreams:
+    """What one rank of a sharded save (``io/sharded.py``) stored in its streams, for its next save to reference: its
+    shards and its whole items are two streams, each with its own units. A rank learns that the save committed only
+    when DCP's save returns on it (the coordinator publishes), so what a save wrote waits in :meth:`wrote` until
+    :meth:`committed`; a save that failed forgets everything (:meth:`failed`: the next save writes every tensor)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, StoredUnits] = {}
+        self._pending: list[tuple[str, Plan, list[layout.TensorSlot], list[ObjectEntry]]] = []
+
+    def begin(self) -> None:
+        """A new save: what an earlier one wrote without hearing its outcome is dropped."""
+        self._pending.clear()
+
+    def plan(self, stream: str, slots: list[layout.TensorSlot], *, live: set[str], epoch: int | None, own: int,
+             pack: int, shard: int) -> Plan:
+        """Lay out ``slots`` as stream ``stream`` of this save, referencing units its last commit stored that are
+        unchanged, in folders ``live`` of writer epoch ``epoch`` (:meth:`StoredUnits.plan`)."""
+        stored = self._streams.setdefault(stream, StoredUnits())
+        stored.keep(live, epoch)
+        return stored.plan(slots, own=own, pack=pack, shard=shard)
+
+    def wrote(self, stream: str, plan: Plan, slots: list[layout.TensorSlot], objects: list[ObjectEntry]) -> None:
+        self._pending.append((stream, plan, slots, objects))
+
+    def committed(self) -> None:
+        for stream, plan, slots, objects in self._pending:
+            self._streams[stream].record(plan, slots, objects)
+        self._pending.clear()
+
+    def failed(self) -> None:
+        self._streams.clear()
+        self._pending.clear()
+
+    @contextlib.contextmanager
+    def outcome(self) -> Iterator[None]:
+        """Around a rank's whole sharded save (DCP's save, which returns on every rank once the coordinator
+        committed, and raises on every rank otherwise): :meth:`committed` or :meth:`failed`."""
+        try:
+            yield
+        except BaseException:
+            self.failed()
+            raise
+        self.committed()

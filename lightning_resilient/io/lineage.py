@@ -106,6 +106,11 @@ class Origin:
         return seal({"kind": _RECORD_KIND, "format": 1, "writer_epoch": writer_epoch, "writer": writer,
                      "origin": self.to_json(), "root_id": root_id})
 
+    @staticmethod
+    def record_writer(data: bytes, *, where: str) -> str:
+        """The writer that claimed the epoch of a record (``""`` when it does not say)."""
+        return str(unseal(data, what="origin record", where=where).get("writer", ""))
+
     @classmethod
     def from_record(cls, data: bytes, *, where: str) -> tuple[int, Origin, str]:
         """Writer epoch, origin and root incarnation of a record (``""``: written before records carried it)."""

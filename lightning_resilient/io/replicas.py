@@ -269,8 +269,25 @@ def _write(local: CheckpointRoot, manifest: Manifest, index: int, data: torch.Te
         raise
 
 
-def _lacking(local: CheckpointRoot, manifest: Manifest) -> list[int]:
-    """The objects of a full commit a peer's local tier must be sent to hold it: those of the commit's own folder,
+def _send_indices(indices: list[int], dst: int, group: Any) -> None:
+    dist.send(torch.tensor([len(indices)], dtype=torch.int64), dst=dst, group=group)
+    if indices:
+        dist.send(torch.tensor(indices, dtype=torch.int64), dst=dst, group=group)
+
+
+def _recv_indices(src: int, group: Any) -> list[int]:
+    count = torch.empty(1, dtype=torch.int64)
+    dist.recv(count, src=src, group=group)
+    if not int(count.item()):
+        return []
+    indices = torch.empty(int(count.item()), dtype=torch.int64)
+    dist.recv(indices, src=src, group=group)
+    return [int(i) for i in indices.tolist()]
+
+
+def _lacking(local: CheckpointRoot, manifest: Manifest, among: list[int] | None = None) -> list[int]:
+    """The objects of a commit (``among`` them: a sharded commit's part; all by default) a peer's local tier must be
+    sent to hold them: those of the commit's own folder,
     and those it references in other folders unless stored there with their size in a folder this tier keeps live
     (a commit it listed: an object the commit shares with an earlier one, ``last.ckpt`` at a top-k save's step or,
     with ``dedup``, a frozen base; a live folder holds every object its commit named). Referenced objects it lacks
@@ -278,9 +295,10 @@ def _lacking(local: CheckpointRoot, manifest: Manifest) -> list[int]:
     which the commit then keeps live (``RootWriter.publish``'s ``brought``). Everything when the tier cannot be
     read."""
     commit = manifest.commit
-    outside = {i: o for i, o in enumerate(manifest.objects) if o.path.rsplit("/", 1)[0] != commit}
+    indices = list(range(len(manifest.objects))) if among is None else list(among)
+    outside = {i: manifest.objects[i] for i in indices if manifest.objects[i].path.rsplit("/", 1)[0] != commit}
     if not outside:
-        return list(range(len(manifest.objects)))
+        return indices
     try:
         pointer, _ = local.read_pointer()
         live = pointer.live_folders() if pointer is not None else set()
@@ -289,9 +307,9 @@ def _lacking(local: CheckpointRoot, manifest: Manifest) -> list[int]:
     except Exception as exc:  # (a damaged pointer: the tier rebuilds it at its next update)
         log.info("node's local tier %s could not tell what it holds of %s (%s): all of it is copied", local.url,
                  commit, exc)
-        return list(range(len(manifest.objects)))
-    return [i for i, o in enumerate(manifest.objects)
-            if i not in outside or o.path.rsplit("/", 1)[0] not in live or stored.get(o.path, -1) != o.size]
+        return indices
+    return [i for i in indices if i not in outside or outside[i].path.rsplit("/", 1)[0] not in live
+            or stored.get(outside[i].path, -1) != outside[i].size]
 
 
 # What a restore keeps in memory of the copies it received and checked, for the load that follows (it then reads
@@ -660,12 +678,16 @@ class Replicator:
             for target in parts.placement(part, self.nodes.count, self.replicas):
                 src, dst = self.nodes.leader(part), self.nodes.leader(target)
                 if self.nodes.rank == src:
+                    # Only what the receiver lacks (with dedup, objects earlier commits stored are held already).
+                    wanted = _recv_indices(dst, self.nodes.background)
                     slot = functools.partial(_Slots(1).get, 0)
-                    for index in indices:
+                    for index in wanted:
                         _send(_read(local, manifest.objects[index].path, slot) if local is not None else None, dst,
                               self.nodes.background)
                 elif self.nodes.rank == dst:
-                    problem = receive_objects(local if have else None, manifest, indices, src, self.nodes.background)
+                    lacks = _lacking(local, manifest, indices) if have and local is not None else indices
+                    _send_indices(lacks, src, self.nodes.background)
+                    problem = receive_objects(local if have else None, manifest, lacks, src, self.nodes.background)
                     if problem is None:
                         assert local is not None
                         try:
@@ -729,36 +751,58 @@ def save_sharded_tiered(state: dict[str, Any], tiers: TieredRoot, name: str, res
             error = exc
     nodes.agree(error, "every node's local tier adopting the sharded save's claim")
 
-    writer = AtomicStorageWriter(tiers.local, name, rest, nodes=nodes.layout, stage=True)
-    with own_errors():
-        dcp_save(state, storage_writer=writer, **dcp_kwargs)
-    manifest: Manifest = nodes.broadcast(writer.manifest if nodes.rank == 0 else None, "the sharded save's manifest")
+    # (with dedup, each rank records what its streams stored only once every node committed: rank_streams)
+    with tiers.local.rank_streams.outcome():
+        writer = AtomicStorageWriter(tiers.local, name, rest, nodes=nodes.layout, stage=True)
+        with own_errors():
+            dcp_save(state, storage_writer=writer, **dcp_kwargs)
+        manifest: Manifest = nodes.broadcast(writer.manifest if nodes.rank == 0 else None,
+                                             "the sharded save's manifest")
 
-    # The common objects: each leader sends those its node's ranks wrote; every leader keeps the others'.
-    mine: dict[str, bytes] = {}
-    if nodes.is_leader:
-        try:
-            mine = _written_here(tiers.local, manifest, nodes)
-        except Exception as exc:
-            error = exc
-    shared = nodes.all_gather(mine if nodes.is_leader else None, "the sharded save's objects common to every node")
-    if nodes.is_leader and error is None:
-        try:
-            _keep_common(tiers.local, manifest, shared)
-            part = nodes.node
-            parts.write_record(tiers.local, manifest, part)
-            tiers.local.publish(manifest, held=parts.held_objects(manifest, {part}))
-        except Exception as exc:
-            error = exc
-    nodes.agree(error, "the sharded save's commit in every node's local tier")
+        # The common objects: each leader says which it lacks (with dedup, those an earlier commit stored are held
+        # already), then sends those of them its node's ranks wrote; every leader keeps the others'.
+        lacking: set[str] = set()
+        if nodes.is_leader:
+            try:
+                lacking = _lacking_common(tiers.local, manifest)
+            except Exception as exc:
+                error = exc
+        wanted: set[str] = set()
+        for lacks in nodes.all_gather(lacking if nodes.is_leader else None, "the common objects each node lacks"):
+            wanted |= lacks or set()
+        mine: dict[str, bytes] = {}
+        if nodes.is_leader and error is None:
+            try:
+                mine = _written_here(tiers.local, manifest, nodes, wanted)
+            except Exception as exc:
+                error = exc
+        shared = nodes.all_gather(mine if nodes.is_leader else None,
+                                  "the sharded save's objects common to every node")
+        if nodes.is_leader and error is None:
+            try:
+                _keep_common(tiers.local, manifest, shared)
+                part = nodes.node
+                parts.write_record(tiers.local, manifest, part)
+                tiers.local.publish(manifest, held=parts.held_objects(manifest, {part}))
+            except Exception as exc:
+                error = exc
+        nodes.agree(error, "the sharded save's commit in every node's local tier")
     entry = Entry.from_manifest(manifest)
     if nodes.rank == 0:
         tiers.committed(entry)
     return entry
 
 
-def _written_here(local: CheckpointRoot, manifest: Manifest, nodes: Nodes) -> dict[str, bytes]:
-    """The common objects of ``manifest`` this node's ranks wrote (rank 0's node: also those of no rank)."""
+def _lacking_common(local: CheckpointRoot, manifest: Manifest) -> set[str]:
+    """The common objects of ``manifest`` this node's local tier does not hold (with their size) yet."""
+    paths = [manifest.objects[i] for i in parts.common_objects(manifest)]
+    stored = local.reader.stored_sizes(o.path for o in paths)
+    return {o.path for o in paths if stored.get(o.path, -1) != o.size}
+
+
+def _written_here(local: CheckpointRoot, manifest: Manifest, nodes: Nodes, wanted: set[str]) -> dict[str, bytes]:
+    """The common objects of ``manifest`` among ``wanted`` (some node lacks them) that this node's ranks wrote (rank
+    0's node: also those of no rank)."""
     assert manifest.sharded is not None
     owner: dict[int, int] = {}
     for rank, indices in enumerate(manifest.sharded.ranks):
@@ -767,8 +811,8 @@ def _written_here(local: CheckpointRoot, manifest: Manifest, nodes: Nodes) -> di
     out: dict[str, bytes] = {}
     for index in parts.common_objects(manifest):
         writer = owner.get(index, 0)
-        if nodes.node_of(writer) == nodes.node:
-            path = manifest.objects[index].path
+        path = manifest.objects[index].path
+        if path in wanted and nodes.node_of(writer) == nodes.node:
             out[path] = local.store.read(path)
     return out
 
@@ -1117,13 +1161,14 @@ def _adopt_for_restore(local: CheckpointRoot, plan: Plan) -> None:
 def _commit_restored(local: CheckpointRoot, plan: Plan) -> None:
     """List a restored commit in this node's local tier pointer (manifest last), else write its manifest alone."""
     manifest = plan.manifest
-    # A full commit's restore wrote every object it names, those it shares with other commits at their paths too.
-    brought = (frozenset(o.path.rsplit("/", 1)[0] for o in manifest.objects) - {manifest.commit}
-               if manifest.sharded is None else frozenset())
+    # What this tier holds of the commit (a full commit: all of it; a sharded one: its parts) is stored and was
+    # checked, those objects it shares with other commits at their paths too (written by the restore, or held
+    # before): their folders need not be live here already (a replaced node holds none).
+    held = parts.held_objects(manifest, parts.held(local, manifest)) if manifest.sharded is not None else None
+    brought = frozenset(o.path.rsplit("/", 1)[0] for o in (held if held is not None else manifest.objects))
     try:
         if local.writer_epoch == manifest.writer_epoch:
-            local.publish(manifest, held=parts.held_objects(manifest, parts.held(local, manifest))
-                          if manifest.sharded is not None else None, brought=brought)
+            local.publish(manifest, held=held, brought=brought - {manifest.commit})
             return
     except Exception as exc:
         log.info("restored %s without listing it in %s: %s", plan.commit, local.url, exc)

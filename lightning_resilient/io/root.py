@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from lightning_resilient._checks import check_bool, check_int, check_number, check_optional_int
-from lightning_resilient.io import layout
+from lightning_resilient.io import incremental, layout
 from lightning_resilient.io.fencing import WriterFence
 from lightning_resilient.io.lineage import Origin
 from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord
@@ -97,6 +97,8 @@ class CheckpointRoot:
                                  max_concurrency=settings.max_concurrency, executor=executor, fence=self.fence,
                                  reader=self.reader, retention=self.retention, claim=self.claim_once,
                                  dedup=settings.dedup)
+        #: With ``dedup``: what this process's rank stored in its streams of a sharded save (``io/sharded.py``).
+        self.rank_streams = incremental.RankStreams()
         self._later: threading.Thread | None = None
         self._later_lock = threading.Lock()  # (the training, async-save, persist and replication threads settle)
         # Claims of this root, one at a time: a save and a removal in two threads that both find the root unclaimed

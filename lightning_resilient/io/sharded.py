@@ -46,11 +46,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from lightning_resilient.errors import CheckpointCorruptedError, CheckpointError
-from lightning_resilient.io import layout, paths
-from lightning_resilient.io.folders import WHOLE
+from lightning_resilient.io import incremental, layout, paths
+from lightning_resilient.io.folders import WHOLE, writer_epoch_of
 from lightning_resilient.io.manifest import Manifest, ObjectEntry, ShardedRecord
 from lightning_resilient.io.reader import Job
 from lightning_resilient.io.root import CheckpointRoot
+from lightning_resilient.io.writer import HostSources
 
 __all__ = ["AtomicStorageReader", "AtomicStorageWriter", "load_full", "load_metadata", "load_sharded", "own_error",
            "own_errors", "root_and_name", "save_sharded"]
@@ -160,24 +161,52 @@ class AtomicStorageWriter(StorageWriter):
                 tensor = data.detach()
                 kinds.append("tensor")
             slots.append(layout.TensorSlot([["s", str(item.index.fqn)]], tensor, str(tensor.device)))
-        total = layout.plan(slots)
         first_whole = next((i for i, item in enumerate(items) if _is_whole(item)), len(items))
-        split = slots[first_whole].offset if first_whole < len(slots) else total
-        sources = layout.host_sources(slots)
         prefix = f"{self.commit}/r{rank:05d}-"
-        objects = self.root.writer.upload_stream(prefix, split, lambda a, b: layout.gather(slots, sources, a, b))
-        objects += self.root.writer.upload_stream(f"{prefix}{WHOLE}", total - split, lambda a, b: layout.gather(
-            slots, sources, split + a, split + b))
+        if self.root.settings.dedup:
+            objects, offsets = self._write_incremental(slots[:first_whole], slots[first_whole:], prefix)
+        else:
+            total = layout.plan(slots)
+            split = slots[first_whole].offset if first_whole < len(slots) else total
+            sources = layout.host_sources(slots)
+            objects = self.root.writer.upload_stream(prefix, split, lambda a, b: layout.gather(slots, sources, a, b))
+            objects += self.root.writer.upload_stream(f"{prefix}{WHOLE}", total - split, lambda a, b: layout.gather(
+                slots, sources, split + a, split + b))
+            offsets = [slot.offset for slot in slots]
         results = [WriteResult(index=item.index, size_in_bytes=slot.nbytes,
-                               storage_data={"rank": rank, "offset": slot.offset, "nbytes": slot.nbytes,
+                               storage_data={"rank": rank, "offset": offset, "nbytes": slot.nbytes,
                                              "kind": kind, "dtype": layout.dtype_name(slot.tensor.dtype),
                                              "shape": list(slot.tensor.shape)})
-                   for item, slot, kind in zip(items, slots, kinds, strict=True)]
+                   for item, slot, kind, offset in zip(items, slots, kinds, offsets, strict=True)]
         if results:  # the coordinator needs every rank's objects for the manifest: they ride on the results
             results[0].storage_data["objects"] = [asdict(o) for o in objects]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _write_incremental(self, shards: list[layout.TensorSlot], whole: list[layout.TensorSlot],
+                           prefix: str) -> tuple[list[ObjectEntry], list[int]]:
+        """``dedup``: this rank's shards and whole items as two incremental streams (``io/incremental.py``): the
+        units its last committed save stored unchanged (a frozen base's shards) are referenced, not read or written.
+        Only folders the pointer keeps live, of this save's writer epoch, are referenced; the coordinator's pointer
+        update checks them again. Returns the objects (shards', then whole items') and each slot's offset in the
+        rank's stream (the two streams end to end)."""
+        assert self.commit is not None
+        live = self.root.writer.keep_live()  # (on the coordinator, also what its rest may reference by digest)
+        streams, epoch = self.root.rank_streams, writer_epoch_of(self.commit)
+        streams.begin()
+        shard = self.root.writer.shard_size
+        objects: list[ObjectEntry] = []
+        offsets: list[int] = []
+        for stream, slots, name in (("shards", shards, prefix), ("whole", whole, f"{prefix}{WHOLE}")):
+            plan = streams.plan(stream, slots, live=live, epoch=epoch, own=min(shard, incremental.OWN),
+                                pack=min(shard, incremental.PACK), shard=shard)
+            written = self.root.writer.upload_stream(name, plan.total, _pieces(slots), plan=plan)
+            streams.wrote(stream, plan, slots, written)
+            base = sum(o.size for o in objects)
+            offsets += [base + slot.offset for slot in slots]
+            objects += written
+        return objects, offsets
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         commit = self.commit  # the coordinator wrote its own shards too, into the folder it named
@@ -205,11 +234,17 @@ class AtomicStorageWriter(StorageWriter):
                 i += len(objs)
             return ShardedRecord(world_size, i, ranks, self.nodes)
 
-        prepared = self.root.prepare(self.rest, self.name, reuse=False)  # (dedup: not for sharded saves yet)
+        prepared = self.root.prepare(self.rest, self.name, reuse=False)  # (the rest: small, written whole)
         if self.stage:
             self.manifest = self.root.writer.stage(prepared, folder=commit, extra=extra, sharded=record)
         else:
             self.entry = self.root.commit(prepared, folder=commit, extra=extra, sharded=record)
+
+
+def _pieces(slots: list[layout.TensorSlot]) -> Callable[[int, int], list[memoryview]]:
+    """The bytes [start, end) of a stream laid out from ``slots``, each tensor copied to the host only when read."""
+    sources: Any = HostSources(slots)  # (gather indexes it like the list of host views it stands for)
+    return lambda start, end: layout.gather(slots, sources, start, end)
 
 
 def _is_whole(item: WriteItem) -> bool:
@@ -428,7 +463,7 @@ def save_sharded(state: dict[str, Any], root: CheckpointRoot, name: str, rest: d
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     writer = AtomicStorageWriter(root, name, rest)
-    with own_errors():
+    with own_errors(), root.rank_streams.outcome():
         dcp_save(state, storage_writer=writer, **dcp_kwargs)
     return writer.entry
 

@@ -27,7 +27,7 @@ from lightning_resilient.errors import CheckpointError, StaleWriterError
 from lightning_resilient.io import incremental, layout
 from lightning_resilient.io._lanes import map_in_lanes
 from lightning_resilient.io.fencing import WriterFence, is_resumed
-from lightning_resilient.io.folders import REPLACED_DIR, SKELETON_NAME, new_commit_folder
+from lightning_resilient.io.folders import SKELETON_NAME, new_commit_folder
 from lightning_resilient.io.known_objects import KnownObjects
 from lightning_resilient.io.manifest import (
     MANIFEST_NAME,
@@ -38,13 +38,14 @@ from lightning_resilient.io.manifest import (
     chunk_digests,
     object_digest,
 )
-from lightning_resilient.io.pointer import LEGACY_NAMES, Entry, Pointer
+from lightning_resilient.io.pointer import Entry, Pointer
 from lightning_resilient.io.reader import RootReader
 from lightning_resilient.io.reported import reported_in
 from lightning_resilient.io.retention import Retention
-from lightning_resilient.io.store import LocalStore, Store
+from lightning_resilient.io.stock_files import StockFiles
+from lightning_resilient.io.store import Store
 
-__all__ = ["Prepared", "RootWriter", "step_of"]
+__all__ = ["HostSources", "Prepared", "RootWriter", "step_of"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Prepared:
     slots: list[layout.TensorSlot] | None = None
 
 
-class _HostSources:
+class HostSources:
     """Each slot's bytes on the host, copied (from an accelerator) only when an object that holds them is written:
     the tensors of referenced objects are never read."""
 
@@ -120,11 +121,8 @@ class RootWriter:
         self._known = KnownObjects(dedup=dedup)
         self.dedup = dedup
         self._stored = incremental.StoredUnits()
-        # Files directly in the root (stock Lightning checkpoints), listed at this process's first save, and those
-        # a save moved aside until it commits.
-        self._stock: set[str] | None = None
-        self._aside: dict[str, str] = {}
-        self._leftover: dict[str, str] = {}  # name -> stock file a save that never committed moved aside
+        #: Stock Lightning files directly in the root, which a save of the same name replaces (stock_files.py).
+        self.stock = StockFiles(store, fence, retention)
         #: The folder Lightning's paths name this root's checkpoints by (a ModelCheckpoint's dirpath), to tell which
         #: names a save's ModelCheckpoints report here: the root's own URL; a node-local tier's is its durable root's
         #: (set by ``TieredRoot``), whose names its commits carry there when persisted.
@@ -163,7 +161,7 @@ class RootWriter:
             before_fill()
             before_fill = None
         if self.dedup:
-            self._keep_live()
+            self.keep_live()
         if self.dedup and reuse:
             plan = self._stored.plan(slots, own=min(self.shard_size, incremental.OWN),
                                      pack=min(self.shard_size, incremental.PACK), shard=self.shard_size)
@@ -176,7 +174,7 @@ class RootWriter:
         skeleton_bytes = layout.save_skeleton(skeleton)
         ready: Callable[[], None] = _nothing
         if snapshot is None:
-            sources: Any = layout.host_sources(slots) if plan is None else _HostSources(slots)
+            sources: Any = layout.host_sources(slots) if plan is None else HostSources(slots)
             pieces: Callable[[int, int], list[memoryview]] = lambda a, b: layout.gather(slots, sources, a, b)  # noqa: E731
         elif plan is not None:
             # An incremental async save: only the tensors of the units it writes are copied (the referenced ones
@@ -211,10 +209,11 @@ class RootWriter:
                         reported=reported if reported is not None else reported_in(checkpoint, self.folder_url),
                         plan=plan, slots=slots if plan is not None else None)
 
-    def _keep_live(self) -> None:
+    def keep_live(self) -> set[str]:
         """Before an incremental save: forget the units stored by identity (this writer's own commits, of its
         epoch) and the objects known by digest (``known_objects.py``: also the resumed checkpoint's, of an earlier
-        epoch) outside the folders the pointer keeps live now (a removal since the last commit may have retired one)."""
+        epoch) outside the folders the pointer keeps live now (a removal since the last commit may have retired one).
+        Returns those folders (none without a readable pointer)."""
         try:
             pointer, _ = self.fence.read_pointer()
         except Exception:
@@ -222,7 +221,7 @@ class RootWriter:
         if pointer is None:
             self._stored.clear()
             self._known.clear()
-            return
+            return set()
         live = pointer.live_folders()
         epoch = self.fence.writer_epoch
         if epoch is not None and pointer.writer_epoch == epoch:
@@ -230,11 +229,12 @@ class RootWriter:
         else:
             self._stored.clear()
         self._known.keep_live(live)
+        return live
 
     def new_commit_folder(self, name: str, created: float) -> str:
         """The folder of a new commit of ``name`` (claiming the root first if this process has not yet)."""
         epoch = self._claim()
-        self._make_room(name)
+        self.stock.make_room(name)
         return new_commit_folder(name, created, epoch)
 
     def put(self, rel: str, pieces: list[memoryview], known: dict[tuple[str, int], str]) -> ObjectEntry:
@@ -318,81 +318,20 @@ class RootWriter:
         # pointer may have moved to it after all (a lost response), it is left alone.
         if self._unreferenced(folder, error):
             self.retention.discard(folder)
-            self._put_back(name)
+            self.stock.put_back(name)
 
     def make_room(self, name: str) -> None:
         """Before a commit of ``name`` that did not come through :meth:`new_commit_folder` (a persist from a local
         tier): what stock Lightning left under that name goes aside until the commit is published (:meth:`put_back`
-        on failure)."""
-        self._make_room(name)
+        on failure; ``stock_files.py``)."""
+        self.stock.make_room(name)
 
     def put_back(self, name: str) -> None:
-        self._put_back(name)
-
-    def _make_room(self, name: str) -> None:
-        """Clear ``name`` of what stock Lightning left there, as stock Lightning would overwrite it.
-
-        A ``save_last="link"`` symlink holds no data: it goes. A stock checkpoint file of that name (a run from before
-        this plugin was added, whose ``last.ckpt`` is saved again now) stays a resumable checkpoint until the save that
-        replaces it has committed: on local disk, where a file and a folder cannot share a name, it waits in the
-        dot-folder (where ``find_latest_checkpoint`` still finds it, and from where a failed save puts it back); on an
-        object store the key and our prefix coexist, and the key is deleted after the commit. Stock files are found by
-        one listing of the root per process."""
-        if self.store.is_link(name):
-            self.store.remove_object(name)  # the link, never what it points to
-            return
-        if self._stock is None:
-            self._stock = self._list_stock()
-        if name in self._leftover:  # moved aside by a save that never committed: this one replaces it
-            self._aside[name] = self._leftover.pop(name)
-        if name not in self._stock:
-            return
-        self._stock.discard(name)
-        if isinstance(self.store, LocalStore):
-            aside = f"{REPLACED_DIR}/{name}"
-            self.store.move(name, aside)
-            log.info("moved the stock checkpoint %s aside until a committed save of the same name replaces it",
-                     self.store.url(name))
-            self._aside[name] = aside
-        else:
-            self._aside[name] = name
-
-    def _list_stock(self) -> set[str]:
-        names = {n for n in self.store.list_detail("") if not n.startswith(".") and n not in LEGACY_NAMES}
-        pointer, _ = self.fence.read_pointer()
-        committed = set(pointer.checkpoints) if pointer is not None else set()
-        for name in self.store.list_detail(REPLACED_DIR):
-            if name in committed:  # its replacement committed; the process died before deleting it
-                self.store.remove_object(f"{REPLACED_DIR}/{name}")
-            else:
-                self._leftover[name] = f"{REPLACED_DIR}/{name}"
-        return names
-
-    def _replaced(self, name: str) -> None:
-        aside = self._aside.pop(name, None)
-        if aside is not None:
-            self.store.remove_object(aside)
-
-    def _put_back(self, name: str) -> None:
-        """The save of ``name`` failed: a stock file moved aside for it goes back where it was."""
-        aside = self._aside.pop(name, None)
-        if aside is None or aside == name:
-            return
-        try:
-            self.retention.tidy_names({name})  # the failed save's now empty name folder, where the file goes back
-            self.store.move(aside, name)
-        except OSError as exc:  # still in the dot-folder, where find_latest_checkpoint finds it
-            log.warning("could not put the stock checkpoint %s back: %s", self.store.url(aside), exc)
+        self.stock.put_back(name)
 
     def forget_stock(self, name: str) -> bool:
-        """Delete ``name`` when it is a stock Lightning file or link (``remove_checkpoint`` of a path this plugin did
-        not write, as stock Lightning deletes it): that one object only, never a checkpoint of ours of that name."""
-        if self.store.is_link(name) or self.store.is_file(name):
-            self.store.remove_object(name)
-            if self._stock is not None:
-                self._stock.discard(name)
-            return True
-        return False
+        """Delete ``name`` when it is a stock Lightning file or link (:meth:`StockFiles.forget`)."""
+        return self.stock.forget(name)
 
     def abandon(self, folder: str, error: BaseException | None = None) -> None:
         """Delete the folder of a commit that failed (with ``error``) before its pointer move, unless the pointer may
@@ -434,16 +373,13 @@ class RootWriter:
 
     def publish(self, manifest: Manifest, *, held: list[ObjectEntry] | None = None,
                 brought: frozenset[str] = frozenset()) -> Entry:
-        """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer.
-
-        A save's last step, and the whole of persisting a node-local checkpoint to its durable tier (the objects
-        copied there first, the manifest the one the local tier committed: same commit, writer epoch and origin).
+        """Commit ``manifest``, whose objects are stored: check them, write the manifest, move the pointer. A save's
+        last step, and the whole of persisting a node-local checkpoint to its durable tier (the objects copied there
+        first, the manifest the one the local tier committed: same commit, writer epoch and origin).
         ``held``: the objects this root holds of a sharded checkpoint written across nodes (one node's part of a
         local tier, see ``io/parts.py``): only they are checked; the manifest still names every object.
-        ``brought``: folders of other commits into which the copy that publishes this one (a peer node's replica, a
-        restore) wrote the objects it references there, because this root lacked them: they need not be live
-        already (this root may never have held their commit), the commit makes them live. Every other folder it
-        references must still be live when the pointer moves.
+        ``brought``: folders of other commits into which the copy publishing this one (a peer's replica, a restore)
+        wrote the objects it references there: they need not be live yet; every other referenced folder must be.
         """
         assert self.fence.writer_epoch is not None and manifest.writer_epoch == self.fence.writer_epoch
         folder, name, step, origin = manifest.commit, manifest.name, manifest.step, manifest.origin
@@ -491,7 +427,7 @@ class RootWriter:
         log.info("committed %s (step %d, %d objects, %d bytes, %d of them new)", self.store.url(folder), entry.step,
                  len(manifest.objects), entry.size, written)
         self.retention.delete_retired(new)
-        self._replaced(name)
+        self.stock.replaced(name)
         return entry
 
     def _check_stored(self, objects: list[ObjectEntry], folder: str) -> None:

@@ -1,4 +1,4 @@
-"""Eighteen one-line breakages of the storage protocol's safety rules, and which tests catch each.
+"""Nineteen one-line breakages of the storage protocol's safety rules, and which tests catch each.
 
 Not collected by pytest (no ``test_`` prefix). Run from the repository root::
 
@@ -122,10 +122,16 @@ MUTATIONS = [
              "return Entry.from_manifest(manifest), manifest.reported",
              "return entry, manifest.reported",
              related=("tests/io/test_incremental.py",)),
+    Mutation("record-create", "a claim's origin record overwriting another claim's record of the same epoch",
+             "lightning_resilient/io/fencing.py",
+             "if self.store.write_if(name, origin.record(epoch, self.writer, self.root_id or \"\"), None):",
+             "if self.store.write(name, origin.record(epoch, self.writer, self.root_id or \"\")) is None:",
+             related=("tests/io/test_protocol.py",)),
     Mutation("replica-lacking", "a copy between nodes taking a referenced object as held where its folder is not live",
              "lightning_resilient/io/replicas.py",
-             "if i not in outside or o.path.rsplit(\"/\", 1)[0] not in live or stored.get(o.path, -1) != o.size]",
-             "if i not in outside]",
+             "return [i for i in indices if i not in outside or outside[i].path.rsplit(\"/\", 1)[0] not in live\n"
+             "            or stored.get(outside[i].path, -1) != outside[i].size]",
+             "return [i for i in indices if i not in outside]",
              related=("tests/io/test_replicas.py",)),
 ]
 

@@ -45,7 +45,8 @@ class Job:
     """One job's view of the tiers on this node: the roots, the nodes, the copies between them (what the plugin
     wires up, see ``AtomicCheckpointIO.nodes_for``)."""
 
-    def __init__(self, base: str, rank: int, node_of: list[int], *, dedup: bool = False) -> None:
+    def __init__(self, base: str, rank: int, node_of: list[int], *, dedup: bool = False,
+                 shard_size: int = 2**20) -> None:
         from lightning_resilient.io.local_tier import local_tier_url
         from lightning_resilient.io.parts import spans_nodes
         from lightning_resilient.io.replicas import Access, Nodes, Replicator
@@ -57,7 +58,7 @@ class Job:
         settings = RootSettings(keep_last=None, shard_size=256, chunk_size=64, orphan_grace_seconds=3600.0,
                                 fallback_on_corruption=True)
         if dedup:  # (a frozen base of a few objects, not thousands)
-            settings = replace(settings, shard_size=2**20, chunk_size=2**16, dedup=True)
+            settings = replace(settings, shard_size=shard_size, chunk_size=2**16, dedup=True)
         roots: dict[str, Any] = {}
         tiers: dict[str, TieredRoot] = {}
 

@@ -4,11 +4,11 @@ own FSDPStrategy on CPU, but not a subclass, and torch's FSDP1 runs on CPU with 
 ``device_id=cpu``).
 
 Run: python sharded_child.py ROOT OUT JSON_OPTIONS. Options: strategy, devices, max_steps, every (cadence),
-storage_options, die (``[rank, step]``: that rank SIGKILLs itself after storing its first object of that step's
-save). Resumes from ROOT when it holds a checkpoint. Prints ``SAVED <step>`` after each save (rank 0) and
-``DYING <rank>``; writes per-step losses (``OUT.losses``), the final full weights (``OUT.weights``) and, per rank,
-one JSON line per training batch (``OUT.ids.r<global rank>``: ``epoch``, ``step`` (the global step after the batch)
-and ``ids``, the batch's sample indices).
+storage_options, dedup (incremental saves), frozen (the first layer is not trained), die (``[rank, step]``: that rank
+SIGKILLs itself after storing its first object of that step's save). Resumes from ROOT when it holds a checkpoint.
+Prints ``SAVED <step>`` after each save (rank 0) and ``DYING <rank>``; writes per-step losses (``OUT.losses``), the
+final full weights (``OUT.weights``) and, per rank, one JSON line per training batch (``OUT.ids.r<global rank>``:
+``epoch``, ``step`` (the global step after the batch) and ``ids``, the batch's sample indices).
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ from lightning_resilient import (
 
 
 class Net(LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, frozen: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
                                        torch.nn.Tanh(), torch.nn.Linear(64, 1))
+        if frozen:  # a fine-tune's frozen base: its first layer
+            self.net[0].requires_grad_(False)
 
     def configure_model(self) -> None:
         if isinstance(self.trainer.strategy, AtomicFSDPStrategy):
@@ -137,10 +139,11 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
         enable_model_summary=False,
         strategy={"fsdp": AnnouncingFSDP, "model_parallel": AnnouncingModelParallel}[
             options.get("strategy", "model_parallel")](options.get("die"), devices),
-        plugins=[AtomicCheckpointIO(storage_options=storage_options)],
+        plugins=[AtomicCheckpointIO(storage_options=storage_options, dedup=bool(options.get("dedup")))],
         callbacks=[ResumeStateCallback(), Record(out),
                    ModelCheckpoint(dirpath=root, every_n_train_steps=options["every"], save_top_k=-1)])
-    trainer.fit(Net(), loader, ckpt_path=find_latest_checkpoint(root, storage_options))
+    trainer.fit(Net(frozen=bool(options.get("frozen"))), loader,
+                ckpt_path=find_latest_checkpoint(root, storage_options))
     full = full_weights(trainer.strategy.model)
     if trainer.global_rank == 0:
         torch.save({k: v.clone() for k, v in full.items()}, out + ".weights")

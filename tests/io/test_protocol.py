@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -281,6 +282,54 @@ def test_a_writer_whose_pointer_was_lost_keeps_its_incarnation(backend, make_io)
     b.load_checkpoint(latest)
     with pytest.raises(StaleWriterError, match="another job resumed"):
         a.save_checkpoint(make_checkpoint(3), backend.url("step=3.ckpt"))
+
+def test_a_claim_whose_epoch_is_claimed_again_after_the_pointer_is_lost_is_fenced(backend, make_io):
+    """Job B's claim swaps the pointer to epoch 2 and stalls before it records that epoch; the pointer is lost then,
+    with no trace of epoch 2 anywhere (no record, no folder), so job C's claim rebuilds it and gets epoch 2 again.
+    Two writers of one epoch would pass each other's fence: B's record of epoch 2 is created only if absent, finds
+    C's, and B is fenced for good (its save and every later one); C goes on. (Soak seed 842471445: B SIGKILLed
+    there was harmless; a B that was only stalled kept writing.)"""
+    a = make_io(backend)
+    a.save_checkpoint(make_checkpoint(1, seed=1), backend.url("step=1.ckpt"))
+    b = make_io(backend)
+    fence = b.root(backend.root).fence
+    record, stalled, go = fence._record_origin, threading.Event(), threading.Event()
+
+    def late(epoch: int, origin: object) -> None:
+        stalled.set()
+        go.wait(30)
+        record(epoch, origin)
+
+    fence._record_origin = late  # type: ignore[method-assign]
+    raised: list[BaseException] = []
+
+    def save_b() -> None:
+        try:
+            b.save_checkpoint(make_checkpoint(2, seed=2), backend.url("step=2.ckpt"))
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=save_b)
+    thread.start()
+    assert stalled.wait(30)
+    assert read_pointer(backend).writer_epoch == 2  # B's claim swapped the pointer
+    backend.fs().rm(backend.path(POINTER_NAME))  # lost: nothing says epoch 2 was claimed
+    c = make_io(backend)
+    with pytest.warns(RuntimeWarning, match="started from scratch"):  # (C is a fresh start over A's run)
+        c.save_checkpoint(make_checkpoint(2, seed=3), backend.url("step=2.ckpt"))
+    assert read_pointer(backend).writer_epoch == 2  # C claimed epoch 2 again
+    go.set()
+    thread.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], StaleWriterError), raised
+    assert "claimed this epoch again after the pointer was lost" in str(raised[0])
+    with pytest.raises(StaleWriterError, match="claimed this epoch again"):
+        b.save_checkpoint(make_checkpoint(3, seed=2), backend.url("step=3.ckpt"))
+    c.save_checkpoint(make_checkpoint(3, seed=3), backend.url("step=3.ckpt"))
+    pointer = read_pointer(backend)
+    assert pointer.latest.name == "step=3.ckpt" and pointer.writer_epoch == 2
+    assert_same(make_io(backend).load_checkpoint(backend.url("step=2.ckpt")), make_checkpoint(2, seed=3))
+    assert_same(make_io(backend).load_checkpoint(backend.url("step=3.ckpt")), make_checkpoint(3, seed=3))
+
 
 # -- corruption ------------------------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ the store that
 
 The directed tests at the end each reproduce one rule the random run reaches only rarely (or one protocol gap it
 found: a fixed one as a plain test, the one left as a strict xfail). ``tests/io/mutations.py`` shows which of these
-tests catch eighteen one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
+tests catch nineteen one-line breakages of the protocol's safety rules (its last table: ``docs/development.md``).
 
 Seeds in the suite: ``SEEDS`` per store (and ``KILL_SEEDS`` for the variant with SIGKILLs), each its own test item,
 sized so that the randomized items together cost about a minute of one core. ``pytest --soak`` runs

@@ -338,6 +338,33 @@ def test_incremental_commits_reach_a_peer_node_with_only_what_it_lacks_and_a_rep
     assert node0["durable"] == [6, []]
 
 
+@pytest.mark.slow
+def test_incremental_sharded_saves_across_nodes_copy_only_new_objects_and_a_replaced_node_restores(tmp_path):
+    """dedup with a sharded save into every node's local tier (io/replicas.py, io/sharded.py): each rank references
+    its frozen shards in the commit that stored them; a node's part goes to its peer with only the objects the peer
+    lacks; the durable root holds every 2nd commit, each verifying and consolidating exactly; a replaced node
+    restores the newest commit (its part from the peer) and the job loads it bit-exactly."""
+    import torch.multiprocessing as mp
+
+    from . import dedup_shards_job
+
+    mp.start_processes(dedup_shards_job.job, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    node0, node1 = json.loads((tmp_path / "result.json").read_text())
+    commits = {int(k): v for k, v in node0["commits"].items()}
+    frozen_part = dedup_shards_job.ROWS * 8 * 4 // 2
+    for node in (node0, node1):
+        # The newest commit references the frozen shards stored by the first (both ranks, both parts).
+        assert node["referenced"] == [commits[1]], node["referenced"]
+        received = {int(step): node["received"].get(commits[step], 0) for step in commits}
+        assert received[1] >= frozen_part, received  # the first copy of the peer's part carries its frozen shards
+        assert all(received[s] < 16 * 1024 for s in (2, 3, 4)), received  # then only what changed
+        assert node["listed"] == [3, 4] and node["held"] == {"3": [0, 1], "4": [0, 1]}
+    assert node0["durable"] == [2, 4] and node0["durable full"] == [4, True, True]
+    assert node0["resumed"] == node1["resumed"] == [4, "local", True, True]
+    assert node1["held after"] == [1]  # (its own part, restored with the objects it references; replicas come later)
+    assert node1["listed after"] == [4]  # listed there, the folders it references kept live by it
+
+
 class Node:
     """One node's launcher process (it starts the node's other processes) and its output, read as it comes."""
 

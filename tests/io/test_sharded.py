@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, ShardedCheckpointError
-from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient import AtomicCheckpointIO, CheckpointCorruptedError, CheckpointError, ShardedCheckpointError
+from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
 from lightning_resilient.io.sharded import AtomicStorageReader, load_full, load_sharded, root_and_name, save_sharded
 from tests import procs
 
@@ -135,6 +135,67 @@ def test_one_reader_serves_every_load_of_a_resume_with_one_manifest_and_one_meta
         load_sharded(zeros_like(state), root, "c0-e1-other", reader=reader, no_dist=True)
 
 
+def _new_bytes(root: Any, commit: str) -> int:
+    return sum(o.size for o in root.read_manifest(commit).objects if o.path.rsplit("/", 1)[0] == commit)
+
+
+@pytest.mark.parametrize("backend_name", ["local", "s3"])
+def test_dedup_sharded_saves_reference_what_is_unchanged_and_every_commit_loads_alone(backend_name, request, make_io,
+                                                                                      monkeypatch):
+    """``dedup`` with DCP (io/sharded.py, one process: every tensor is a whole item): the second save references the
+    frozen tensor's objects in the first commit, writes the changed ones, and both commits load bit-exact, alone
+    (DCP and load_full). A save that fails forgets what the rank stored: the next one writes everything."""
+    from lightning_resilient.io.sharded import AtomicStorageWriter
+
+    backend = request.getfixturevalue(f"{backend_name}_backend")
+    io = make_io(backend, dedup=True, shard_size=2**20, chunk_size=2**16)
+    root, _ = root_and_name(io, backend.url("step=1.ckpt"))
+    g = torch.Generator().manual_seed(0)
+    frozen, w = torch.randn(2**19, generator=g), torch.randn(300, 7, generator=g)
+    state = {"state_dict": {"frozen": frozen, "w": w}, "optimizer_0": {"state": {"w": {"exp_avg": w * 0.1}},
+                                                                       "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+    snapshots = {}
+    entries = {}
+    for step in (1, 2):
+        w.add_(1.0)  # in place: the trained tensor changes, the frozen one does not
+        state["optimizer_0"]["state"]["w"]["exp_avg"] = w * 0.1
+        snapshots[step] = {k: v.clone() for k, v in {"frozen": frozen, "w": w}.items()}
+        entries[step] = save_sharded(state, root, f"step={step}.ckpt", rest={"global_step": step}, no_dist=True)
+    first, second = entries[1].commit, entries[2].commit
+    manifest = root.read_manifest(second)
+    assert any(o.path.startswith(f"{first}/") for o in manifest.objects), "nothing referenced"
+    assert _new_bytes(root, first) >= frozen.numel() * 4
+    assert _new_bytes(root, second) < 64 * 1024  # w, its moment, DCP's metadata, the rest
+    assert set(read_pointer(backend).latest.folders) == {first, second}
+    for step, entry in entries.items():
+        target = zeros_like({"state_dict": {"frozen": frozen, "w": w}})
+        load_sharded(target, root, entry.commit, no_dist=True)
+        assert all(torch.equal(target["state_dict"][k], snapshots[step][k]) for k in ("frozen", "w"))
+        root.reader.verify(entry.commit)
+    full = load_full(backend.url("step=2.ckpt"), backend.storage_options)
+    assert torch.equal(full["state_dict"]["frozen"], frozen) and torch.equal(full["state_dict"]["w"], w)
+
+    finish = AtomicStorageWriter.finish
+
+    def failing(self: AtomicStorageWriter, *args: Any, **kwargs: Any) -> None:
+        raise CheckpointError("the store went away before the manifest")
+
+    # A save whose commit fails (its objects stored, never published): the next save references nothing of it.
+    w.add_(1.0)
+    monkeypatch.setattr(AtomicStorageWriter, "finish", failing)
+    with pytest.raises(CheckpointError, match="the store went away"):
+        save_sharded(state, root, "step=3.ckpt", rest={"global_step": 3}, no_dist=True)
+    monkeypatch.setattr(AtomicStorageWriter, "finish", finish)
+    failed = {p.rsplit("/", 1)[0] for p in backend.fs().find(backend.path("step=3.ckpt"))}
+    entry = save_sharded(state, root, "step=3.ckpt", rest={"global_step": 3}, no_dist=True)
+    folders = {o.path.rsplit("/", 1)[0] for o in root.read_manifest(entry.commit).objects}
+    assert folders == {entry.commit, first}, folders  # the frozen tensor still referenced, the failed folder never
+    assert all(not f.endswith(entry.commit) for f in failed)
+    target = zeros_like({"state_dict": {"frozen": frozen, "w": w}})
+    load_sharded(target, root, entry.commit, no_dist=True)
+    assert torch.equal(target["state_dict"]["w"], w) and torch.equal(target["state_dict"]["frozen"], frozen)
+
+
 # -- real processes ------------------------------------------------------------------------------------------------
 
 def launch(root: str, out: Path, options: dict[str, Any], *, kill_after: int | None = None,
@@ -212,6 +273,31 @@ def test_sharded_training_resumes_bit_exact_through_a_kill(tmp_path, strategy, s
     # The sharded checkpoint consolidates to the same full weights without a process group.
     consolidated = load_full(str(tmp_path / "part"))
     assert consolidated["global_step"] == 6
+    assert all(torch.equal(consolidated["state_dict"][k], part[k]) for k in part)
+
+
+@pytest.mark.slow
+def test_dedup_fsdp2_saves_reference_the_frozen_layers_shards_and_resume_bit_exact_through_a_kill(tmp_path,
+                                                                                                   shared_runs):
+    """FSDP2 on two processes with ``dedup`` and a frozen first layer: from the third save on, each rank's shards of
+    the frozen layer are referenced in the commit that stored them (the second packs them apart); killed after the
+    step-6 save (which references step 4's objects) and resumed: bit-identical to a run without ``dedup``."""
+    options = {**BASE, "max_steps": 8, "frozen": True}
+    full = uninterrupted(shared_runs, options)
+    root = str(tmp_path / "part")
+    launch(root, tmp_path / "part", {**options, "dedup": True}, kill_after=6)
+    backend = Backend("local", root)
+    pointer = read_pointer(backend)
+    assert pointer.latest.step == 6
+    manifest = Manifest.from_bytes(Path(root, pointer.latest.commit, MANIFEST_NAME).read_bytes(), where=root)
+    shared = [o.path for o in manifest.objects if not o.path.startswith(pointer.latest.commit + "/")]
+    assert {p.rsplit("/", 1)[1][:7] for p in shared} >= {"r00000-", "r00001-"}, shared  # both ranks reference
+    launch(root, tmp_path / "part", {**options, "dedup": True})
+    weights = torch.load(str(full) + ".weights")
+    part = torch.load(str(tmp_path / "part") + ".weights")
+    assert weights.keys() == part.keys() and all(torch.equal(weights[k], part[k]) for k in weights)
+    consolidated = load_full(root)
+    assert consolidated["global_step"] == 8
     assert all(torch.equal(consolidated["state_dict"][k], part[k]) for k in part)
 
 
