@@ -135,6 +135,8 @@ class _AtomicSharded:
                 found.root.claim()
         if fit:
             mark_resumed_step_saved(self.lightning_module.trainer, loaded.checkpoint)  # type: ignore[attr-defined]
+            if io.dedup:  # every rank's first save references what it finds unchanged by digest (a frozen base)
+                found.root.remember_loaded(loaded)
         return loaded.checkpoint
 
     def _check_layout(self, reader: AtomicStorageReader) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lightning_resilient.errors import CheckpointCorruptedError
-from lightning_resilient.io import paths
+from lightning_resilient.io import parts, paths
 from lightning_resilient.io.calling_trainer import (
     fn_of,
     mark_resumed_step_saved,
@@ -232,6 +232,12 @@ class PluginLoads:
         self._claims.continue_sharded(done.durable, done.entry, fit=fit, rank=nodes.rank, claim_on_load=claim_on_load)
         if fit:
             mark_resumed_step_saved(trainer, done.loaded.checkpoint)
+        local = done.sources.local
+        if fit and self.settings.dedup and local is not None:
+            # Every rank's first save references by digest what it finds unchanged among what its node's tier holds
+            # of the commit (its saves go there; a part it read from the durable root is not).
+            manifest = done.loaded.manifest
+            local.remember_loaded(done.loaded, held=parts.held_objects(manifest, parts.held(local, manifest)))
         return done.loaded.checkpoint
 
 

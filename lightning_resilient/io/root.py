@@ -268,9 +268,10 @@ class CheckpointRoot:
     def scan(self) -> Scan:
         return self.reader.scan()
 
-    def remember_loaded(self, loaded: Loaded) -> None:
-        """A save of the same step as ``loaded`` references its identical objects instead of uploading them."""
-        self.writer.remember_loaded(loaded.manifest)
+    def remember_loaded(self, loaded: Loaded, held: list[ObjectEntry] | None = None) -> None:
+        """A save of the same step as ``loaded`` (with ``dedup``: any) references its identical objects instead of
+        uploading them (``held``: only those this root stores, when it holds part of a sharded commit)."""
+        self.writer.remember_loaded(loaded.manifest, held)
 
     # -- retention and garbage (retention.py) --------------------------------------------------------------------
     def collect_garbage(self, *, dry_run: bool = False, abandoned: bool = False) -> list[tuple[str, str]]:

@@ -481,10 +481,10 @@ class RootWriter:
         None when it knows none (a tier's persist references it instead of copying)."""
         return self._known.like(obj, live)
 
-    def remember_loaded(self, manifest: Manifest) -> None:
-        """A loaded checkpoint's objects: a save of the same step (with ``dedup``: any) that holds identical bytes
-        references them."""
-        self._known.remember(manifest)
+    def remember_loaded(self, manifest: Manifest, held: list[ObjectEntry] | None = None) -> None:
+        """A loaded checkpoint's objects (``held``: those this root stores): a save of the same step (with
+        ``dedup``: any) that holds identical bytes references them."""
+        self._known.remember(manifest, held=held)
 
 
 def _folder_of(path: str) -> str:

@@ -10,7 +10,8 @@ interval), ``persist_every``, ``replicas``, ``resume`` ("each": every node passe
 printing ``RECEIVING <step>``; ``"persist:<step>"``: global rank 0 stops between that step's persist's copy and its
 manifest, printing ``COPIED <step>``; ``"restored:<step>"``: a node that restored that step's commit from a peer for
 its resume stops after writing the first object of its copy behind training, printing ``RESTORED <step>``;
-comma-separated: windows for the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run).
+comma-separated: windows for the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run), ``dedup``
+(incremental saves) and ``frozen`` (a frozen first layer and a frozen table, as in tests/io/sharded_child.py).
 
 The job resumes from the root whenever any tier of any node may hold a checkpoint (``ckpt_path=ROOT``: the job's
 newest, one decision for every node), else starts fresh. It prints ``START rank=<r> step=<s> commit=<c> tier=<t>``,
@@ -52,10 +53,14 @@ def say(line: str) -> None:
 
 
 class Net(LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, frozen: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
                                        torch.nn.Tanh(), torch.nn.Linear(64, 1))
+        self.table: torch.nn.Embedding | None = None
+        if frozen:  # as tests/io/sharded_child.py's: a frozen first layer and a frozen 2 MiB table
+            self.net[0].requires_grad_(False)
+            self.table = torch.nn.Embedding(4096, 128).requires_grad_(False)
 
     def configure_model(self) -> None:
         strategy = self.trainer.strategy
@@ -74,6 +79,8 @@ class Net(LightningModule):
                 if isinstance(layer, torch.nn.Linear):
                     fully_shard(layer, mesh=self.device_mesh["data_parallel"])
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+            if self.table is not None:
+                fully_shard(self.table, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -201,8 +208,9 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
         strategy = DDPStrategy(find_unused_parameters=True)
     local_tier = os.environ.get("LOCAL_TIER") if options.get("tier", True) else None
     io_class = Announcing if kind == "ddp" else AtomicCheckpointIO
+    dedup = bool(options.get("dedup"))
     io = io_class(local_tier=local_tier, persist_every=options.get("persist_every", 1),
-                  replicas=options.get("replicas"), local_keep=2) if local_tier else io_class()
+                  replicas=options.get("replicas"), local_keep=2, dedup=dedup) if local_tier else io_class(dedup=dedup)
     report = Report(io, out)
     trainer = Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, strategy=strategy,
                       max_steps=options["max_steps"], logger=False, enable_progress_bar=False,
@@ -218,7 +226,7 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
         # node's empty tier answers with an older commit, or None. The plugin makes one decision for the job.
         ckpt_path = find_latest_checkpoint(root, local_tier=local_tier)
         say(f"GIVEN rank={os.environ.get('NODE_RANK')} {ckpt_path}")
-    trainer.fit(Net(), loader, ckpt_path=ckpt_path)
+    trainer.fit(Net(frozen=bool(options.get("frozen"))), loader, ckpt_path=ckpt_path)
     weights = full_weights(trainer)
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in weights.items()}, out)

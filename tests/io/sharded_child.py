@@ -4,11 +4,12 @@ own FSDPStrategy on CPU, but not a subclass, and torch's FSDP1 runs on CPU with 
 ``device_id=cpu``).
 
 Run: python sharded_child.py ROOT OUT JSON_OPTIONS. Options: strategy, devices, max_steps, every (cadence),
-storage_options, dedup (incremental saves), frozen (the first layer is not trained), die (``[rank, step]``: that rank
-SIGKILLs itself after storing its first object of that step's save). Resumes from ROOT when it holds a checkpoint.
-Prints ``SAVED <step>`` after each save (rank 0) and ``DYING <rank>``; writes per-step losses (``OUT.losses``), the
-final full weights (``OUT.weights``) and, per rank, one JSON line per training batch (``OUT.ids.r<global rank>``:
-``epoch``, ``step`` (the global step after the batch) and ``ids``, the batch's sample indices).
+storage_options, dedup (incremental saves), frozen (the first layer and a table are not trained), die (``[rank, step]``:
+that rank SIGKILLs itself after storing its first object of that step's save). Resumes from ROOT when it holds a
+checkpoint. Prints ``SAVED <step>`` after each save (rank 0) and ``DYING <rank>``; writes per-step losses
+(``OUT.losses``), the final full weights (``OUT.weights``) and, per rank, one JSON line per training batch
+(``OUT.ids.r<global rank>``: ``epoch``, ``step`` (the global step after the batch) and ``ids``, the batch's sample
+indices).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ class Net(LightningModule):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
                                        torch.nn.Tanh(), torch.nn.Linear(64, 1))
-        if frozen:  # a fine-tune's frozen base: its first layer
+        self.table: torch.nn.Embedding | None = None
+        if frozen:  # a fine-tune's frozen base: the first layer, and a 2 MiB table (unused: only its bytes matter)
             self.net[0].requires_grad_(False)
+            self.table = torch.nn.Embedding(4096, 128).requires_grad_(False)
 
     def configure_model(self) -> None:
         if isinstance(self.trainer.strategy, AtomicFSDPStrategy):
@@ -61,6 +64,8 @@ class Net(LightningModule):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=self.device_mesh["data_parallel"])
         fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+        if self.table is not None:
+            fully_shard(self.table, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch

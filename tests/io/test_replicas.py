@@ -566,6 +566,30 @@ def held_parts(base: Path, node: int, root: str) -> dict[int, set[int]]:
 
 
 @pytest.mark.slow
+def test_dedup_fsdp2_on_two_nodes_with_local_tiers_resumes_bit_exact_and_its_first_save_references_the_base(
+        tmp_path, shared_runs):
+    """FSDP2 on two loopback nodes, a local tier on each, ``dedup``, a frozen layer and table: killed after the step-6
+    save, resumed from the nodes' tiers (the plugin's path), bit-identical to an uninterrupted run without a tier or
+    ``dedup``; the resumed job's first save references, on both ranks, the frozen shards its node's tier holds of the
+    checkpoint it loaded."""
+    reference = {**BASE, "max_steps": 8, "frozen": True}  # (the same run tests/io/test_sharded.py's dedup test uses)
+    full = Path(str(uninterrupted(shared_runs, reference)) + ".weights")
+    root, out = str(tmp_path / "root"), tmp_path / "weights.pt"
+    options = {"nodes": 2, "devices": 1, "max_steps": 8, "every": 2, "strategy": "model_parallel",
+               "persist_every": 2, "replicas": 2, "dedup": True, "frozen": True}
+    Job(tmp_path, root, out, options).kill_when(["SAVED 6", "PERSISTED 4"])
+    lines = Job(tmp_path, root, out, options).finish()
+    assert starts(lines)["0"][0] == 6 and starts(lines)["0"][2] == "local", starts(lines)
+    assert same_weights(out, full), "not bit-identical"
+    local = reader(local_tier_url(str(tmp_path / "nvme0"), root))
+    pointer, _ = local.read_pointer()
+    newest = local.read_manifest(pointer.latest.commit)
+    assert newest.step == 8
+    shared = [o.path for o in newest.objects if not o.path.startswith(newest.commit + "/")]
+    assert {p.rsplit("/", 1)[1][:7] for p in shared} >= {"r00000-", "r00001-"}, shared
+
+
+@pytest.mark.slow
 def test_fsdp1_on_one_node_resumes_its_shards_from_the_local_tier(tmp_path, shared_runs):
     full = Path(str(uninterrupted(shared_runs, {**BASE, "strategy": "fsdp"})) + ".weights")
     root, out = str(tmp_path / "root"), tmp_path / "weights.pt"

@@ -281,7 +281,8 @@ def test_dedup_fsdp2_saves_reference_the_frozen_layers_shards_and_resume_bit_exa
                                                                                                    shared_runs):
     """FSDP2 on two processes with ``dedup`` and a frozen first layer: from the third save on, each rank's shards of
     the frozen layer are referenced in the commit that stored them (the second packs them apart); killed after the
-    step-6 save (which references step 4's objects) and resumed: bit-identical to a run without ``dedup``."""
+    step-6 save (which references step 4's objects) and resumed: bit-identical to a run without ``dedup``, and the
+    resumed job's first save references the frozen shards of the checkpoint it loaded."""
     options = {**BASE, "max_steps": 8, "frozen": True}
     full = uninterrupted(shared_runs, options)
     root = str(tmp_path / "part")
@@ -296,6 +297,12 @@ def test_dedup_fsdp2_saves_reference_the_frozen_layers_shards_and_resume_bit_exa
     weights = torch.load(str(full) + ".weights")
     part = torch.load(str(tmp_path / "part") + ".weights")
     assert weights.keys() == part.keys() and all(torch.equal(weights[k], part[k]) for k in weights)
+    # The resumed job's first save (step 8, a new writer epoch) references the frozen shards by digest, on both
+    # ranks, among the objects of the checkpoint it loaded: a restart does not write the base again.
+    pointer = read_pointer(backend)
+    manifest = Manifest.from_bytes(Path(root, pointer.latest.commit, MANIFEST_NAME).read_bytes(), where=root)
+    shared = [o.path for o in manifest.objects if not o.path.startswith(pointer.latest.commit + "/")]
+    assert pointer.latest.step == 8 and {p.rsplit("/", 1)[1][:7] for p in shared} >= {"r00000-", "r00001-"}, shared
     consolidated = load_full(root)
     assert consolidated["global_step"] == 8
     assert all(torch.equal(consolidated["state_dict"][k], part[k]) for k in part)
