@@ -11,6 +11,7 @@ never forgets what is committed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
@@ -343,7 +344,8 @@ class WriterFence:
         except (CheckpointError, OSError) as exc:  # the claim goes on; the pointer keeps what it reported before
             log.warning("could not read the manifest of %s, the checkpoint this job resumed from: %s",
                         self.store.url(entry.commit), exc)
-            return entry, None
+            # Its own folder only: the folders the caller's view names may not be this root's.
+            return dataclasses.replace(entry, folders=(entry.commit,)), None
         return Entry.from_manifest(manifest), manifest.reported
 
     def _origin_gone(self, resumed: Entry) -> CheckpointError:
@@ -366,7 +368,7 @@ class WriterFence:
         update): two writers of one epoch would pass each other's fence."""
         name = origin_record_name(epoch)
         try:
-            if self.store.write_if(name, origin.record(epoch, self.writer, self.root_id or ""), None):
+            if self.store.create(name, origin.record(epoch, self.writer, self.root_id or "")):
                 return
             holder = Origin.record_writer(self.store.read(name), where=self.store.url(name))
         except Exception as exc:

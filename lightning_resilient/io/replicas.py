@@ -50,7 +50,7 @@ import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -657,7 +657,11 @@ class Replicator:
         if self.nodes.rank == 0 or problem is not None:
             return problem
         assert local is not None
-        brought = frozenset(manifest.objects[i].path.rsplit("/", 1)[0] for i in lacks) - {manifest.commit}
+        # Folders it wrote objects into (they need not be live yet), less those it found live holding others of
+        # them (those keep the liveness check at the pointer update).
+        folder = [o.path.rsplit("/", 1)[0] for o in manifest.objects]
+        brought = frozenset(folder[i] for i in lacks) - {folder[i] for i in range(len(folder)) if i not in lacks} - {
+            manifest.commit}
         try:
             adopt_claim(local, claim)
             local.publish(manifest, brought=brought)  # the manifest last: a copy cut short is not a checkpoint here
@@ -752,8 +756,21 @@ def save_sharded_tiered(state: dict[str, Any], tiers: TieredRoot, name: str, res
     nodes.agree(error, "every node's local tier adopting the sharded save's claim")
 
     # (with dedup, each rank records what its streams stored only once every node committed: rank_streams)
+    within: set[str] | None = None
+    if tiers.local.settings.dedup:
+        # Each rank references only folders every node's tier keeps: a node's commit refuses a reference to one its
+        # own pointer dropped (Lightning removes checkpoints on global rank 0 alone).
+        live: set[str] | None = None
+        if nodes.is_leader:
+            try:
+                pointer, _ = tiers.local.read_pointer()
+                live = pointer.live_folders() if pointer is not None else set()
+            except Exception:
+                live = set()
+        kept = [x for x in nodes.all_gather(live, "the folders every node's local tier keeps") if x is not None]
+        within = set.intersection(*kept) if kept else set()
     with tiers.local.rank_streams.outcome():
-        writer = AtomicStorageWriter(tiers.local, name, rest, nodes=nodes.layout, stage=True)
+        writer = AtomicStorageWriter(tiers.local, name, rest, nodes=nodes.layout, stage=True, within=within)
         with own_errors():
             dcp_save(state, storage_writer=writer, **dcp_kwargs)
         manifest: Manifest = nodes.broadcast(writer.manifest if nodes.rank == 0 else None,
@@ -1097,7 +1114,7 @@ def _make_durable(local: CheckpointRoot, plan: Plan, later: _Later) -> None:
     for part in later.parts:
         parts.write_record(local, plan.manifest, part)
     if later.commit:
-        _commit_restored(local, plan)
+        _commit_restored(local, plan, later.parts)
     later.parts.clear()
     later.commit = False
 
@@ -1158,22 +1175,27 @@ def _adopt_for_restore(local: CheckpointRoot, plan: Plan) -> None:
         log.info("restoring %s without listing it in %s: %s", plan.commit, local.url, exc)
 
 
-def _commit_restored(local: CheckpointRoot, plan: Plan) -> None:
-    """List a restored commit in this node's local tier pointer (manifest last), else write its manifest alone."""
+def _commit_restored(local: CheckpointRoot, plan: Plan, received: Collection[int]) -> None:
+    """List a restored commit in this node's local tier pointer (manifest last), else write its manifest alone.
+    ``received``: the parts the restore wrote here (each with the common objects)."""
     manifest = plan.manifest
-    # What this tier holds of the commit (a full commit: all of it; a sharded one: its parts) is stored and was
-    # checked, those objects it shares with other commits at their paths too (written by the restore, or held
-    # before): their folders need not be live here already (a replaced node holds none).
-    held = parts.held_objects(manifest, parts.held(local, manifest)) if manifest.sharded is not None else None
-    brought = frozenset(o.path.rsplit("/", 1)[0] for o in (held if held is not None else manifest.objects))
     try:
+        held = parts.held_objects(manifest, parts.held(local, manifest)) if manifest.sharded is not None else None
+        # The restore wrote these objects, those a commit shares with other commits at their paths too: their
+        # folders need not be live here already (a replaced node holds none); the others' must be.
+        written = {i for part in received for i in parts.part_objects(manifest, part)} | set(
+            parts.common_objects(manifest))
+        brought = frozenset(manifest.objects[i].path.rsplit("/", 1)[0] for i in written) - {manifest.commit}
         if local.writer_epoch == manifest.writer_epoch:
-            local.publish(manifest, held=held, brought=brought - {manifest.commit})
+            local.publish(manifest, held=held, brought=brought)
             return
     except Exception as exc:
         log.info("restored %s without listing it in %s: %s", plan.commit, local.url, exc)
-    if not local.store.exists(f"{manifest.commit}/{MANIFEST_NAME}"):
-        local.store.write(f"{manifest.commit}/{MANIFEST_NAME}", manifest.to_bytes())
+    try:  # (never raised: a collective of every rank follows)
+        if not local.store.exists(f"{manifest.commit}/{MANIFEST_NAME}"):
+            local.store.write(f"{manifest.commit}/{MANIFEST_NAME}", manifest.to_bytes())
+    except Exception as exc:
+        log.warning("could not write the manifest of %s restored into %s: %s", plan.commit, local.url, exc)
 
 
 def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, local: CheckpointRoot,
@@ -1213,7 +1235,7 @@ def _transfer(plan: Plan, transfers: list[tuple[int, int, int]], nodes: Nodes, l
     if received and deferred:
         later.commit = True
     elif received:
-        _commit_restored(local, plan)
+        _commit_restored(local, plan, received)
     gathered = nodes.all_gather(mine, f"the outcome of each node's restore of {manifest.commit}")
     ok = [True] * len(transfers)
     for outcomes in gathered:

@@ -110,13 +110,14 @@ class AtomicStorageWriter(StorageWriter):
     """
 
     def __init__(self, root: CheckpointRoot, name: str, rest: dict[str, Any] | None = None, *,
-                 nodes: list[list[int]] | None = None, stage: bool = False) -> None:
+                 nodes: list[list[int]] | None = None, stage: bool = False, within: set[str] | None = None) -> None:
         super().__init__()
         self.root = root
         self.name = name
         self.rest = rest if rest is not None else {}
         self.nodes = nodes or []
         self.stage = stage
+        self.within = within  # with dedup: the only folders a rank may reference (those every node's tier keeps)
         self.is_coordinator = False
         self.commit: str | None = None
         self.entry: Any = None
@@ -192,8 +193,9 @@ class AtomicStorageWriter(StorageWriter):
         update checks them again. Returns the objects (shards', then whole items') and each slot's offset in the
         rank's stream (the two streams end to end)."""
         assert self.commit is not None
-        live = self.root.writer.keep_live()  # (on the coordinator, also what its rest may reference by digest)
+        live = self.root.writer.keep_live(self.within)  # (the coordinator's rest references by digest only those)
         streams, epoch = self.root.rank_streams, writer_epoch_of(self.commit)
+        own = prefix.rsplit("/", 1)[1]  # "r<rank>-"
         streams.begin()
         shard = self.root.writer.shard_size
         objects: list[ObjectEntry] = []
@@ -201,7 +203,15 @@ class AtomicStorageWriter(StorageWriter):
         for stream, slots, name in (("shards", shards, prefix), ("whole", whole, f"{prefix}{WHOLE}")):
             plan = streams.plan(stream, slots, live=live, epoch=epoch, own=min(shard, incremental.OWN),
                                 pack=min(shard, incremental.PACK), shard=shard)
-            written = self.root.writer.upload_stream(name, plan.total, _pieces(slots), plan=plan)
+            # By digest, only this rank's own objects of the same stream: a whole item stored under a shard's name
+            # would not count as common to every node (io/parts.py).
+            kind = f"{own}{WHOLE}"
+
+            def ours(path: str, whole: bool = stream == "whole", kind: str = kind) -> bool:
+                base = path.rsplit("/", 1)[1]
+                return base.startswith(kind) if whole else base.startswith(own) and not base.startswith(kind)
+
+            written = self.root.writer.upload_stream(name, plan.total, _pieces(slots), plan=plan, only=ours)
             streams.wrote(stream, plan, slots, written)
             base = sum(o.size for o in objects)
             offsets += [base + slot.offset for slot in slots]

@@ -209,11 +209,12 @@ class RootWriter:
                         reported=reported if reported is not None else reported_in(checkpoint, self.folder_url),
                         plan=plan, slots=slots if plan is not None else None)
 
-    def keep_live(self) -> set[str]:
+    def keep_live(self, within: set[str] | None = None) -> set[str]:
         """Before an incremental save: forget the units stored by identity (this writer's own commits, of its
         epoch) and the objects known by digest (``known_objects.py``: also the resumed checkpoint's, of an earlier
-        epoch) outside the folders the pointer keeps live now (a removal since the last commit may have retired one).
-        Returns those folders (none without a readable pointer)."""
+        epoch) outside the folders the pointer keeps live now (a removal since the last commit may have retired one),
+        and outside ``within`` when given (a sharded save across nodes: what every node's tier keeps). Returns the
+        folders kept (none without a readable pointer)."""
         try:
             pointer, _ = self.fence.read_pointer()
         except Exception:
@@ -222,7 +223,7 @@ class RootWriter:
             self._stored.clear()
             self._known.clear()
             return set()
-        live = pointer.live_folders()
+        live = pointer.live_folders() if within is None else pointer.live_folders() & within
         epoch = self.fence.writer_epoch
         if epoch is not None and pointer.writer_epoch == epoch:
             self._stored.keep(live, epoch)
@@ -249,11 +250,15 @@ class RootWriter:
 
     def upload_stream(self, prefix: str, total: int, pieces: Callable[[int, int], list[memoryview]],
                       step: int | None = None, plan: incremental.Plan | None = None, *,
-                      also: tuple[str, bytes] | None = None) -> list[ObjectEntry]:
+                      also: tuple[str, bytes] | None = None,
+                      only: Callable[[str], bool] | None = None) -> list[ObjectEntry]:
         """Upload a tensor stream of ``total`` bytes as objects ``{prefix}shard-NNNNN.bin``, in parallel (with an
         incremental ``plan``: its objects, those it references as stored left unread); ``also``: one more object (a
-        path and its bytes, the skeleton), uploaded beside them and entered last."""
+        path and its bytes, the skeleton), uploaded beside them and entered last; ``only``: the known objects it may
+        reference by digest (by path)."""
         known = self._known.for_save(step, incremental=plan is not None)
+        if only is not None:
+            known = {key: path for key, path in known.items() if only(path)}
         reused: list[ObjectEntry | None]
         if plan is not None:
             laid = plan.objects()
@@ -384,7 +389,8 @@ class RootWriter:
         assert self.fence.writer_epoch is not None and manifest.writer_epoch == self.fence.writer_epoch
         folder, name, step, origin = manifest.commit, manifest.name, manifest.step, manifest.origin
         epoch = self.fence.writer_epoch
-        self.store.sync_folder(folder)  # the data is durable before the manifest names it
+        for path in (folder, *sorted(brought)):  # the data is durable before the manifest names it
+            self.store.sync_folder(path)
         self._check_stored(manifest.objects if held is None else held, folder)
         # The manifest goes last: until it exists, this folder is not a checkpoint.
         self.store.write(f"{folder}/{MANIFEST_NAME}", manifest.to_bytes())

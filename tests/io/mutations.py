@@ -124,7 +124,7 @@ MUTATIONS = [
              related=("tests/io/test_incremental.py",)),
     Mutation("record-create", "a claim's origin record overwriting another claim's record of the same epoch",
              "lightning_resilient/io/fencing.py",
-             "if self.store.write_if(name, origin.record(epoch, self.writer, self.root_id or \"\"), None):",
+             "if self.store.create(name, origin.record(epoch, self.writer, self.root_id or \"\")):",
              "if self.store.write(name, origin.record(epoch, self.writer, self.root_id or \"\")) is None:",
              related=("tests/io/test_protocol.py",)),
     Mutation("replica-lacking", "a copy between nodes taking a referenced object as held where its folder is not live",

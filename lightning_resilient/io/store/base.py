@@ -315,6 +315,11 @@ class Store:
 
         return self._call("read", rel, read)
 
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write ``rel`` only if it does not exist (with the store's conditional create); False when it does. A store
+        without conditional writes just writes it (see :meth:`write_if`)."""
+        return self.write_if(rel, data, None)
+
     def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
         """Replace ``rel`` with ``data`` only if its version is still ``expected`` (None: it must not exist).
 

@@ -171,6 +171,37 @@ class LocalStore(Store):
                 yield memoryview(buf)[:got]
                 pos += got
 
+    def create(self, rel: str, data: bytes) -> bool:
+        # A hard link fails if the name exists: an atomic create-if-absent that leaves nothing beside the object (no
+        # lock file, unlike write_if). The temp file lies in the parent folder, so a crash never leaves a stray name
+        # among the objects of ``rel``'s folder (an origin record folder is listed by name).
+        path = self.path(rel)
+
+        def create() -> bool:
+            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
+            tmp = os.path.join(os.path.dirname(directory), f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    return False
+            finally:
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            return True
+
+        return self._call("conditional write", rel, create)
+
     def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
         path = self.path(rel)
 
