@@ -50,6 +50,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -1016,6 +1017,20 @@ class Run:
         self.store(model).remove_object(POINTER_NAME)
         model.lost = True
         self.note("pointer deleted")
+        # A SIGKILLed job whose claim left no trace but the pointer (killed between its pointer swap and its origin
+        # record, before any folder) is forgotten with the pointer: a rebuild cannot know its epoch, and the next
+        # claim may get that epoch again. Harmless, the process is gone (a live one is fenced by the record then:
+        # test_protocol.py::test_a_claim_whose_epoch_is_claimed_again_after_the_pointer_is_lost_is_fenced); the job
+        # fenced before it writes again, as the rebuilt pointer's newest epoch. (Soak seeds 842471445, 25821657.)
+        store = self.store(model)
+        recorded = {int(r[1:-5]) for r in store.list_dir(ORIGINS_DIR) if re.fullmatch(r"e\d+\.json", r)}
+        folders = {writer_epoch_of(c) for n in store.list_dir("") if not n.startswith(".") for c in store.list_dir(n)}
+        traced = max(recorded | {e for e in folders if e is not None}, default=0)
+        wrote = {c.job for c in model.commits.values()}
+        for job in model.claimed():
+            if job.dead and job.epoch is not None and job.epoch > traced and job not in wrote:
+                self.note(f"{job}'s claim left no trace: forgotten")
+                job.epoch = None
 
     def op_damage(self) -> None:
         """Flip a bit of a commit's object or manifest (often of what the writing job resumed from, or of a commit
