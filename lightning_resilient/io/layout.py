@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import copy
 import io
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -278,11 +279,14 @@ class Snapshot:
         buffer = self._buffer
         on_cuda = False
         ordered = sorted(slots, key=lambda s: s.offset)
-        for start, end in regions if regions is not None else [(0, total)]:
+        first = 0  # the first slot not before the region (regions come in stream order: one pass over the slots)
+        for start, end in sorted(regions) if regions is not None else [(0, total)]:
             pos = start
-            for slot in ordered:
-                if slot.offset < start or slot.offset >= end:
-                    continue
+            while first < len(ordered) and ordered[first].offset < start:
+                first += 1
+            for slot in itertools.islice(ordered, first, None):
+                if slot.offset >= end:
+                    break
                 if slot.offset > pos:
                     buffer[pos : slot.offset].zero_()  # padding: the same bytes a synchronous save writes
                 pos = max(pos, slot.offset + slot.nbytes)
