@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import re
 import time
 import uuid
 import weakref
@@ -23,8 +22,9 @@ from collections.abc import Callable, Iterable
 from lightning_resilient._warnings import warn
 from lightning_resilient.errors import CheckpointError, StaleWriterError, UnfencedStoreError
 from lightning_resilient.io.folders import writer_identity
-from lightning_resilient.io.lineage import ORIGINS_DIR, Origin, origin_record_name
+from lightning_resilient.io.lineage import Origin
 from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
+from lightning_resilient.io.origin_records import OriginRecords
 from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.reader import RootReader
 from lightning_resilient.io.store import Store
@@ -49,6 +49,7 @@ class WriterFence:
     def __init__(self, store: Store, reader: RootReader, *, allow_unfenced_store: bool = False) -> None:
         self.store = store
         self.reader = reader  # rebuilds a missing pointer from the manifests
+        self.records = OriginRecords(store)  # each claim's record of its epoch, beside the pointer
         self.allow_unfenced_store = allow_unfenced_store
         self.writer = writer_identity()
         self.writer_epoch: int | None = None  # the writer epoch this process claimed, once it did
@@ -100,7 +101,7 @@ class WriterFence:
         if legacy is None:
             return None, None, False
         pointer = Pointer.from_bytes(legacy[0], where=self.store.url(LEGACY_POINTER_NAME))
-        if self._newest_recorded_epoch() > pointer.writer_epoch:
+        if self.records.newest_epoch() > pointer.writer_epoch:
             # A leftover of a migration whose new pointer was lost since: older than what has been claimed, so
             # the root is read by scanning (never a licence to delete) instead of resuming an old state.
             return None, None, False
@@ -112,23 +113,12 @@ class WriterFence:
         job fenced before its first save checks before it takes over anything else (a node-local tier)."""
         if self.writer_epoch is None:
             return
-        newest, root_id = self._newest_recorded_epoch(), ""
-        if newest:
-            try:
-                _, _, root_id = Origin.from_record(self.store.read(origin_record_name(newest)),
-                                                   where=self.store.url(origin_record_name(newest)))
-            except (CheckpointError, OSError, ValueError):
-                root_id = ""
+        newest, root_id = self.records.newest()
         if self.root_id and root_id and root_id != self.root_id:
             raise StaleWriterError(self.url, self.writer_epoch, newest, "a job of the root written again",
                                    recreated=True)
         if newest > self.writer_epoch:
             raise StaleWriterError(self.url, self.writer_epoch, newest, "a newer job")
-
-    def _newest_recorded_epoch(self) -> int:
-        epochs = [int(m.group(1)) for m in (re.fullmatch(r"e(\d+)\.json", r) for r in self.store.list_dir(ORIGINS_DIR))
-                  if m]
-        return max(epochs, default=0)
 
     def _drop_legacy_pointer(self) -> None:
         # The pointer now lives in the dot-folder and is read first: the old one is a stale copy. A reader that
@@ -198,7 +188,7 @@ class WriterFence:
         back to this writer epoch. Every claim records its epoch beside the pointer; one newer than ``new``'s means
         that happened. The pointer is then rebuilt again (if it is still the one created here), so that the newer
         claim holds again, and the caller's update reads it anew."""
-        if self._newest_recorded_epoch() <= new.writer_epoch:
+        if self.records.newest_epoch() <= new.writer_epoch:
             return False
         got = self.store.read_versioned(POINTER_NAME)
         if got is not None and Pointer.from_bytes(got[0], where=self.store.url(POINTER_NAME)).txn == new.txn:
@@ -358,23 +348,14 @@ class WriterFence:
             " load claim at the first save.)")
 
     def _record_origin(self, epoch: int, origin: Origin) -> None:
-        """Store writer epoch ``epoch``'s origin beside the pointer, so that the lineage survives a lost pointer
-        even for a job that dies before its first commit (best effort: the manifests carry it too).
-
-        Created only if absent: one epoch, one record, one writer. A record of this epoch by another writer means
-        that another claim got the same epoch: this claim's pointer swap left no trace before the pointer was lost
-        (no record yet, no folder), the rebuilt pointer did not count it, and a newer job claimed that epoch again.
-        This writer is then fenced for good (:class:`~lightning_resilient.StaleWriterError` now and at every later
-        update): two writers of one epoch would pass each other's fence."""
-        name = origin_record_name(epoch)
-        try:
-            if self.store.create(name, origin.record(epoch, self.writer, self.root_id or "")):
-                return
-            holder = Origin.record_writer(self.store.read(name), where=self.store.url(name))
-        except Exception as exc:
-            log.warning("could not record the origin of writer epoch %d under %s: %s", epoch, self.url, exc)
-            return
-        if holder != self.writer:  # (the same writer: its own create landed, only the response was lost)
+        """Record writer epoch ``epoch``'s origin beside the pointer (``origin_records.py``), so that the lineage
+        survives a lost pointer even for a job that dies before its first commit. A record of this epoch by another
+        writer means that another claim got the same epoch: this claim's pointer swap left no trace before the
+        pointer was lost (no record yet, no folder), the rebuilt pointer did not count it, and a newer job claimed
+        that epoch again. This writer is then fenced for good (:class:`~lightning_resilient.StaleWriterError` now and
+        at every later update): two writers of one epoch would pass each other's fence."""
+        holder = self.records.create(epoch, origin, self.writer, self.root_id or "")
+        if holder is not None:
             self._epoch_taken_by = holder
             raise StaleWriterError(self.url, epoch, epoch, f"{holder}, which claimed this epoch again after the"
                                    " pointer was lost")
