@@ -10,17 +10,15 @@ resumed job loaded.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tests.io.replicas_job import Job
+from tests.io.replicas_job import Job, report_and_exit
 
 BASE_NUMEL = 2**19  # a 2 MiB float32 frozen base: two objects of its own (shard_size 1 MiB)
 
@@ -133,9 +131,4 @@ def job(rank: int, port: int, base: str) -> None:
     dist.barrier()
     resumed.replicator.stop()
     replicas._write = write
-    gathered: list[Any] = [None] * 2
-    dist.all_gather_object(gathered, out)
-    if rank == 0:
-        Path(base, "result.json").write_text(json.dumps(gathered))
-    dist.barrier()
-    os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
+    report_and_exit(rank, 2, base, out)

@@ -9,17 +9,15 @@ each tier lists and verifies, what the durable root holds, what the resume loade
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tests.io.replicas_job import Job
+from tests.io.replicas_job import Job, report_and_exit, sharded_loader
 
 ROWS = 2**15  # frozen: ROWS x 8 float32 = 1 MiB, 512 KiB per rank (its own unit: shard_size 256 KiB here)
 
@@ -33,7 +31,7 @@ def job(rank: int, port: int, base: str) -> None:
     from lightning_resilient.io import parts, replicas
     from lightning_resilient.io.local_tier import local_tier_url
     from lightning_resilient.io.replicas import load_across_nodes, save_sharded_tiered
-    from lightning_resilient.io.sharded import AtomicStorageReader, load_full, load_sharded
+    from lightning_resilient.io.sharded import load_full
 
     received: dict[str, int] = defaultdict(int)  # bytes this node wrote of the other node's part, per commit
     write = replicas._write
@@ -92,18 +90,8 @@ def job(rank: int, port: int, base: str) -> None:
     target = {"state_dict": {"frozen": distribute_tensor(torch.zeros(ROWS, 8), mesh, [Shard(0)]),
                              "w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)])}}
 
-    def load(entry: Any, manifest: Any, sources: Any, failed: set[Any]) -> Any:
-        roots = sources.roots()
-        reader = AtomicStorageReader(roots[0], entry.commit, manifest=manifest, sources=roots)
-        try:
-            load_sharded(target, reader.root, reader.commit, reader=reader)
-        except Exception:
-            failed.update(reader.failed)
-            raise
-        return roots[0].load(entry.commit, map_location=None, weights_only=None, sharded_rest=True, manifest=manifest)
-
     done = load_across_nodes(root, shown=root, nodes=resumed.nodes, local_tier=resumed.local_tier,
-                             root_for=resumed.root_for, replicas=2, fallback=False, load=load)
+                             root_for=resumed.root_for, replicas=2, fallback=False, load=sharded_loader(target))
     assert done is not None
     out["resumed"] = (done.loaded.checkpoint["global_step"], "local" if done.sources.local is not None else "durable",
                       torch.equal(target["state_dict"]["frozen"].full_tensor(), frozen_full),
@@ -116,9 +104,4 @@ def job(rank: int, port: int, base: str) -> None:
     out["listed after"] = sorted(e.step for e in pointer.entries()) if pointer is not None else []
     resumed.replicator.stop()
     replicas._write = write
-    gathered: list[Any] = [None] * 2
-    dist.all_gather_object(gathered, out)
-    if rank == 0:
-        Path(base, "result.json").write_text(json.dumps(gathered))
-    dist.barrier()
-    os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
+    report_and_exit(rank, 2, base, out)

@@ -116,6 +116,34 @@ def damage(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def sharded_loader(target: dict[str, Any]) -> Any:
+    """A ``load`` for ``load_across_nodes`` that loads a sharded commit into ``target`` (DTensors) in place, as the
+    plugin's sharded resume does: the shards from the sources in order, the rest from the first."""
+    from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded
+
+    def load(entry: Any, manifest: Any, sources: Any, failed: set[Any]) -> Any:
+        roots = sources.roots()
+        reader = AtomicStorageReader(roots[0], entry.commit, manifest=manifest, sources=roots)
+        try:
+            load_sharded(target, reader.root, reader.commit, reader=reader)
+        except Exception:
+            failed.update(reader.failed)
+            raise
+        return roots[0].load(entry.commit, map_location=None, weights_only=None, sharded_rest=True, manifest=manifest)
+
+    return load
+
+
+def report_and_exit(rank: int, world: int, base: str, outcomes: dict[str, Any]) -> None:
+    """Gather every rank's ``outcomes`` into ``BASE/result.json`` (rank 0) and end the process."""
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, outcomes)
+    if rank == 0:
+        Path(base, "result.json").write_text(json.dumps(gathered))
+    dist.barrier()
+    os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
+
+
 def job(rank: int, port: int, base: str, layout: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     node_of = LAYOUTS[layout]
@@ -125,7 +153,6 @@ def job(rank: int, port: int, base: str, layout: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from lightning_resilient.io.replicas import load_across_nodes, save_sharded_tiered
-    from lightning_resilient.io.sharded import AtomicStorageReader, load_sharded
 
     messages = Messages()
     logging.getLogger("lightning_resilient").addHandler(messages)
@@ -147,19 +174,8 @@ def job(rank: int, port: int, base: str, layout: str) -> None:
     def resume(resumed: Job) -> tuple[int, str]:
         target = {"state_dict": {"w": distribute_tensor(torch.zeros(world * 8, 4), mesh, [Shard(0)])}}
 
-        def load(entry: Any, manifest: Any, sources: Any, failed: set[Any]) -> Any:
-            roots = sources.roots()
-            reader = AtomicStorageReader(roots[0], entry.commit, manifest=manifest, sources=roots)
-            try:
-                load_sharded(target, reader.root, reader.commit, reader=reader)
-            except Exception:
-                failed.update(reader.failed)
-                raise
-            return roots[0].load(entry.commit, map_location=None, weights_only=None, sharded_rest=True,
-                                 manifest=manifest)
-
         done = load_across_nodes(root, shown=root, nodes=resumed.nodes, local_tier=resumed.local_tier,
-                                 root_for=resumed.root_for, replicas=3, fallback=True, load=load)
+                                 root_for=resumed.root_for, replicas=3, fallback=True, load=sharded_loader(target))
         assert done is not None
         step = done.loaded.checkpoint["global_step"]
         assert torch.equal(target["state_dict"]["w"].full_tensor(), value(step, world)), f"rank {rank}: wrong values"
@@ -207,12 +223,7 @@ def job(rank: int, port: int, base: str, layout: str) -> None:
     for ending in (first, resumed, again, collected):
         if ending is not None:
             ending.replicator.stop()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, outcomes)
-    if rank == 0:
-        Path(base, "result.json").write_text(json.dumps(gathered))
-    dist.barrier()
-    os._exit(0)  # gloo teardown at interpreter exit can abort on CPU (see tests/io/sharded_child.py)
+    report_and_exit(rank, world, base, outcomes)
 
 
 def _stall_writes_after_the_first() -> tuple[Any, list[int], threading.Event]:
