@@ -27,11 +27,14 @@ class OriginRecords:
     def __init__(self, store: Store) -> None:
         self.store = store
 
+    def epochs(self) -> dict[int, str]:
+        """Each recorded writer epoch and its record (root-relative); any other name in the folder is ignored."""
+        found = ((re.fullmatch(r"e(\d+)\.json", r), r) for r in self.store.list_dir(ORIGINS_DIR))
+        return {int(m.group(1)): f"{ORIGINS_DIR}/{r}" for m, r in found if m}
+
     def newest_epoch(self) -> int:
         """The highest writer epoch recorded (0: none)."""
-        epochs = [int(m.group(1)) for m in (re.fullmatch(r"e(\d+)\.json", r) for r in self.store.list_dir(ORIGINS_DIR))
-                  if m]
-        return max(epochs, default=0)
+        return max(self.epochs(), default=0)
 
     def newest(self) -> tuple[int, str]:
         """The highest writer epoch recorded and the root incarnation its record names (``""``: unknown)."""

@@ -35,15 +35,15 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 
 from lightning_resilient.errors import CheckpointCorruptedError, StaleWriterError, UnsupportedFormatError
 from lightning_resilient.io.fencing import WriterFence, is_resumed
 from lightning_resilient.io.folders import TIER_RECORD, writer_epoch_of
-from lightning_resilient.io.lineage import ORIGINS_DIR, Lineage
+from lightning_resilient.io.lineage import Lineage
 from lightning_resilient.io.manifest import MANIFEST_NAME
+from lightning_resilient.io.origin_records import OriginRecords
 from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.reader import RootReader
 from lightning_resilient.io.store import Store
@@ -325,10 +325,9 @@ class Retention:
         """Delete origin records of epochs older than every checkpoint the pointer names: no lineage reaches them
         (but those whose origins the pointer keeps: see ``fencing._prune_origins``)."""
         oldest = min([e.writer_epoch for e in pointer.entries()] + [pointer.writer_epoch])
-        for record in self.store.list_dir(ORIGINS_DIR):
-            match = re.fullmatch(r"e(\d+)\.json", record)
-            if match and int(match.group(1)) < oldest and int(match.group(1)) not in pointer.origins:
-                self.discard(f"{ORIGINS_DIR}/{record}")
+        for epoch, record in OriginRecords(self.store).epochs().items():
+            if epoch < oldest and epoch not in pointer.origins:
+                self.discard(record)
 
     def _stray(self, lineage: Lineage, folder: str, root_id: str) -> str | None:
         """Where the unreferenced commit ``folder`` of a fenced writer lies ("inside" or "outside" this root's

@@ -160,9 +160,8 @@ class RootWriter:
             # refuse it; and that commit's thread updates the record this plan reads.
             before_fill()
             before_fill = None
-        if self.dedup:
+        if self.dedup and reuse:  # (a sharded save's rest: each rank's stream read the pointer for this save already)
             self.keep_live()
-        if self.dedup and reuse:
             plan = self._stored.plan(slots, own=min(self.shard_size, incremental.OWN),
                                      pack=min(self.shard_size, incremental.PACK), shard=self.shard_size)
             total = plan.total
