@@ -196,6 +196,43 @@ def test_dedup_sharded_saves_reference_what_is_unchanged_and_every_commit_loads_
     assert torch.equal(target["state_dict"]["w"], w) and torch.equal(target["state_dict"]["frozen"], frozen)
 
 
+def test_a_dedup_sharded_save_whose_referenced_commit_is_dropped_meanwhile_is_refused_and_the_next_writes_all(
+        local_backend, make_io, monkeypatch):
+    """The worst instant of a sharded dedup save: every rank planned its streams (referencing the frozen tensor's
+    objects in the first commit), then an operator drops both earlier checkpoints before the coordinator's pointer
+    update. The update refuses the commit (nothing names a missing object); the next save references nothing of
+    the dropped folders, commits and loads bit-exact."""
+    from lightning_resilient.io.sharded import AtomicStorageWriter
+
+    io = make_io(local_backend, dedup=True, shard_size=2**20, chunk_size=2**16)
+    root, _ = root_and_name(io, local_backend.url("step=1.ckpt"))
+    g = torch.Generator().manual_seed(0)
+    frozen, w = torch.randn(2**19, generator=g), torch.randn(300, 7, generator=g)
+    state = {"state_dict": {"frozen": frozen, "w": w}}
+    for step in (1, 2):
+        w.add_(1.0)
+        save_sharded(state, root, f"step={step}.ckpt", rest={"global_step": step}, no_dist=True)
+    finish = AtomicStorageWriter.finish
+
+    def drop_then_finish(self: AtomicStorageWriter, *args: Any, **kwargs: Any) -> None:
+        operator = make_io(local_backend).root(local_backend.root)
+        operator.retention.drop({e.commit for e in read_pointer(local_backend).entries()})
+        finish(self, *args, **kwargs)
+
+    w.add_(1.0)
+    monkeypatch.setattr(AtomicStorageWriter, "finish", drop_then_finish)
+    with pytest.raises(CheckpointError, match=r"retired while it uploaded|is missing just before"):
+        save_sharded(state, root, "step=3.ckpt", rest={"global_step": 3}, no_dist=True)
+    monkeypatch.setattr(AtomicStorageWriter, "finish", finish)
+    assert read_pointer(local_backend).latest is None  # the refused commit was never named
+    entry = save_sharded(state, root, "step=3.ckpt", rest={"global_step": 3}, no_dist=True)
+    manifest = root.read_manifest(entry.commit)
+    assert {o.path.rsplit("/", 1)[0] for o in manifest.objects} == {entry.commit}  # written whole
+    target = zeros_like({"state_dict": {"frozen": frozen, "w": w}})
+    load_sharded(target, root, entry.commit, no_dist=True)
+    assert torch.equal(target["state_dict"]["frozen"], frozen) and torch.equal(target["state_dict"]["w"], w)
+
+
 # -- real processes ------------------------------------------------------------------------------------------------
 
 def launch(root: str, out: Path, options: dict[str, Any], *, kill_after: int | None = None,
