@@ -29,7 +29,8 @@ blocked (equal to save time for synchronous methods), load time, and peak RSS ab
 the operation, as a multiple of the checkpoint size (a save of tensors already in memory; a load creates them,
 so 1.0x is its floor). Each method runs ``--runs`` times in one process with one plugin instance, as a training
 job would (one-off costs such as claiming the root or allocating the async snapshot buffer fall in the first
-run); medians; ratios against stock Lightning and against the raw limit.
+run, reported apart as "first save s"), into one root kept between runs (each save replaces the previous one's
+checkpoint, as ``save_last`` does); medians; ratios against stock Lightning and against the raw limit.
 Writes a markdown table, a JSON file of every run and a PNG plot.
 """
 
@@ -40,6 +41,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -91,17 +93,42 @@ def _rss_now_mb() -> float:
     return float("nan")
 
 
+#: The server processes whose CPU a save or load costs besides the client's own (the worker's spec names them):
+#: moto ("store") and, on s3-latency, the proxy. On 2 cores all three share the machine, so a client that costs
+#: less CPU leaves more to the server: the CPU columns say where a save's time went.
+SERVER_PIDS: dict[str, int] = {}
+
+
+def _cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (every thread) or of ``pid``."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
 def _peak_rss(out: dict[str, float], key: str) -> Iterator[None]:
-    """Peak RSS during the block above the RSS at entry, in MB (Linux: the high-water mark is reset on entry)."""
+    """Peak RSS during the block above the RSS at entry, in MB (Linux: the high-water mark is reset on entry), and
+    the CPU seconds the block cost this process and each of :data:`SERVER_PIDS` (``<phase>_cpu_<who>``)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         pass
     before = _rss_now_mb()
+    phase = key.split("_")[0]
+    who = {"client": None, **SERVER_PIDS}
+    cpu = {name: _cpu_seconds(pid) for name, pid in who.items()}
     yield
     out[key] = max(0.0, _rss_peak_mb() - before)
+    for name, pid in who.items():
+        out[f"{phase}_cpu_{name}"] = _cpu_seconds(pid) - cpu[name]
 
 
 def make_checkpoint(size_bytes: int, seed: int = 0) -> dict[str, Any]:
@@ -380,13 +407,18 @@ def worker(spec: dict[str, Any]) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    SERVER_PIDS.update(spec.get("server_pids", {}))
     store = Store(spec["store"], spec["location"], spec.get("endpoint"))
     ckpt = make_checkpoint(spec["size"])
     size = tensor_bytes(ckpt)
     runner = Runner(spec["method"], store)
     for run in range(spec["runs"]):
         time.sleep(spec.get("pause", 0.0))  # a save interval: in training, saves are minutes apart
-        store.clean()
+        if run == 0 or not spec["method"].startswith("ours"):
+            # Ours keeps its root between runs, as a training job's is: the next save replaces the last one's commit
+            # (and deletes it, which the save's time includes). Deleting the root under a live job instead made each
+            # later save rebuild a lost pointer, a path training never takes (12 serial requests on s3-latency).
+            store.clean()
         ckpt["global_step"] = 1000 + run  # a new step each time, as in training (a repeat of a step is cheaper)
         result = runner.run(ckpt, size)
         result.update(run=run, bytes=size)
@@ -408,6 +440,8 @@ class Servers:
         self.bandwidth = bandwidth
         self.s3: str | None = None
         self.proxy: str | None = None
+        self.pids: dict[str, int] = {}
+        self.proxy_pid: int | None = None
 
     def start(self, stores: list[str]) -> None:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
@@ -425,6 +459,7 @@ class Servers:
                                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                            start_new_session=True))
         self.s3 = f"http://127.0.0.1:{port}"
+        self.pids = {"store": self.procs[-1].pid}
         _wait_http(self.s3)
         import boto3
 
@@ -436,12 +471,14 @@ class Servers:
             self.procs.append(proc)
             assert proc.stdout is not None
             self.proxy = proc.stdout.readline().strip()
+            self.proxy_pid = proc.pid
 
     def store(self, kind: str, tmp: str) -> dict[str, Any]:
         if kind == "local":
             return {"store": kind, "location": os.path.join(tmp, "local")}
         endpoint = self.s3 if kind == "s3" else self.proxy
-        return {"store": kind, "location": f"s3://{BUCKET}/{kind}", "endpoint": endpoint}
+        pids = {**self.pids, **({"proxy": self.proxy_pid} if kind == "s3-latency" and self.proxy_pid else {})}
+        return {"store": kind, "location": f"s3://{BUCKET}/{kind}", "endpoint": endpoint, "server_pids": pids}
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -486,9 +523,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[tuple[int, str, str], dict[str
         grouped.setdefault((r["size_mb"], r["store"], r["method"]), []).append(r)
     out = {}
     for key, runs in grouped.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in ("save", "blocked", "load", "save_rss", "load_rss",
-                                                                    "local_commit", "durable_load", "durable_bytes")
-               if k in runs[0]}
+        keys = ("save", "blocked", "load", "save_rss", "load_rss", "local_commit", "durable_load", "durable_bytes",
+                *(f"{phase}_cpu_{who}" for phase in ("save", "load") for who in ("client", "store", "proxy")))
+        med = {k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}
+        med["first_save"] = min(runs, key=lambda r: r.get("run", 0))["save"]
         med["bytes"] = runs[0]["bytes"]
         med["runs"] = len(runs)
         out[key] = med
@@ -521,6 +559,28 @@ def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -
               ("RSS: peak resident memory during the save or load above the process's memory before it, over the"
                " checkpoint size (ours-async: at least its snapshot buffer, which stays allocated between saves);"
                " a load creates the tensors it returns, so 1.0x is its floor.")]
+    return "\n".join(lines)
+
+
+def cpu_table(summary: dict[tuple[int, str, str], dict[str, float]]) -> str:
+    """Where each object-store save's time and CPU went: the first save apart; the client (this process, every
+    thread), moto, the proxy."""
+    lines = ["| size | store | method | first save s | save s | client CPU s | moto CPU s | proxy CPU s |"
+             " client CPU s per GB |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (size_mb, store, method), m in sorted(summary.items(), key=lambda kv: (kv[0][0], STORES.index(kv[0][1]),
+                                                                               METHODS.index(kv[0][2]))):
+        if "save_cpu_store" not in m:
+            continue
+        proxy = f"{m['save_cpu_proxy']:.2f}" if "save_cpu_proxy" in m else "-"
+        lines.append(f"| {size_mb} MB | {store} | {method} | {m['first_save']:.3f} | {m['save']:.3f} |"
+                     f" {m['save_cpu_client']:.2f} |"
+                     f" {m['save_cpu_store']:.2f} | {proxy} | {m['save_cpu_client'] / (m['bytes'] / 1e9):.2f} |")
+    if len(lines) == 2:
+        return ""
+    lines += ["", ("First save: the first run's save (ours: it claims the root first). Save: the median of all runs."
+                   " CPU seconds during the save (medians), user + system. On this machine the client, moto and the"
+                   " proxy share the cores: what one spends the others cannot. A real store's CPU is not the"
+                   " client's to pay, so the client's column is the one that carries over to a cloud store.")]
     return "\n".join(lines)
 
 
@@ -711,7 +771,9 @@ def main(argv: list[str] | None = None) -> str:
     proxy = (f"s3-latency: moto behind a loopback proxy adding {args.latency * 1000:.0f} ms per request and capping"
              f" each connection at {args.bandwidth / MB:.0f} MB/s.")
     tiered_text = tiered(summary, args.cadence_minutes, args.persist_every)
+    cpu_text = cpu_table(summary)
     text = "\n\n".join([f"# Checkpoint save/load, medians of {args.runs} run(s)", table(summary, machine), proxy,
+                        *(["## Where a save's CPU went", cpu_text] if cpu_text else []),
                         *(["## Tiered (local tier + store)", tiered_text] if tiered_text else []),
                         "## Targets", targets(summary, args.bandwidth)]) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -217,7 +217,7 @@ class WriterFence:
 
     def _remove_manifest(self, folder: str) -> None:
         try:
-            self.store.remove(f"{folder}/{MANIFEST_NAME}")
+            self.store.remove_object(f"{folder}/{MANIFEST_NAME}")  # one object: one request (no listing, no stat)
         except Exception as exc:  # retention deletes the folder, manifest first, when its time comes
             log.warning("could not delete %s: %s", self.store.url(f"{folder}/{MANIFEST_NAME}"), exc)
 
@@ -288,7 +288,9 @@ class WriterFence:
             return p
 
         new, _ = self.update(bump, fenced=False)
-        if self.store.exists(LEGACY_POINTER_NAME):  # a migration that died before deleting it
+        # A migration that died before deleting it. (A read, one request: an existence check on S3 is a HEAD, then a
+        # listing when the object is missing, as it is on every root but one such migration left.)
+        if self.store.read_versioned(LEGACY_POINTER_NAME) is not None:
             self._drop_legacy_pointer()
         self.writer_epoch, self.root_id = new.writer_epoch, new.root_id
         self.lineage_id = new.root_id

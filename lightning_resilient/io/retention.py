@@ -139,7 +139,7 @@ class Retention:
         """Delete a retired (or abandoned) committed folder: its manifest first, so that a deletion interrupted
         half-way leaves a folder without a manifest (never a checkpoint with missing objects)."""
         try:
-            self.store.remove(f"{folder}/{MANIFEST_NAME}")
+            self.store.remove_object(f"{folder}/{MANIFEST_NAME}")  # one object: one request (no listing, no stat)
             self.store.remove(folder)
         except Exception as exc:
             log.warning("could not delete %s: %s", self.store.url(folder), exc)

@@ -1,4 +1,5 @@
-"""S3 uploads (issue 40): large objects as multipart uploads with parts in parallel, the client's connection pool.
+"""S3 uploads (issue 40): large objects as multipart uploads with parts in parallel, the client's connection pool and
+signing, no request a save need not wait for.
 
 Real parts only: moto on loopback, real s3fs, and the loopback proxy where a request must fail. S3's smallest part is
 5 MiB, so these tests lower the multipart threshold to 5 MiB instead of writing objects above 16 MiB.
@@ -6,19 +7,22 @@ Real parts only: moto on loopback, real s3fs, and the loopback proxy where a req
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from dataclasses import replace
+from urllib.parse import parse_qs, urlsplit
 
 import boto3
 import pytest
 import torch
+from fsspec.asyn import sync
 
-from lightning_resilient import find_latest_checkpoint
+from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.retry import RetryPolicy
 from lightning_resilient.io.store import GatherReader, S3Store, open_store, with_connections
 from lightning_resilient.io.store import s3 as s3_store
-from lightning_resilient.io.store.s3 import POOL_CONNECTIONS, slice_pieces
+from lightning_resilient.io.store.s3 import POOL_CONNECTIONS, UNSIGNED_BODIES, slice_pieces
 from lightning_resilient.testing import StoreProxy
 
 from .helpers import assert_same, make_checkpoint, read_pointer
@@ -69,10 +73,46 @@ def test_slice_pieces_views_a_range_across_pieces_without_copying():
 def test_an_s3_client_keeps_enough_connections_for_a_save_unless_told_otherwise(s3_backend):
     store = open_store(s3_backend.root, s3_backend.storage_options, RetryPolicy())
     assert isinstance(store, S3Store) and store.fs.config_kwargs["max_pool_connections"] == POOL_CONNECTIONS
-    own = {**s3_backend.storage_options, "config_kwargs": {"max_pool_connections": 3, "read_timeout": 9}}
+    own = {**s3_backend.storage_options, "config_kwargs": {"max_pool_connections": 3, "read_timeout": 9,
+                                                           "s3": {"payload_signing_enabled": True}}}
     assert with_connections(own) == own
-    merged = with_connections({"config_kwargs": {"read_timeout": 9}})
-    assert merged == {"config_kwargs": {"read_timeout": 9, "max_pool_connections": POOL_CONNECTIONS}}
+    merged = with_connections({"config_kwargs": {"read_timeout": 9, "s3": {"addressing_style": "path"}}})
+    assert merged == {"config_kwargs": {"read_timeout": 9, "max_pool_connections": POOL_CONNECTIONS,
+                                        "s3": {"addressing_style": "path", **UNSIGNED_BODIES}}}
+
+
+def signed_bodies(store: S3Store) -> list[str]:
+    """What each request that follows says of its body in its signature (``x-amz-content-sha256``), as sent."""
+    seen: list[str] = []
+    sync(store.fs.loop, store.fs.set_session)
+    store.fs.s3.meta.events.register(
+        "before-send.s3.*", lambda request, **_: seen.append(request.headers.get("x-amz-content-sha256", b"")))
+    return seen
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 12 * MiB], ids=["put", "multipart"])
+def test_uploads_are_not_hashed_into_their_signature_unless_the_options_ask(s3_backend, small_parts, size):
+    # Over plain HTTP (moto here, an on-premises MinIO there) botocore would SHA-256 every uploaded byte for the
+    # signature: about half the client's CPU of a save. The body still carries its CRC32 header, and the bytes
+    # arrive whole.
+    data = os.urandom(size)
+    pieces = [memoryview(data)[: size // 3], memoryview(data)[size // 3 :]]
+    store = open_store(s3_backend.root, {**s3_backend.storage_options, "skip_instance_cache": True}, RetryPolicy())
+    seen = signed_bodies(store)
+    store.write_pieces("u/obj.bin", pieces)
+    uploads_sent = [h for h in seen if h]
+    assert uploads_sent and set(uploads_sent) == {b"UNSIGNED-PAYLOAD"}
+    assert store.read("u/obj.bin") == data
+    # Asked for (the user's own s3 config): botocore signs the body again.
+    own = {**s3_backend.storage_options, "skip_instance_cache": True,
+           "config_kwargs": {"s3": {"payload_signing_enabled": True}}}
+    signing = open_store(s3_backend.root, own, RetryPolicy())
+    seen = signed_bodies(signing)
+    signing.write_pieces("u/signed.bin", pieces)
+    step = s3_store.PART_SIZE if size > s3_store.MULTIPART_THRESHOLD else size
+    bodies = {hashlib.sha256(data[a : a + step]).hexdigest().encode() for a in range(0, size, step)}
+    assert bodies <= set(seen) and b"UNSIGNED-PAYLOAD" not in seen
+    assert signing.read("u/signed.bin") == data
 
 
 def test_a_multipart_object_round_trips_bit_exact(s3_backend, small_parts):
@@ -171,3 +211,35 @@ def test_a_writer_killed_mid_multipart_upload_loses_nothing_and_gc_aborts_its_up
     assert find_latest_checkpoint(s3_backend.root, s3_backend.storage_options).startswith(s3_backend.url("c.ckpt/"))
     # The restart's claim fenced the killed writer off and collected what its save had stored (its skeleton).
     assert {k for k in stored_keys(s3_backend) if "/b.ckpt/" in k} == set()
+
+
+def test_a_first_save_into_a_new_root_asks_the_store_nothing_twice_over(s3_backend, make_io):
+    # The first save claims the root first: ~20 requests one after another, each a round trip to the store (30 ms
+    # and more to a cloud store). None may be spent on what the claim does not need: a listing of the root's parent
+    # (s3fs's way of telling a missing folder from a file; a root's parent can be a bucket's whole top level), a
+    # stat of the probe before deleting it, an existence check of the legacy pointer as HEAD then listing. Nor
+    # may a retired manifest's deletion, which the save waits for.
+    options = {"client_kwargs": {"endpoint_url": None}, "skip_instance_cache": True}
+    with StoreProxy(s3_backend.endpoint) as proxy:
+        options["client_kwargs"]["endpoint_url"] = proxy.url
+        io = AtomicCheckpointIO(storage_options=options)
+        try:
+            io.save_checkpoint(make_checkpoint(1), s3_backend.url("a.ckpt"))
+            requests = list(proxy.requests)
+            # The next save of that name retires the first: its manifest goes first, one object, one request.
+            ckpt = make_checkpoint(2)
+            io.save_checkpoint(ckpt, s3_backend.url("a.ckpt"))
+            retiring = proxy.requests[len(requests):]
+        finally:
+            io.teardown()
+    assert [m for m, path in retiring if path.endswith("/manifest.json") and m != "PUT"] == ["DELETE"]
+    assert not [path for _, path in retiring if "manifest.json%2F" in path]  # no listing of it as a folder
+    _, prefix = s3_backend.path().split("/", 1)
+    listed = [parse_qs(urlsplit(path).query).get("prefix", [""])[0] for method, path in requests
+              if method == "GET" and "list-type=2" in path]
+    assert listed and all(p.startswith(prefix + "/") for p in listed), listed
+    probe = [method for method, path in requests if "fencing-probe-" in path]
+    assert probe == ["PUT", "PUT", "PUT", "DELETE"]
+    assert not [path for method, path in requests if method == "HEAD" and urlsplit(path).path.endswith(
+        f"{prefix}/latest.json")]
+    assert_same(make_io(s3_backend, claim_on_load=False).load_checkpoint(s3_backend.url("a.ckpt")), ckpt)

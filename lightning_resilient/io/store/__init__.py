@@ -32,7 +32,7 @@ from lightning_resilient.io.store.gcs import GCSStore
 from lightning_resilient.io.store.http import HTTPStore
 from lightning_resilient.io.store.local import LocalStore, file_lock
 from lightning_resilient.io.store.memory import MemoryStore
-from lightning_resilient.io.store.s3 import POOL_CONNECTIONS, GatherReader, S3Store
+from lightning_resilient.io.store.s3 import POOL_CONNECTIONS, UNSIGNED_BODIES, GatherReader, S3Store
 
 __all__ = ["Conditions", "GCSStore", "GatherReader", "HTTPStore", "LocalStore", "MemoryStore", "ObjectInfo",
            "PROTOCOL_DIR", "S3Store", "Store", "check_default_client", "check_store_extra", "check_url", "file_lock",
@@ -70,11 +70,22 @@ def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPol
 
 
 def with_connections(options: dict[str, Any]) -> dict[str, Any]:
-    """s3fs ``options`` whose client keeps :data:`~lightning_resilient.io.store.s3.POOL_CONNECTIONS` connections
-    (botocore's default of 10 would queue a save's parallel uploads), unless they name a pool size of their own."""
+    """s3fs ``options`` with this package's client defaults, each unless the options name it themselves:
+
+    - :data:`~lightning_resilient.io.store.s3.POOL_CONNECTIONS` connections (botocore's default of 10 would queue a
+      save's parallel uploads);
+    - no SHA-256 of the body in the request's signature (``s3.payload_signing_enabled: False``). Over HTTPS botocore
+      already sends bodies unsigned with a checksum (AWS's own choice: TLS and the checksum cover the bytes); over plain
+      HTTP (an on-premises MinIO or Ceph, a loopback store) it hashed every uploaded byte a second time, about half a
+      save's client CPU (see :data:`~lightning_resilient.io.store.s3.UNSIGNED_BODIES`). The body's CRC32 header is
+      still sent and checked by the store, and the manifest's digests are checked on every load.
+    """
     config = options.get("config_kwargs")
     if config is not None and not isinstance(config, dict):
         return options  # not ours to fix: s3fs's own words will name it
-    if config is not None and "max_pool_connections" in config:
-        return options
-    return {**options, "config_kwargs": {**(config or {}), "max_pool_connections": POOL_CONNECTIONS}}
+    config = dict(config or {})
+    config.setdefault("max_pool_connections", POOL_CONNECTIONS)
+    s3 = config.get("s3")
+    if s3 is None or isinstance(s3, dict):
+        config["s3"] = {**UNSIGNED_BODIES, **(s3 or {})}
+    return {**options, "config_kwargs": config}

@@ -230,28 +230,25 @@ class Store:
         """Names directly under ``rel``; empty when it does not exist."""
 
         def ls() -> list[str]:
-            path = self.path(rel)
-            self.fs.invalidate_cache(path)
-            try:
-                entries = self.fs.ls(path, detail=False)
-            except FileNotFoundError:
-                return []
-            return sorted({self._name(str(e)) for e in entries} - {""})
+            return sorted({self._name(str(e.get("name", ""))) for e in self._entries(self.path(rel))} - {""})
 
         return self._call("list", rel, ls)
+
+    def _entries(self, path: str) -> list[dict[str, Any]]:
+        """fsspec's detailed listing of the folder ``path``, fresh (not from the filesystem's cache); [] when it
+        does not exist."""
+        self.fs.invalidate_cache(path)
+        try:
+            return list(self.fs.ls(path, detail=True))
+        except FileNotFoundError:
+            return []
 
     def list_detail(self, rel: str) -> dict[str, ObjectInfo]:
         """The objects directly under ``rel`` (not sub-folders) with their sizes and store timestamps."""
 
         def ls() -> dict[str, ObjectInfo]:
-            path = self.path(rel)
-            self.fs.invalidate_cache(path)
-            try:
-                entries = self.fs.ls(path, detail=True)
-            except FileNotFoundError:
-                return {}
             out = {}
-            for e in entries:
+            for e in self._entries(self.path(rel)):
                 name = self._name(str(e.get("name", "")))
                 size = e.get("size")
                 if name and e.get("type", "file") == "file":
@@ -372,6 +369,8 @@ def probe_fencing(store: Store, bogus_version: str, conditions: Conditions) -> s
         return None
     finally:
         try:
-            store.remove(rel)
+            # One object: a delete request of its own (a recursive remove would list and stat it first, two more
+            # round trips in every claim).
+            store.remove_object(rel)
         except Exception as exc:  # a leftover probe is harmless: dot-folders are never read as checkpoints
             log.warning("could not delete the fencing probe %s: %s", store.url(rel), exc)

@@ -26,7 +26,7 @@ from lightning_resilient.io.retry import is_transient
 from lightning_resilient.io.store.base import READ_PIECE, Conditions, Pieces, Store, probe_fencing
 
 __all__ = ["GatherReader", "MULTIPART_THRESHOLD", "PARTS_IN_FLIGHT", "PART_SIZE", "POOL_CONNECTIONS", "S3Store",
-           "slice_pieces"]
+           "UNSIGNED_BODIES", "slice_pieces"]
 
 #: Objects above this size are multipart uploads with parts in parallel; smaller ones are one PUT.
 MULTIPART_THRESHOLD = 16 * 2**20
@@ -38,6 +38,10 @@ PARTS_IN_FLIGHT = 8
 #: The connections one S3 client keeps (botocore's default is 10, fewer than a save's uploads at once): what
 #: ``open_store`` gives the client unless the storage options name a ``max_pool_connections`` of their own.
 POOL_CONNECTIONS = 64
+#: The botocore ``s3`` config ``open_store`` merges in unless the storage options name it: bodies are not hashed into
+#: the signature (on plain HTTP botocore would SHA-256 every uploaded byte; over HTTPS it already does not). Measured
+#: on 2 cores, 512 MB as 8 MiB PUTs to moto behind the latency proxy: 1.40 -> 0.68 s of client CPU, 2.60 -> 2.01 s.
+UNSIGNED_BODIES: dict[str, Any] = {"payload_signing_enabled": False}
 _MAX_PARTS = 10_000
 
 
@@ -72,6 +76,20 @@ class S3Store(Store):
 
     def check_fencing(self) -> str | None:
         return probe_fencing(self, '"00000000000000000000000000000000"', _S3)
+
+    def _entries(self, path: str) -> list[dict[str, Any]]:
+        # s3fs's ``ls`` of a prefix with nothing under it lists the parent too (to tell a file of that name): one
+        # more round trip for every folder not there yet (a new root has several, and a root's parent can be a
+        # bucket's whole top level). A folder here is a prefix, never a file: one listing answers.
+        lsdir = getattr(self.fs, "_lsdir", None)
+        folder = self.fs._strip_protocol(path).strip("/")
+        if lsdir is None or not folder:
+            return super()._entries(path)  # the list of buckets (or an s3fs without it): fsspec's own listing
+        self.fs.invalidate_cache(path)
+        try:
+            return list(sync(self.fs.loop, lsdir, folder, refresh=True))
+        except FileNotFoundError:  # no such bucket
+            return []
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(path)
