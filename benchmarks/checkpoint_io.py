@@ -565,8 +565,8 @@ def table(summary: dict[tuple[int, str, str], dict[str, float]], machine: str) -
 def cpu_table(summary: dict[tuple[int, str, str], dict[str, float]]) -> str:
     """Where each object-store save's time and CPU went: the first save apart; the client (this process, every
     thread), moto, the proxy."""
-    lines = ["| size | store | method | first save s | save s | client CPU s | moto CPU s | proxy CPU s |"
-             " client CPU s per GB |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [("| size | store | method | first save s | save s | client CPU s | moto CPU s | proxy CPU s |"
+              " client CPU s per GB |"), "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for (size_mb, store, method), m in sorted(summary.items(), key=lambda kv: (kv[0][0], STORES.index(kv[0][1]),
                                                                                METHODS.index(kv[0][2]))):
         if "save_cpu_store" not in m:
