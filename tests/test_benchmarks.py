@@ -60,10 +60,12 @@ def test_checkpoint_io_benchmark_smoke(tmp_path):
     text = bench.main(["--sizes", "4", "--runs", "1", "--stores", "s3-latency", "--methods", "ours-sync", "ours-async",
                        "ours-tiered", "s3torchconnector", "--latency", "0.01", "--pause", "0", "--out", str(out)])
     assert "| s3-latency | ours-async |" in text and "| s3-latency | ours-tiered |" in text
-    # Where each save's CPU went: the client, moto and the proxy, each measured (a save costs all three some CPU).
+    # Where each save's CPU went: the client, moto and the proxy, each read (the servers' in clock ticks of 10 ms,
+    # which a 4 MB save may not fill), and the client's own surely spent.
     assert "## Where a save's CPU went" in text and "| 4 MB | s3-latency | ours-sync |" in text
     modelled = [r for r in json.loads((tmp_path / "result.json").read_text())["runs"] if r["method"] == "ours-sync"]
-    assert modelled and all(r[f"save_cpu_{who}"] > 0 for r in modelled for who in ("client", "store", "proxy"))
+    assert modelled and all(r["save_cpu_client"] > 0 for r in modelled)
+    assert all(r[f"save_cpu_{who}"] >= 0 for r in modelled for who in ("store", "proxy"))  # (NaN: unread, fails)
     # AWS's S3LightningCheckpoint, where benchmarks/requirements.txt is installed (never a dependency of the package)
     if importlib.util.find_spec("s3torchconnector") is not None:
         assert "| s3-latency | s3torchconnector |" in text

@@ -10,7 +10,8 @@ interval), ``persist_every``, ``replicas``, ``resume`` ("each": every node passe
 printing ``RECEIVING <step>``; ``"persist:<step>"``: global rank 0 stops between that step's persist's copy and its
 manifest, printing ``COPIED <step>``; ``"restored:<step>"``: a node that restored that step's commit from a peer for
 its resume stops after writing the first object of its copy behind training, printing ``RESTORED <step>``;
-comma-separated: windows for the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run), ``dedup``
+``"after:<step>"``: the training thread stops once that step's save returned (DDP), so that no later save lands
+while the other windows open; comma-separated: windows for the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run), ``dedup``
 (incremental saves) and ``frozen`` (a frozen first layer and a frozen table, as in tests/io/sharded_child.py).
 
 The job resumes from the root whenever any tier of any node may hold a checkpoint (``ckpt_path=ROOT``: the job's
@@ -103,10 +104,17 @@ class Report(Callback):
         self.step = checkpoint["global_step"]
 
 
+#: Steps after whose save the training thread stops (``hold`` "after:<step>"): no later save can land before the
+#: parent's SIGKILL, however long the background windows it waits for take to open on a busy machine.
+_STOP_AFTER: set[int] = set()
+
+
 class Announcing(AtomicCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         super().save_checkpoint(checkpoint, path, storage_options)
         say(f"SAVED {checkpoint['global_step']}")
+        if checkpoint["global_step"] in _STOP_AFTER:
+            time.sleep(60)
 
 
 def _announce_sharded(cls: type) -> type:
@@ -141,7 +149,9 @@ def hold(where: str) -> None:
     for what in where.split(","):
         kind, step = what.split(":")
         held: list[int] = []  # each window once (a copy writes several objects)
-        if kind in ("receive", "restored"):
+        if kind == "after":
+            _STOP_AFTER.add(int(step))
+        elif kind in ("receive", "restored"):
             # receive: a replica arrives in the background rounds' thread (the training thread writes the common
             # objects of a sharded save the same way); restored: the copy a resume restored, written behind training
             # (CheckpointRoot.finish_later's thread).

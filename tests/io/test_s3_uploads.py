@@ -76,9 +76,35 @@ def test_an_s3_client_keeps_enough_connections_for_a_save_unless_told_otherwise(
     own = {**s3_backend.storage_options, "config_kwargs": {"max_pool_connections": 3, "read_timeout": 9,
                                                            "s3": {"payload_signing_enabled": True}}}
     assert with_connections(own) == own
-    merged = with_connections({"config_kwargs": {"read_timeout": 9, "s3": {"addressing_style": "path"}}})
-    assert merged == {"config_kwargs": {"read_timeout": 9, "max_pool_connections": POOL_CONNECTIONS,
-                                        "s3": {"addressing_style": "path", **UNSIGNED_BODIES}}}
+    plain = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}
+    merged = with_connections({**plain, "config_kwargs": {"read_timeout": 9, "s3": {"addressing_style": "path"}}})
+    assert merged == {**plain, "config_kwargs": {"read_timeout": 9, "max_pool_connections": POOL_CONNECTIONS,
+                                                 "s3": {"addressing_style": "path", **UNSIGNED_BODIES}}}
+    assert with_connections({**plain, "config_kwargs": {"s3": None}})["config_kwargs"]["s3"] == UNSIGNED_BODIES
+    odd = {**plain, "config_kwargs": {"s3": "not a dict"}}  # s3fs's (botocore's) own words will name it
+    assert with_connections(odd)["config_kwargs"]["s3"] == "not a dict"
+    assert with_connections({**plain, "config_kwargs": "not a dict"}) == {**plain, "config_kwargs": "not a dict"}
+
+
+@pytest.mark.parametrize("where", ["https", "aws", "checksum off", "checksum off (environment)"])
+def test_bodies_stay_signed_where_unsigning_saves_nothing_or_leaves_them_unchecked(monkeypatch, where):
+    # Over HTTPS (an endpoint of one's own, or AWS's) botocore already sends upload bodies unsigned: changing the
+    # config would only change how every other request is signed, which some S3-compatible stores refuse. Without
+    # the body's CRC32 (request_checksum_calculation when_required), its signature is the store's only check.
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REQUEST_CHECKSUM_CALCULATION"):
+        monkeypatch.delenv(name, raising=False)
+    options: dict = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}
+    if where == "https":
+        options = {"endpoint_url": "https://s3.example.internal"}
+    elif where == "aws":
+        options = {}
+    elif where == "checksum off":
+        options["config_kwargs"] = {"request_checksum_calculation": "when_required"}
+    else:
+        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_REQUIRED")
+    assert "s3" not in with_connections(options)["config_kwargs"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")  # the environment's endpoint counts too
+    assert ("s3" in with_connections({})["config_kwargs"]) == (where != "checksum off (environment)")
 
 
 def signed_bodies(store: S3Store) -> list[str]:

@@ -74,11 +74,13 @@ def with_connections(options: dict[str, Any]) -> dict[str, Any]:
 
     - :data:`~lightning_resilient.io.store.s3.POOL_CONNECTIONS` connections (botocore's default of 10 would queue a
       save's parallel uploads);
-    - no SHA-256 of the body in the request's signature (``s3.payload_signing_enabled: False``). Over HTTPS botocore
-      already sends bodies unsigned with a checksum (AWS's own choice: TLS and the checksum cover the bytes); over plain
-      HTTP (an on-premises MinIO or Ceph, a loopback store) it hashed every uploaded byte a second time, about half a
-      save's client CPU (see :data:`~lightning_resilient.io.store.s3.UNSIGNED_BODIES`). The body's CRC32 header is
-      still sent and checked by the store, and the manifest's digests are checked on every load.
+    - on a plain-HTTP endpoint only (an on-premises MinIO or Ceph, a loopback store), no SHA-256 of the body in the
+      request's signature (:data:`~lightning_resilient.io.store.s3.UNSIGNED_BODIES`): there botocore hashed every
+      uploaded byte a second time, about half a save's client CPU. Over HTTPS botocore already sends upload bodies
+      unsigned (with a trailing checksum), so nothing changes there, not even the signing of other requests. Not
+      either when the body would then go unchecked: with ``request_checksum_calculation`` ``when_required`` (in
+      ``config_kwargs`` or ``AWS_REQUEST_CHECKSUM_CALCULATION``), no CRC32 goes with the body, and its signature is
+      the store's only check of the bytes on the way.
     """
     config = options.get("config_kwargs")
     if config is not None and not isinstance(config, dict):
@@ -86,6 +88,24 @@ def with_connections(options: dict[str, Any]) -> dict[str, Any]:
     config = dict(config or {})
     config.setdefault("max_pool_connections", POOL_CONNECTIONS)
     s3 = config.get("s3")
-    if s3 is None or isinstance(s3, dict):
+    if (s3 is None or isinstance(s3, dict)) and _plain_http(options) and _bodies_checksummed(config):
         config["s3"] = {**UNSIGNED_BODIES, **(s3 or {})}
     return {**options, "config_kwargs": config}
+
+
+def _plain_http(options: dict[str, Any]) -> bool:
+    """Whether the S3 client these options build talks plain HTTP (the endpoint botocore will use, as s3fs and
+    botocore pick it: the options' own, else the environment's; AWS's own endpoints are HTTPS)."""
+    found = options.get("client_kwargs")
+    client_kwargs: dict[str, Any] = found if isinstance(found, dict) else {}
+    endpoint = (options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+    if endpoint:
+        return str(endpoint).lower().startswith("http://")
+    return options.get("use_ssl") is False
+
+
+def _bodies_checksummed(config: dict[str, Any]) -> bool:
+    """Whether botocore sends a checksum with every upload (its default since 1.36: ``when_supported``)."""
+    setting = config.get("request_checksum_calculation") or os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION")
+    return str(setting or "when_supported").lower() != "when_required"
