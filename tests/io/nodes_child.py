@@ -6,13 +6,14 @@ folder; with ``devices`` > 1 Lightning starts the node's other processes itself.
 ("ddp", "model_parallel" for FSDP2, "fsdp" for FSDP1), ``nodes``, ``devices``, ``max_steps``, ``every`` (save
 interval), ``persist_every``, ``replicas``, ``resume`` ("each": every node passes its own
 ``find_latest_checkpoint(root, local_tier=...)``, printing ``GIVEN rank=<node> <path>``), ``hold``
-(``"receive:<step>"``: a node receiving that step's commit from another stops after writing its first object,
-printing ``RECEIVING <step>``; ``"persist:<step>"``: global rank 0 stops between that step's persist's copy and its
-manifest, printing ``COPIED <step>``; ``"restored:<step>"``: a node that restored that step's commit from a peer for
-its resume stops after writing the first object of its copy behind training, printing ``RESTORED <step>``;
-``"after:<step>"``: the training thread stops once that step's save returned (DDP), so that no later save lands
-while the other windows open; comma-separated: windows for the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run), ``dedup``
-(incremental saves) and ``frozen`` (a frozen first layer and a frozen table, as in tests/io/sharded_child.py).
+(``"receive:<step>"``: a node receiving that step's commit from another stops after writing its first object, printing
+``RECEIVING <step>``; ``"persist:<step>"``: global rank 0 stops between that step's persist's copy and its manifest,
+printing ``COPIED <step>``; ``"restored:<step>"``: a node that restored that step's commit from a peer for its resume
+stops after writing the first object of its copy behind training, printing ``RESTORED <step>``; ``"after:<step>"``:
+the training thread stops once that step's save returned (DDP), so that no later save lands while the other windows
+open; comma-separated: windows for the parent's SIGKILL), ``tier`` (false: no local tier, for a reference run),
+``dedup`` (incremental saves) and ``frozen`` (a frozen first layer and a frozen table, as in
+tests/io/sharded_child.py).
 
 The job resumes from the root whenever any tier of any node may hold a checkpoint (``ckpt_path=ROOT``: the job's
 newest, one decision for every node), else starts fresh. It prints ``START rank=<r> step=<s> commit=<c> tier=<t>``,
