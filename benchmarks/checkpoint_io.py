@@ -191,10 +191,10 @@ class Store:
     def fs(self) -> Any:
         import fsspec
 
-        from lightning_resilient.io.store import with_connections
+        from lightning_resilient.io.store import with_client_defaults
 
         # The client keeps as many connections as ours does (botocore's default of 10 would queue raw's uploads).
-        options = with_connections(self.options) if self.kind.startswith("s3") else self.options
+        options = with_client_defaults(self.options) if self.kind.startswith("s3") else self.options
         return fsspec.core.url_to_fs(self.location, **options)[0]
 
     def clean(self) -> None:

@@ -113,7 +113,7 @@ class Backend:
 
     def fs(self) -> fsspec.AbstractFileSystem:
         """The test's own client. Its listing cache is dropped: the plugin writes through a client of its own (on S3
-        one with more connections, see ``store.with_connections``), so what this one listed before may be stale."""
+        one with more connections, see ``store.with_client_defaults``), so what this one listed before may be stale."""
         fs, _ = fsspec.core.url_to_fs(self.root, **self.storage_options)
         fs.invalidate_cache()
         return fs

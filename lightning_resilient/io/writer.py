@@ -457,7 +457,7 @@ class RootWriter:
         with contextlib.suppress(Exception):  # best effort: a manifest naming what is gone never verifies anyway
             found = self.reader.stored_sizes({o.path for o in objects})
             if any(o.path not in found or found[o.path] not in (o.size, None) for o in objects):
-                self.store.remove(f"{manifest.commit}/{MANIFEST_NAME}")
+                self.store.remove_object(f"{manifest.commit}/{MANIFEST_NAME}")
                 log.warning("%s names objects that were deleted while this fenced writer committed it: its manifest"
                             " was deleted again", self.store.url(manifest.commit))
 

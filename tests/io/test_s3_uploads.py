@@ -20,7 +20,7 @@ from fsspec.asyn import sync
 
 from lightning_resilient import AtomicCheckpointIO, find_latest_checkpoint
 from lightning_resilient.io.retry import RetryPolicy
-from lightning_resilient.io.store import GatherReader, S3Store, open_store, with_connections
+from lightning_resilient.io.store import GatherReader, S3Store, open_store, with_client_defaults
 from lightning_resilient.io.store import s3 as s3_store
 from lightning_resilient.io.store.s3 import POOL_CONNECTIONS, UNSIGNED_BODIES, slice_pieces
 from lightning_resilient.testing import StoreProxy
@@ -75,15 +75,15 @@ def test_an_s3_client_keeps_enough_connections_for_a_save_unless_told_otherwise(
     assert isinstance(store, S3Store) and store.fs.config_kwargs["max_pool_connections"] == POOL_CONNECTIONS
     own = {**s3_backend.storage_options, "config_kwargs": {"max_pool_connections": 3, "read_timeout": 9,
                                                            "s3": {"payload_signing_enabled": True}}}
-    assert with_connections(own) == own
+    assert with_client_defaults(own) == own
     plain = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}
-    merged = with_connections({**plain, "config_kwargs": {"read_timeout": 9, "s3": {"addressing_style": "path"}}})
+    merged = with_client_defaults({**plain, "config_kwargs": {"read_timeout": 9, "s3": {"addressing_style": "path"}}})
     assert merged == {**plain, "config_kwargs": {"read_timeout": 9, "max_pool_connections": POOL_CONNECTIONS,
                                                  "s3": {"addressing_style": "path", **UNSIGNED_BODIES}}}
-    assert with_connections({**plain, "config_kwargs": {"s3": None}})["config_kwargs"]["s3"] == UNSIGNED_BODIES
+    assert with_client_defaults({**plain, "config_kwargs": {"s3": None}})["config_kwargs"]["s3"] == UNSIGNED_BODIES
     odd = {**plain, "config_kwargs": {"s3": "not a dict"}}  # s3fs's (botocore's) own words will name it
-    assert with_connections(odd)["config_kwargs"]["s3"] == "not a dict"
-    assert with_connections({**plain, "config_kwargs": "not a dict"}) == {**plain, "config_kwargs": "not a dict"}
+    assert with_client_defaults(odd)["config_kwargs"]["s3"] == "not a dict"
+    assert with_client_defaults({**plain, "config_kwargs": "not a dict"}) == {**plain, "config_kwargs": "not a dict"}
 
 
 @pytest.mark.parametrize("where", ["https", "aws", "checksum off", "checksum off (environment)"])
@@ -102,9 +102,9 @@ def test_bodies_stay_signed_where_unsigning_saves_nothing_or_leaves_them_uncheck
         options["config_kwargs"] = {"request_checksum_calculation": "when_required"}
     else:
         monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_REQUIRED")
-    assert "s3" not in with_connections(options)["config_kwargs"]
+    assert "s3" not in with_client_defaults(options)["config_kwargs"]
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")  # the environment's endpoint counts too
-    assert ("s3" in with_connections({})["config_kwargs"]) == (where != "checksum off (environment)")
+    assert ("s3" in with_client_defaults({})["config_kwargs"]) == (where != "checksum off (environment)")
 
 
 def signed_bodies(store: S3Store) -> list[str]:

@@ -36,7 +36,7 @@ from lightning_resilient.io.store.s3 import POOL_CONNECTIONS, UNSIGNED_BODIES, G
 
 __all__ = ["Conditions", "GCSStore", "GatherReader", "HTTPStore", "LocalStore", "MemoryStore", "ObjectInfo",
            "PROTOCOL_DIR", "S3Store", "Store", "check_default_client", "check_store_extra", "check_url", "file_lock",
-           "open_store", "probe_fencing", "probe_write", "with_connections"]
+           "open_store", "probe_fencing", "probe_write", "with_client_defaults"]
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy) -> Store:
@@ -45,7 +45,7 @@ def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPol
     check_store_extra(url)
     options = dict(storage_options or {})
     if split_protocol(url)[0] in ("s3", "s3a"):
-        options = with_connections(options)
+        options = with_client_defaults(options)
     try:
         fs, path = url_to_fs(url, **options)
     except (ValueError, ImportError) as exc:
@@ -69,7 +69,7 @@ def open_store(url: str, storage_options: dict[str, Any] | None, retry: RetryPol
     return cls(fs, url.rstrip("/") or url, path.rstrip("/") or path, retry)
 
 
-def with_connections(options: dict[str, Any]) -> dict[str, Any]:
+def with_client_defaults(options: dict[str, Any]) -> dict[str, Any]:
     """s3fs ``options`` with this package's client defaults, each unless the options name it themselves:
 
     - :data:`~lightning_resilient.io.store.s3.POOL_CONNECTIONS` connections (botocore's default of 10 would queue a
@@ -77,8 +77,8 @@ def with_connections(options: dict[str, Any]) -> dict[str, Any]:
     - on a plain-HTTP endpoint only (an on-premises MinIO or Ceph, a loopback store), no SHA-256 of the body in the
       request's signature (:data:`~lightning_resilient.io.store.s3.UNSIGNED_BODIES`): there botocore hashed every
       uploaded byte a second time, about half a save's client CPU. Over HTTPS botocore already sends upload bodies
-      unsigned (with a trailing checksum), so nothing changes there, not even the signing of other requests. Not
-      either when the body would then go unchecked: with ``request_checksum_calculation`` ``when_required`` (in
+      unsigned (with a trailing checksum), so nothing changes there, not even the signing of other requests. Nor
+      where the body would then go unchecked: with ``request_checksum_calculation`` ``when_required`` (in
       ``config_kwargs`` or ``AWS_REQUEST_CHECKSUM_CALCULATION``), no CRC32 goes with the body, and its signature is
       the store's only check of the bytes on the way.
     """
