@@ -6,7 +6,9 @@ environment), ``ckpt`` ("topk_last": a top-2 ModelCheckpoint on the logged loss 
 2 steps, all kept), ``async`` ("none", "own": ``async_save=True``, "wrapper": Lightning's ``AsyncCheckpointIO``
 around the plugin), ``tier`` (a local tier at ``LOCAL_TIER``, persisting every 2nd save), ``s3`` (the root is on S3
 at ``AWS_ENDPOINT_URL``, as Lightning's own client sees it too), ``dedup`` (incremental saves; with a local tier on
-nodes, each node's tier is sent only what it lacks), ``max_steps``. The model has a frozen input layer (a fine-tune's
+nodes, each node's tier is sent only what it lacks), ``max_steps``, ``gate`` (optional: ``[step, path]``, every rank
+waits before training the step after ``step`` until ``path`` exists: the test brings a store back meanwhile, so the
+job cannot reach its end before that however the machine schedules it). The model has a frozen input layer (a fine-tune's
 base).
 
 Every setup has ``ResumeStateCallback`` and ``PreemptionCheckpoint`` and resumes with the README's idiom
@@ -21,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -70,6 +73,22 @@ class Announcing(AtomicCheckpointIO):
         say(f"SAVED {checkpoint['global_step']}")
 
 
+class Gate(Callback):
+    """Every rank waits at the start of the batch after global step ``step`` until ``path`` exists (bounded)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the test never opened the gate {self.path}")
+            time.sleep(0.02)
+
+
 class Report(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         say(f"START rank={trainer.global_rank} step={trainer.global_step}")
@@ -110,7 +129,8 @@ def main(root: str, out: str, options: dict[str, Any]) -> None:
                       strategy=strategy, max_steps=options["max_steps"], logger=False, enable_progress_bar=False,
                       enable_model_summary=False,
                       plugins=[AsyncCheckpointIO(io) if options["async"] == "wrapper" else io],
-                      callbacks=[ResumeStateCallback(), Report(), PreemptionCheckpoint(), checkpoint])
+                      callbacks=[ResumeStateCallback(), Report(), PreemptionCheckpoint(), checkpoint,
+                                 *([Gate(*options["gate"])] if options.get("gate") else [])])
     trainer.fit(Net(), loader, ckpt_path=find_latest_checkpoint(root, storage, local_tier=local_tier))
     if trainer.global_rank == 0:
         reported = {p for p in [checkpoint.best_model_path, checkpoint.last_model_path,

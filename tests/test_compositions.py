@@ -14,8 +14,8 @@ that closes its port, reached by Lightning's own client too). ``SETUPS`` covers 
 - everything its ModelCheckpoint reports at the end loads, and the final weights equal an uninterrupted run's
   (``torch.equal``).
 
-With a local tier, an outage does not stop the job: it trains through it (the store comes back after step 10's save)
-and ends as the uninterrupted run. Without one, the save that meets the outage ends the fit (bounded) and the run
+With a local tier, an outage does not stop the job: it trains through it (the store comes back after step 10's save,
+while every rank waits at a gate so that the job cannot end before) and ends as the uninterrupted run. Without one, the save that meets the outage ends the fit (bounded) and the run
 resumes once the store is back. A failure names its setup (the test id). ``COMPOSITION_LOG=<folder>`` keeps each
 process's whole stderr and stdout there, with the package's log at INFO; ``COMPOSITION_TRACE=1`` adds a line per step
 with a digest of the batch, the RNG and the weights on every rank (``composition_child.py``).
@@ -122,10 +122,15 @@ class Process:
 class Job:
     """A setup's job: one launcher, or one per node (each with its own local tier and temp folder)."""
 
-    def __init__(self, setup: Setup, base: Path, root: str, out: Path, env: dict[str, str]) -> None:
+    def __init__(self, setup: Setup, base: Path, root: str, out: Path, env: dict[str, str],
+                 gate: int | None = None) -> None:
         self.setup = setup
         options = {"procs": setup.procs, "ckpt": setup.ckpt, "async": setup.async_, "tier": setup.tier,
                    "s3": setup.store == "s3", "dedup": setup.dedup, "max_steps": MAX_STEPS}
+        # Training waits after step ``gate`` until the test opens it (:meth:`open_gate`).
+        self.gate = base / f"gate-{os.getpid()}-{time.monotonic_ns()}"
+        if gate is not None:
+            options["gate"] = [gate, str(self.gate)]
         nodes = 2 if setup.procs == "nodes" else 1
         port = str(_free_port())
         # The same command as the reference run's: no seed a test of this worker left (DDP shuffles with it).
@@ -149,6 +154,9 @@ class Job:
             if time.monotonic() > deadline or any(p.proc.poll() is not None for p in self.processes):
                 raise AssertionError(f"{self.setup.id}: never printed {line!r}: {self.lines[-6:]}\n{self.stderr()}")
             time.sleep(0.02)
+
+    def open_gate(self) -> None:
+        self.gate.touch()
 
     def signal(self, number: int) -> None:
         for p in self.processes:
@@ -224,13 +232,14 @@ def test_a_whole_setup_survives_its_fault_and_resumes_bit_identical(where, tmp_p
     root, options, env, proxy = where
     full = reference(shared_runs, setup)
     out = tmp_path / "weights.pt"
-    job = Job(setup, tmp_path, root, out, env)
+    job = Job(setup, tmp_path, root, out, env, gate=10 if setup.fault == "outage" and setup.tier else None)
     if setup.fault == "outage":
         job.wait_for("SAVED 4")
         proxy.go_down()
-        if setup.tier:  # trains on from the local tier; the store is back before the end
+        if setup.tier:  # trains on from the local tier; the store is back before the end (the gate holds it)
             job.wait_for("SAVED 10")
             proxy.come_back()
+            job.open_gate()
     else:
         job.wait_for("SAVED 6")
         job.signal(signal.SIGKILL if setup.fault == "kill" else signal.SIGTERM)
