@@ -8,8 +8,8 @@ around the plugin), ``tier`` (a local tier at ``LOCAL_TIER``, persisting every 2
 at ``AWS_ENDPOINT_URL``, as Lightning's own client sees it too), ``dedup`` (incremental saves; with a local tier on
 nodes, each node's tier is sent only what it lacks), ``max_steps``, ``gate`` (optional: ``[step, path]``, every rank
 waits before training the step after ``step`` until ``path`` exists: the test brings a store back meanwhile, so the
-job cannot reach its end before that however the machine schedules it). The model has a frozen input layer (a fine-tune's
-base).
+job cannot reach its end before that however the machine schedules it). The model has a frozen input layer (a
+fine-tune's base).
 
 Every setup has ``ResumeStateCallback`` and ``PreemptionCheckpoint`` and resumes with the README's idiom
 (``find_latest_checkpoint(root, local_tier=...)`` on every process). It prints ``START rank=<r> step=<s>`` on every

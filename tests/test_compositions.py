@@ -15,8 +15,9 @@ that closes its port, reached by Lightning's own client too). ``SETUPS`` covers 
   (``torch.equal``).
 
 With a local tier, an outage does not stop the job: it trains through it (the store comes back after step 10's save,
-while every rank waits at a gate so that the job cannot end before) and ends as the uninterrupted run. Without one, the save that meets the outage ends the fit (bounded) and the run
-resumes once the store is back. A failure names its setup (the test id). ``COMPOSITION_LOG=<folder>`` keeps each
+while every rank waits at a gate so that the job cannot end before) and ends as the uninterrupted run. Without one,
+the save that meets the outage ends the fit (bounded) and the run resumes once the store is back. A failure names its
+setup (the test id). ``COMPOSITION_LOG=<folder>`` keeps each
 process's whole stderr and stdout there, with the package's log at INFO; ``COMPOSITION_TRACE=1`` adds a line per step
 with a digest of the batch, the RNG and the weights on every rank (``composition_child.py``).
 """

@@ -27,6 +27,7 @@ from lightning_resilient.io.manifest import MANIFEST_NAME, Manifest
 from lightning_resilient.io.origin_records import OriginRecords
 from lightning_resilient.io.pointer import LEGACY_NAMES, LEGACY_POINTER_NAME, POINTER_NAME, Entry, Pointer
 from lightning_resilient.io.reader import RootReader
+from lightning_resilient.io.retired import RetiredDeletions
 from lightning_resilient.io.store import Store
 
 __all__ = ["RESUMED", "WriterFence", "is_resumed", "protect"]
@@ -72,20 +73,16 @@ class WriterFence:
         self._resumed_entry: Entry | None = None  # what this writer claimed with as its origin
         # Another writer's, when its claim got this writer's epoch again (see _record_origin): fenced for good.
         self._epoch_taken_by: str | None = None
-        # Retired folders this process deleted: their records leave the pointer at its next update.
-        self._deleted: set[str] = set()
+        #: What this process deleted of the retired folders (their records leave the pointer at its next update).
+        self.deletions = RetiredDeletions(store)
+        # The pointer this process last wrote and its version: the next update tries its conditional write against
+        # it without reading the pointer first (one round trip less per commit); if another process wrote since,
+        # the condition fails and the update reads it.
+        self._written: tuple[Pointer, str] | None = None
 
     @property
     def url(self) -> str:
         return self.store.root_url
-
-    def deleted(self, folders: Iterable[str]) -> None:
-        """Retired folders this process has deleted: their records leave the pointer at its next update."""
-        self._deleted.update(folders)
-
-    @property
-    def has_deleted(self) -> bool:
-        return bool(self._deleted)
 
     def read_pointer(self) -> tuple[Pointer | None, str | None]:
         """The pointer and its version (None when there is none, or only a legacy one: the next update creates it)."""
@@ -129,16 +126,26 @@ class WriterFence:
             except OSError as exc:  # cosmetic: it is never read again once the new pointer exists
                 log.warning("could not remove the legacy %s: %s", self.store.url(name), exc)
 
-    def update(self, mutate: Callable[[Pointer], Pointer | None], *, fenced: bool,
-                retire_now: bool = False) -> tuple[Pointer, Pointer]:
+    def update(self, mutate: Callable[[Pointer], Pointer | None], *, fenced: bool, retire_now: bool = False,
+               defer_manifests: bool = False) -> tuple[Pointer, Pointer]:
         """Apply ``mutate`` to the current pointer with a compare-and-swap loop; returns (new, old).
 
         Folders the old pointer kept alive and the new one does not are retired in the same write (deletable
-        after the next commit, or at once with ``retire_now``: an operator's explicit retention). A missing
-        pointer is rebuilt from the manifests first, so an update never forgets what is committed.
+        after the next commit, or at once with ``retire_now``: an operator's explicit retention), and their
+        manifests deleted once it landed (``defer_manifests``: by the caller, ``deletions.remove_manifests`` of the
+        folders in new's ``retired`` and not in old's). A missing pointer is rebuilt from the manifests first, so an
+        update never forgets what is committed.
         """
+        cached, self._written = self._written, None
         for attempt in range(_CAS_ATTEMPTS):
-            current, version, legacy = self._read_pointer()
+            current: Pointer | None
+            version: str | None
+            if cached is not None:  # (what this process wrote last: its version is checked by the write below)
+                current, version, legacy, cached = cached[0].copy(), cached[1], False, None
+                guessed = True
+            else:
+                current, version, legacy = self._read_pointer()
+                guessed = False
             if current is None:
                 scan = self.reader.scan()
                 base = scan.pointer()
@@ -151,11 +158,17 @@ class WriterFence:
             else:
                 base = current
             if fenced:
-                self.check_current(base)
+                try:
+                    self.check_current(base)
+                except StaleWriterError:
+                    if guessed:
+                        continue  # (read it: only a write proves a guess, and a guess never refuses this writer)
+                    raise
             new = base.copy()
-            for folder in self._deleted & set(new.retired):
-                del new.retired[folder]
+            self.deletions.prune(new)
             if mutate(new) is None:
+                if guessed:
+                    continue  # nothing to change in what it wrote last: read whether that is still so
                 return base, base
             live = new.live_folders()
             for folder in base.live_folders() - live:
@@ -165,19 +178,19 @@ class WriterFence:
             new.txn = uuid.uuid4().hex
             # A pointer rebuilt from origin records that predate root_id has none: this writer's incarnation goes on.
             new.root_id = new.root_id or self.root_id or uuid.uuid4().hex
-            if self.store.write_if(POINTER_NAME, new.to_bytes(), version) or self._landed(new):
+            written = self.store.write_versioned(POINTER_NAME, new.to_bytes(), version)
+            if written is not None or self._landed(new):
                 if current is None and not legacy and self._overtook_a_claim(new):
                     continue  # read again: a fenced writer is refused now, a claim claims above the newer one
+                self._written = (new.copy(), written) if written else None
                 if legacy:
                     self._drop_legacy_pointer()
-                self._deleted -= set(base.retired) - set(new.retired)
-                for folder in sorted(set(new.retired) - set(base.retired)):
-                    # A retired folder stops being a checkpoint at once (its manifest goes now; a reader already
-                    # reading it keeps its data until the next commit), so that a pointer rebuilt after a loss
-                    # never takes it for a live checkpoint again.
-                    self._remove_manifest(folder)
+                self.deletions.written(base, new)
+                if not defer_manifests:
+                    self.deletions.remove_manifests(set(new.retired) - set(base.retired))
                 return new, base
-            time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
+            if not guessed:  # (a guess that missed is no contention: read at once)
+                time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
         raise TimeoutError(f"could not update {self.store.url(POINTER_NAME)}: {_CAS_ATTEMPTS} conditional writes"
                            " in a row lost to other writers")
 
@@ -214,12 +227,6 @@ class WriterFence:
             raise StaleWriterError(self.url, self.writer_epoch, pointer.writer_epoch, pointer.writer, recreated=True)
         if pointer.writer_epoch > self.writer_epoch:
             raise StaleWriterError(self.url, self.writer_epoch, pointer.writer_epoch, pointer.writer)
-
-    def _remove_manifest(self, folder: str) -> None:
-        try:
-            self.store.remove_object(f"{folder}/{MANIFEST_NAME}")  # one object: one request (no listing, no stat)
-        except Exception as exc:  # retention deletes the folder, manifest first, when its time comes
-            log.warning("could not delete %s: %s", self.store.url(f"{folder}/{MANIFEST_NAME}"), exc)
 
     def _landed(self, new: Pointer) -> bool:
         # The swap failed: someone else wrote, or our own write landed and only its response was lost (the retried

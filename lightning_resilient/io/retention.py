@@ -137,9 +137,11 @@ class Retention:
 
     def delete_committed(self, folder: str) -> bool:
         """Delete a retired (or abandoned) committed folder: its manifest first, so that a deletion interrupted
-        half-way leaves a folder without a manifest (never a checkpoint with missing objects)."""
+        half-way leaves a folder without a manifest (never a checkpoint with missing objects); one this process
+        deleted when it retired the folder is not asked for again."""
         try:
-            self.store.remove_object(f"{folder}/{MANIFEST_NAME}")  # one object: one request (no listing, no stat)
+            if not self.fence.deletions.manifest_removed(folder):
+                self.store.remove_object(f"{folder}/{MANIFEST_NAME}")  # one object: one request (no listing, no stat)
             self.store.remove(folder)
         except Exception as exc:
             log.warning("could not delete %s: %s", self.store.url(folder), exc)
@@ -149,7 +151,7 @@ class Retention:
     def delete_retired(self, pointer: Pointer) -> list[str]:
         """Delete the retired folders whose time has come (a commit happened since they were retired)."""
         deleted = [f for f in sorted(pointer.retired_due()) if self.delete_committed(f)]
-        self.fence.deleted(deleted)
+        self.fence.deletions.deleted(deleted)
         self.tidy_names({f.split("/", 1)[0] for f in deleted})
         return deleted
 
@@ -178,9 +180,9 @@ class Retention:
             return []
         waiting = sorted(set(pointer.retired) - pointer.live_folders())
         deleted = [folder for folder in waiting if self.delete_committed(folder)]
-        self.fence.deleted(deleted)
+        self.fence.deletions.deleted(deleted)
         self.tidy_names({f.split("/", 1)[0] for f in deleted})
-        if self.fence.has_deleted:
+        if self.fence.deletions.any:
             # The records of what it deleted leave the pointer. A newer writer that claimed meanwhile prunes them at
             # its next update instead (deleting a folder that is gone already is a no-op).
             with contextlib.suppress(StaleWriterError):
@@ -307,8 +309,8 @@ class Retention:
                 self.discard(folder)
             deleted = [f for f in committed if self.delete_committed(f)]
             self.tidy_names({f.split("/", 1)[0] for f in partial + deleted})
-            self.fence.deleted(f for f in deleted if f in pointer.retired)
-            if self.fence.has_deleted and self.fence.writer_epoch is None:
+            self.fence.deletions.deleted(f for f in deleted if f in pointer.retired)
+            if self.fence.deletions.any and self.fence.writer_epoch is None:
                 # A writer prunes the records of what it deleted at its next commit; an operator's gc does it now.
                 self.fence.update(lambda p: p, fenced=False)
             self._prune_origin_records(pointer)

@@ -96,7 +96,7 @@ class CheckpointRoot:
         self.writer = RootWriter(store, chunk_size=settings.chunk_size, shard_size=settings.shard_size,
                                  max_concurrency=settings.max_concurrency, executor=executor, fence=self.fence,
                                  reader=self.reader, retention=self.retention, claim=self.claim_once,
-                                 dedup=settings.dedup)
+                                 dedup=settings.dedup, behind=self._behind)
         #: With ``dedup``: what this process's rank stored in its streams of a sharded save (``io/sharded.py``).
         self.rank_streams = incremental.RankStreams()
         self._later: threading.Thread | None = None
@@ -106,19 +106,19 @@ class CheckpointRoot:
         self._claim_lock = threading.Lock()
 
     # -- work finished behind training (a restore's copies: io/replicas.py) ---------------------------------------
-    def finish_later(self, work: Callable[[], None], what: str) -> None:
+    def finish_later(self, work: Callable[[], None], what: str, *, undone: str = "a restart does it again") -> None:
         """Run ``work`` (which writes into this root) in a thread of its own. Every later change to the root (a
         claim, a commit, a removal, a collection: the methods below) and :meth:`settle` wait for it first, so
-        nothing this process does to the root overlaps it. Its error is logged, not raised: ``work`` may only make
-        durable what the process no longer needs (a restore's copy: left undone, the part has no record and the next
-        restart restores it again)."""
+        nothing this process does to the root overlaps it. Its error is logged (with ``undone``: who does it
+        instead), not raised: ``work`` may only make durable what the process no longer needs (a restore's copy: left
+        undone, the part has no record and the next restart restores it again), or delete what nothing needs."""
         self.settle()
 
         def run() -> None:
             try:
                 work()
             except Exception as exc:
-                log.warning("%s in %s did not finish (%s): a restart does it again", what, self.url, exc)
+                log.warning("%s in %s did not finish (%s): %s", what, self.url, exc, undone)
 
         # Not a daemon: an interpreter that exits normally finishes it first.
         thread = threading.Thread(target=run, name=f"lightning_resilient-{what.replace(' ', '-')[:60]}")
@@ -137,6 +137,16 @@ class CheckpointRoot:
         with self._later_lock:
             if self._later is later:  # (not a newer one started meanwhile)
                 self._later = None
+
+    def _behind(self, work: Callable[[], None], what: str) -> None:
+        """What a commit leaves to do (``RootWriter``'s ``behind``): :meth:`finish_later`, or at once in work that
+        runs behind already (a restore's copy that commits: the root's next change waits for that thread only)."""
+        with self._later_lock:
+            inside = self._later is threading.current_thread()
+        if inside:
+            work()
+        else:
+            self.finish_later(work, what, undone="the next commit or gc does it")
 
     @property
     def url(self) -> str:

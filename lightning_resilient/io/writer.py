@@ -102,10 +102,13 @@ class RootWriter:
 
     def __init__(self, store: Store, *, chunk_size: int, shard_size: int, max_concurrency: int,
                  executor: Callable[[], Executor], fence: WriterFence, reader: RootReader, retention: Retention,
-                 claim: Callable[[], int], dedup: bool = False) -> None:
+                 claim: Callable[[], int], dedup: bool = False,
+                 behind: Callable[[Callable[[], None], str], None] | None = None) -> None:
         """``dedup``: incremental saves (``io/incremental.py``). ``claim`` returns this process's writer epoch, making
         it the root's writer first if it is not yet (a save or a removal claims the root unless a resume already did;
-        once, whichever thread asks first)."""
+        once, whichever thread asks first). ``behind(work, what)`` runs what a commit leaves to do once it is
+        committed (deleting what it retired) behind the caller, before the root's next change
+        (``CheckpointRoot.finish_later``); default: at once."""
         self.store = store
         self.chunk_size = chunk_size
         self.shard_size = shard_size
@@ -115,6 +118,7 @@ class RootWriter:
         self.reader = reader
         self.retention = retention
         self._claim = claim
+        self._behind = behind or (lambda work, what: work())
         # What a save may reference by digest instead of uploading (known_objects.py): the same step's objects, or
         # with dedup any step's and the resumed checkpoint's; ``_stored`` lets unchanged tensors be referenced
         # without reading them (only this writer's own commits, of its epoch).
@@ -423,7 +427,7 @@ class RootWriter:
             return p
 
         try:
-            new, _ = self.fence.update(add, fenced=True)
+            new, old = self.fence.update(add, fenced=True, defer_manifests=True)
         except BaseException:
             self._unwrite_if_incomplete(manifest, manifest.objects if held is None else held)
             raise
@@ -431,9 +435,23 @@ class RootWriter:
         written = sum(o.size for o in manifest.objects if _folder_of(o.path) == folder)
         log.info("committed %s (step %d, %d objects, %d bytes, %d of them new)", self.store.url(folder), entry.step,
                  len(manifest.objects), entry.size, written)
-        self.retention.delete_retired(new)
+        retired = set(new.retired) - set(old.retired)
+        if self.store.supports_read_into:  # local disk: at once (see below)
+            self._delete_retired(new, retired)
+        elif retired or new.retired_due():
+            # Committed: what it retired (the manifests of the checkpoints it replaced, the folders due since the
+            # last commit) is deleted behind the caller, on an object store where each deletion is a round trip: a
+            # sync save returns that much sooner (on a cloud store a tenth of a 512 MB save); the root's next
+            # change waits for them. A kill before they are done leaves them to the next commit or gc (the pointer
+            # records them as retired). Local disk deletes at once: it also removes a name's folder once empty,
+            # which would race the next save creating its commit folder inside it.
+            self._behind(lambda: self._delete_retired(new, retired), "deletion of what a commit retired")
         self.stock.replaced(name)
         return entry
+
+    def _delete_retired(self, pointer: Pointer, retired: set[str]) -> None:
+        self.fence.deletions.remove_manifests(retired)  # (never raises: a manifest left is deleted with its folder)
+        self.retention.delete_retired(pointer)
 
     def _check_stored(self, objects: list[ObjectEntry], folder: str) -> None:
         """Every object the manifest will name is stored with its size: a commit never references what is gone."""

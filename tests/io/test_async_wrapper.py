@@ -107,15 +107,15 @@ def pointer_writes(io: AtomicCheckpointIO, root: str) -> list[set[str]]:
     """The names each pointer write of ``io`` to ``root`` cataloged, in order (observed at the store)."""
     store = io.root(root).store
     writes: list[set[str]] = []
-    write_if = store.write_if
+    write_versioned = store.write_versioned
 
-    def observed(rel: str, data: bytes, expected: str | None) -> bool:
-        done: bool = write_if(rel, data, expected)
-        if done and rel == POINTER_NAME:
+    def observed(rel: str, data: bytes, expected: str | None) -> str | None:
+        done: str | None = write_versioned(rel, data, expected)
+        if done is not None and rel == POINTER_NAME:
             writes.append(set(Pointer.from_bytes(data, where="test").checkpoints))
         return done
 
-    store.write_if = observed  # type: ignore[method-assign]
+    store.write_versioned = observed  # type: ignore[method-assign]
     return writes
 
 

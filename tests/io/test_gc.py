@@ -302,4 +302,5 @@ def test_a_fenced_writer_leaves_what_it_retired_to_the_newer_one(local_backend, 
     old.teardown()
     assert [c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/")]  # not the old job's to delete now
     new.save_checkpoint(make_checkpoint(3), backend.url("step=3.ckpt"))  # the newer writer's commit deletes it
+    new.wait()  # (behind the save)
     assert not [c for c in commits_on_store(backend) if c.startswith("step=1.ckpt/")]

@@ -19,6 +19,7 @@ from lightning_resilient import (
 from lightning_resilient.io._sealed import seal
 from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME
+from lightning_resilient.io.root import open_root
 
 from .helpers import assert_same, make_checkpoint, put, read_pointer
 
@@ -95,6 +96,7 @@ def test_reused_name_keeps_its_newest_commit_and_deletes_the_previous_one_a_save
     for step in (1, 2, 3):
         io.save_checkpoint(make_checkpoint(step), backend.url("last.ckpt"))
         commits.append(read_pointer(backend).latest.commit)
+    io.wait()  # (a commit deletes what it retired behind the save: wait() waits for that too)
     pointer = read_pointer(backend)
     # Save 2 retired commit 1, deleted after save 3; commit 2, retired by save 3, stays until the next save (a
     # reader that resolved it just before has a whole save interval to read it).
@@ -102,6 +104,7 @@ def test_reused_name_keeps_its_newest_commit_and_deletes_the_previous_one_a_save
     assert commits[1] in pointer.retired and commits[1] not in pointer.live_folders()
     assert make_io(backend).load_checkpoint(backend.url("last.ckpt"))["global_step"] == 3
     io.save_checkpoint(make_checkpoint(4), backend.url("last.ckpt"))
+    io.wait()
     assert commits_on_store(backend) == {commits[2], read_pointer(backend).latest.commit}
     assert commits[0] not in read_pointer(backend).retired  # records of deleted folders are pruned
 
@@ -112,6 +115,7 @@ def test_save_last_does_not_upload_the_same_state_twice(backend, make_io):
     io.save_checkpoint(ckpt, backend.url("epoch=0-step=7.ckpt"))
     ckpt["callbacks"] = {"ModelCheckpoint{}": {"last_model_path": "last.ckpt"}}  # only the small state differs
     io.save_checkpoint(ckpt, backend.url("last.ckpt"))
+    io.wait()  # (a commit deletes what it retired behind the save)
     pointer = read_pointer(backend)
     last = pointer.checkpoints["last.ckpt"]
     files = list(backend.fs().find(backend.path(last.commit)))
@@ -128,9 +132,11 @@ def test_save_last_does_not_upload_the_same_state_twice(backend, make_io):
     # When last.ckpt moves on, the shared folder is no longer needed: retired, and deleted a save later.
     shared = set(last.folders)
     io.save_checkpoint(make_checkpoint(8), backend.url("last.ckpt"))
+    io.wait()
     step8 = read_pointer(backend).latest.commit
     assert set(read_pointer(backend).retired) == shared and commits_on_store(backend) == shared | {step8}
     io.save_checkpoint(make_checkpoint(9), backend.url("last.ckpt"))
+    io.wait()
     assert commits_on_store(backend) == {step8, read_pointer(backend).latest.commit}
 
 
@@ -138,6 +144,7 @@ def test_keep_last_retention(backend, make_io):
     io = make_io(backend, keep_last=2)
     for step in range(1, 6):
         io.save_checkpoint(make_checkpoint(step), backend.url(f"step={step}.ckpt"))
+    io.wait()  # (a commit deletes what it retired behind the save)
     pointer = read_pointer(backend)
     assert sorted(pointer.checkpoints) == ["step=4.ckpt", "step=5.ckpt"]
     # step 3, dropped by the last save, is deleted after the next one
@@ -166,8 +173,10 @@ def test_remove_of_latest_keeps_its_data_until_latest_moves(backend, make_io):
     latest = find_latest_checkpoint(backend.root, backend.storage_options)
     assert latest is not None and make_io(backend, claim_on_load=False).load_checkpoint(latest)["global_step"] == 1
     io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
+    io.wait()  # (a commit deletes what it retired behind the save)
     assert {c.split("/")[0] for c in commits_on_store(backend)} == {"a.ckpt", "b.ckpt"}  # a: retired
     io.save_checkpoint(make_checkpoint(3), backend.url("c.ckpt"))
+    io.wait()
     assert {c.split("/")[0] for c in commits_on_store(backend)} == {"b.ckpt", "c.ckpt"}
 
 
@@ -548,3 +557,29 @@ def test_a_format_1_manifest_is_refused_by_name_and_never_collected(backend, mak
     io.save_checkpoint(make_checkpoint(7), backend.url("new.ckpt"))  # a newer writer epoch: e1 is fenced
     io.collect_garbage(backend.root)
     assert backend.fs().exists(backend.path(f"{commit}/{MANIFEST_NAME}"))
+
+
+def test_a_commit_writes_the_pointer_against_its_own_last_write_and_never_loses_another_writers_change(
+        backend, make_io):
+    """A writer's commit writes the pointer conditionally on the version of its own last write, without reading it
+    first (one round trip less per save). When another process wrote it since (an operator's retention: the root's
+    writer is not fenced by it), the condition fails, the commit reads the pointer and keeps that change."""
+    io = make_io(backend)
+    io.save_checkpoint(make_checkpoint(1), backend.url("a.ckpt"))
+    store = io.root(backend.root).store
+    reads: list[str] = []
+    read_versioned = store.read_versioned
+
+    def counted(rel: str) -> tuple[bytes, str] | None:
+        reads.append(rel)
+        return read_versioned(rel)
+
+    store.read_versioned = counted  # type: ignore[method-assign]
+    io.save_checkpoint(make_checkpoint(2), backend.url("b.ckpt"))
+    assert POINTER_NAME not in reads
+    operator = open_root(backend.root, backend.storage_options)
+    assert [e.name for e in operator.retain(1)] == ["a.ckpt"]  # (the pointer changed under the writer)
+    io.save_checkpoint(make_checkpoint(3), backend.url("c.ckpt"))
+    assert POINTER_NAME in reads  # its guess failed: it read the pointer
+    assert sorted(read_pointer(backend).checkpoints) == ["b.ckpt", "c.ckpt"]  # the operator's drop kept
+    assert_same(make_io(backend, claim_on_load=False).load_checkpoint(backend.url("c.ckpt")), make_checkpoint(3))

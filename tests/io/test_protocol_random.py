@@ -116,8 +116,9 @@ class Died(BaseException):
 
 class Gate:
     """Pauses one job's store at chosen instants of a save: before its n-th object write (``object:n``), before
-    its manifest write (``manifest``), after it (``written``: at the next pointer read), before the pointer write
-    (``pointer``). Installed on the job's own store object (its other calls, and every other job's, pass)."""
+    its manifest write (``manifest``), after it (``written``: at the next pointer read, or at the pointer write when
+    the job writes it without reading it first: against the version of its own last write), before the pointer
+    write (``pointer``). Installed on the job's own store object (its other calls, and every other job's, pass)."""
 
     def __init__(self, store: Any, cond: threading.Condition) -> None:
         self.cond = cond
@@ -128,7 +129,8 @@ class Gate:
         self._go = False
         self.died = False
         self.wrote_manifest = False  # the save in flight wrote its manifest
-        write_pieces, write_if, read_versioned = store.write_pieces, store.write_if, store.read_versioned
+        self.read_since = False  # it read the pointer since it wrote its manifest
+        write_pieces, write_versioned, read_versioned = store.write_pieces, store.write_versioned, store.read_versioned
 
         def gated_write_pieces(rel: str, pieces: Any) -> None:
             manifest = False
@@ -141,25 +143,31 @@ class Gate:
                     self._pause(f"object:{self.objects}", folder)
                     self.objects += 1
             write_pieces(rel, pieces)
-            self.wrote_manifest = self.wrote_manifest or manifest
+            if manifest:
+                self.wrote_manifest, self.read_since = True, False
 
         def gated_read_versioned(rel: str) -> Any:
             if rel == POINTER_NAME and self.wrote_manifest:
+                self.read_since = True
                 self._pause("written", None)
             return read_versioned(rel)
 
-        def gated_write_if(rel: str, data: bytes, expected: str | None) -> bool:
+        def gated_write_versioned(rel: str, data: bytes, expected: str | None) -> str | None:
             if rel == POINTER_NAME:
+                if self.wrote_manifest and not self.read_since:
+                    self.read_since = True
+                    self._pause("written", None)
                 self._pause("pointer", None)
-            return write_if(rel, data, expected)  # type: ignore[no-any-return]
+            return write_versioned(rel, data, expected)  # type: ignore[no-any-return]
 
         store.write_pieces = gated_write_pieces
-        store.write_if = gated_write_if
+        store.write_versioned = gated_write_versioned
         store.read_versioned = gated_read_versioned
 
     def arm(self, points: list[str]) -> None:
         with self.cond:
             self.points, self.objects, self.folders, self.wrote_manifest = list(points), 0, [], False
+            self.read_since = False
 
     def _pause(self, point: str, folder: str | None) -> None:
         with self.cond:
@@ -1124,7 +1132,7 @@ class Run:
         self.jobs.append(job)
         worker = self.zygote.spawn()
         # (A process's store is its own: no gate, it is killed instead.)
-        unused = SimpleNamespace(write_pieces=None, write_if=None, read_versioned=None)
+        unused = SimpleNamespace(write_pieces=None, write_versioned=None, read_versioned=None)
         self.handles[job] = Handle(self.observer[model.label], Gate(unused, self.cond), worker=worker)
         target = f"{model.url}/{origin.folder}" if origin is not None else "-"
         worker.send(f"{model.url} {json.dumps(self.options).replace(' ', '')} {KEEP_LAST} {job.tag} {target}")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from lightning_resilient import SettingTypeError
+from lightning_resilient.io.manifest import MANIFEST_NAME
 from lightning_resilient.io.pointer import POINTER_NAME
 from lightning_resilient.io.root import INSPECTING, RootSettings, SerialExecutor, open_root
 
@@ -121,6 +122,51 @@ def test_every_change_to_a_root_waits_for_the_work_finished_later(tmp_path, chan
     assert done == ["work", change]
 
 
+def test_a_save_returns_before_deleting_what_it_retired_and_the_next_change_waits_for_that(tmp_path):
+    """A commit deletes what it retired (the manifest of the checkpoint a save of the same name replaced, the
+    folders due since the last commit) behind the save: on a cloud store a sync save returns a round trip or three
+    sooner. The root's next change (the next commit) and ``settle`` wait for the deletion, which happens all the
+    same. (On an object store: local disk deletes at once, see ``RootWriter.publish``.)"""
+    settings = RootSettings(keep_last=None, shard_size=1 << 20, orphan_grace_seconds=0.0, fallback_on_corruption=True)
+    root = open_root(f"memory://{tmp_path}/root", settings=settings)
+    root.save(make_checkpoint(1), "last.ckpt")
+    pointer, _ = root.read_pointer()
+    assert pointer is not None and pointer.latest is not None
+    first = pointer.latest.commit
+    go, deleting, order = threading.Event(), threading.Event(), []
+    remove_object = root.store.remove_object
+
+    def held(rel: str) -> None:
+        if rel.endswith(f"/{MANIFEST_NAME}") and not go.is_set():
+            deleting.set()
+            go.wait(timeout=10)
+        remove_object(rel)
+        order.append(f"deleted {rel}")
+
+    root.store.remove_object = held  # type: ignore[method-assign]
+    second = threading.Thread(target=lambda: (root.save(make_checkpoint(2), "last.ckpt"), order.append("saved 2")))
+    second.start()
+    assert deleting.wait(timeout=30)
+    second.join(timeout=5)
+    assert not second.is_alive() and order == ["saved 2"]  # returned while its deletion is held
+    assert root.store.exists(f"{first}/{MANIFEST_NAME}")
+    third = threading.Thread(target=lambda: (root.save(make_checkpoint(3), "last.ckpt"), order.append("saved 3")))
+    third.start()
+    third.join(timeout=0.3)
+    assert third.is_alive()  # its commit waits for the deletion (with the wait it never ends before it)
+    go.set()
+    third.join(timeout=30)
+    root.settle()
+    assert order[:2] == ["saved 2", f"deleted {first}/{MANIFEST_NAME}"] and "saved 3" in order, order
+    pointer, _ = root.read_pointer()
+    assert pointer is not None and pointer.latest is not None and pointer.latest.step == 3
+    # The first folder was due at the third commit (retired by the second): deleted (its record leaves the pointer
+    # at the next update).
+    assert not root.store.list_dir(first) and first in pointer.retired
+    assert_same(root.load(pointer.latest.commit, map_location="cpu", weights_only=False).checkpoint,
+                make_checkpoint(3))
+
+
 def test_a_save_and_a_removal_that_find_the_root_unclaimed_make_one_claim(tmp_path):
     """Lightning's AsyncCheckpointIO saves on its worker thread while the Trainer's thread removes: both may find the
     root unclaimed. One claims; the other waits for that claim and goes on as its writer epoch. (Two claims fenced
@@ -128,15 +174,15 @@ def test_a_save_and_a_removal_that_find_the_root_unclaimed_make_one_claim(tmp_pa
     settings = RootSettings(keep_last=None, shard_size=1 << 20, orphan_grace_seconds=0.0, fallback_on_corruption=True)
     root = open_root(str(tmp_path / "root"), settings=settings)
     writing, go = threading.Event(), threading.Event()
-    write_if = root.store.write_if
+    write_versioned = root.store.write_versioned
 
-    def held(rel: str, data: bytes, expected: str | None) -> bool:
+    def held(rel: str, data: bytes, expected: str | None) -> str | None:
         if rel == POINTER_NAME and not writing.is_set():  # the first claim's pointer write waits for the other thread
             writing.set()
             go.wait(timeout=30)
-        return write_if(rel, data, expected)
+        return write_versioned(rel, data, expected)
 
-    root.store.write_if = held  # type: ignore[method-assign]
+    root.store.write_versioned = held  # type: ignore[method-assign]
     errors: list[BaseException] = []
 
     def run(call: Callable[[], object]) -> threading.Thread:

@@ -244,7 +244,7 @@ def test_a_first_save_into_a_new_root_asks_the_store_nothing_twice_over(s3_backe
     # and more to a cloud store). None may be spent on what the claim does not need: a listing of the root's parent
     # (s3fs's way of telling a missing folder from a file; a root's parent can be a bucket's whole top level), a
     # stat of the probe before deleting it, an existence check of the legacy pointer as HEAD then listing. Nor
-    # may a retired manifest's deletion, which the save waits for.
+    # may the deletion of what a save retired (behind the save, but a request all the same).
     options = {"client_kwargs": {"endpoint_url": None}, "skip_instance_cache": True}
     with StoreProxy(s3_backend.endpoint) as proxy:
         options["client_kwargs"]["endpoint_url"] = proxy.url
@@ -253,13 +253,22 @@ def test_a_first_save_into_a_new_root_asks_the_store_nothing_twice_over(s3_backe
             io.save_checkpoint(make_checkpoint(1), s3_backend.url("a.ckpt"))
             requests = list(proxy.requests)
             # The next save of that name retires the first: its manifest goes first, one object, one request.
-            ckpt = make_checkpoint(2)
-            io.save_checkpoint(ckpt, s3_backend.url("a.ckpt"))
+            io.save_checkpoint(make_checkpoint(2), s3_backend.url("a.ckpt"))
+            io.wait()
             retiring = proxy.requests[len(requests):]
+            first, second = sorted({path.rsplit("/", 1)[0] for _, path in retiring if path.endswith("/manifest.json")})
+            # The third deletes the first's folder (due now): its manifest went when it was retired, not again.
+            ckpt = make_checkpoint(3)
+            io.save_checkpoint(ckpt, s3_backend.url("a.ckpt"))
+            io.wait()
+            deleting = proxy.requests[len(requests) + len(retiring):]
         finally:
             io.teardown()
-    assert [m for m, path in retiring if path.endswith("/manifest.json") and m != "PUT"] == ["DELETE"]
+    assert [(m, path) for m, path in retiring if path.endswith("/manifest.json") and m != "PUT"] == [
+        ("DELETE", f"{first}/manifest.json")]
     assert not [path for _, path in retiring if "manifest.json%2F" in path]  # no listing of it as a folder
+    assert [path for m, path in deleting if m == "DELETE"] == [f"{second}/manifest.json"]
+    assert [m for m, path in deleting if m == "POST" and path.endswith("?delete")] == ["POST"]  # first's folder
     _, prefix = s3_backend.path().split("/", 1)
     listed = [parse_qs(urlsplit(path).query).get("prefix", [""])[0] for method, path in requests
               if method == "GET" and "list-type=2" in path]

@@ -37,6 +37,18 @@ def test_create_only_and_replace_if_version(backend):
     assert data == b"three" and v3 != v1
 
 
+def test_a_conditional_write_returns_the_version_a_read_would(backend):
+    """What a writer's next pointer update is tried against without reading first (``WriterFence.update``)."""
+    store = store_for(backend)
+    created = store.write_versioned("p.json", b"one", None)
+    assert created and created == store.read_versioned("p.json")[1]
+    assert store.write_versioned("p.json", b"again", None) is None
+    replaced = store.write_versioned("p.json", b"two", created)
+    assert replaced and replaced not in (created, None) and replaced == store.read_versioned("p.json")[1]
+    assert store.write_versioned("p.json", b"three", created) is None  # the old version: refused
+    assert store.write_versioned("p.json", b"three", replaced) == store.read_versioned("p.json")[1]
+
+
 def test_concurrent_increments_lose_nothing(backend):
     """Threads racing read-modify-write through write_if: every increment survives exactly once."""
     store = store_for(backend)

@@ -322,6 +322,12 @@ class Store:
 
         Returns False when the condition failed (someone else wrote first); the caller re-reads and retries.
         """
+        return self.write_versioned(rel, data, expected) is not None
+
+    def write_versioned(self, rel: str, data: bytes, expected: str | None) -> str | None:
+        """:meth:`write_if`, returning the version of what it wrote (the token :meth:`read_versioned` would return
+        for it: the writer's next conditional write needs no read first), "" when the store did not say, or None
+        when the condition failed. Each store implements this one."""
         key = f"{type(self.fs).__name__}:{self.root_url}"
         with _warned_lock:
             first = key not in _warned_no_cas
@@ -332,7 +338,7 @@ class Store:
                  " writing this root at once can overwrite each other's pointer. Use local disk, S3 or GCS for"
                  " fenced writes.", RuntimeWarning)
         self.write(rel, data)
-        return True
+        return content_version(data)
 
 
 def probe_write(store: Store) -> None:

@@ -62,7 +62,7 @@ class GCSStore(Store):
 
         return self._call("read", rel, read)
 
-    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+    def write_versioned(self, rel: str, data: bytes, expected: str | None) -> str | None:
         path = self.path(rel)
         bucket, key, _ = self.fs.split_path(path)
         from urllib.parse import quote
@@ -75,9 +75,9 @@ class GCSStore(Store):
             + b"\n--==0==\nContent-Type: application/json\n\n" + data + b"\n--==0==--"
         )
 
-        def put() -> bool:
+        def put() -> str | None:
             try:
-                self.fs.call(
+                written = self.fs.call(
                     "POST",
                     f"{self.fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
                     uploadType="multipart",
@@ -87,9 +87,10 @@ class GCSStore(Store):
                     ifGenerationMatch=expected if expected is not None else "0",
                 )
             except FileExistsError:  # gcsfs maps 412 Precondition Failed to FileExistsError
-                return False
+                return None
             finally:
                 self.fs.invalidate_cache(path)
-            return True
+            # The object's generation (what ifGenerationMatch compares): "" when the answer did not say.
+            return str(written.get("generation") or "") if isinstance(written, dict) else ""
 
         return self._call("conditional write", rel, put)

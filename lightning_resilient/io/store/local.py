@@ -202,10 +202,10 @@ class LocalStore(Store):
 
         return self._call("conditional write", rel, create)
 
-    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+    def write_versioned(self, rel: str, data: bytes, expected: str | None) -> str | None:
         path = self.path(rel)
 
-        def swap() -> bool:
+        def swap() -> str | None:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with file_lock(path + ".lock"):
                 try:
@@ -214,9 +214,9 @@ class LocalStore(Store):
                 except FileNotFoundError:
                     current = None
                 if current != expected:
-                    return False
+                    return None
                 _atomic_local_write(path, [memoryview(data)])
-                return True
+                return content_version(data)
 
         return self._call("conditional write", rel, swap)
 

@@ -19,18 +19,18 @@ class MemoryStore(Store):
     def check_fencing(self) -> str | None:
         return None  # the swap is this package's own process-wide lock
 
-    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+    def write_versioned(self, rel: str, data: bytes, expected: str | None) -> str | None:
         path = self.path(rel)
 
-        def swap() -> bool:
+        def swap() -> str | None:
             with _memory_lock:
                 try:
                     current: str | None = content_version(self.fs.cat_file(path))
                 except FileNotFoundError:
                     current = None
                 if current != expected:
-                    return False
+                    return None
                 self.fs.pipe_file(path, data)
-                return True
+                return content_version(data)
 
         return self._call("conditional write", rel, swap)

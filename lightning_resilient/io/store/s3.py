@@ -208,29 +208,29 @@ class S3Store(Store):
         versioned: tuple[bytes, str] | None = self._call("read", rel, lambda: sync(self.fs.loop, get))
         return versioned
 
-    def write_if(self, rel: str, data: bytes, expected: str | None) -> bool:
+    def write_versioned(self, rel: str, data: bytes, expected: str | None) -> str | None:
         path = self.path(rel)
         bucket, key = self._bucket_key(path)
         condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
 
-        def put() -> bool:
+        def put() -> str | None:
             try:
-                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+                response = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
             except FileExistsError:
-                return False
+                return None
             except FileNotFoundError:
                 if expected is None:
                     raise  # a create answered 404: the bucket is gone
                 # S3 answers an If-Match write of a key deleted since it was read 404 NoSuchKey: the version it was
                 # to replace is gone, so the condition failed (the caller reads again and finds no object).
-                return False
+                return None
             except OSError as exc:
                 if precondition_failed(exc):
-                    return False
+                    return None
                 raise
             finally:
                 self.fs.invalidate_cache(path)
-            return True
+            return str(response.get("ETag") or "")  # (the ETag a GET of it returns, which If-Match compares)
 
         return self._call("conditional write", rel, put)
 
