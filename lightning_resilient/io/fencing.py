@@ -166,7 +166,13 @@ class WriterFence:
                     raise
             new = base.copy()
             self.deletions.prune(new)
-            if mutate(new) is None:
+            try:
+                mutated = mutate(new)
+            except Exception:
+                if guessed:
+                    continue  # (a guess decides nothing: read the pointer and decide on it)
+                raise
+            if mutated is None:
                 if guessed:
                     continue  # nothing to change in what it wrote last: read whether that is still so
                 return base, base
@@ -182,7 +188,8 @@ class WriterFence:
             if written is not None or self._landed(new):
                 if current is None and not legacy and self._overtook_a_claim(new):
                     continue  # read again: a fenced writer is refused now, a claim claims above the newer one
-                self._written = (new.copy(), written) if written else None
+                # A guess needs a condition the store enforces: without one, a stale writer would not be refused.
+                self._written = (new.copy(), written) if written and self._conditions_enforced() else None
                 if legacy:
                     self._drop_legacy_pointer()
                 self.deletions.written(base, new)
@@ -193,6 +200,10 @@ class WriterFence:
                 time.sleep(random.uniform(0, min(0.5, 0.01 * 2**attempt)))
         raise TimeoutError(f"could not update {self.store.url(POINTER_NAME)}: {_CAS_ATTEMPTS} conditional writes"
                            " in a row lost to other writers")
+
+    def _conditions_enforced(self) -> bool:
+        """Whether the store's conditional writes are known to be enforced (its probe found nothing ignored)."""
+        return self.store.supports_cas and self.store in _probed and _probed[self.store] is None
 
     def _overtook_a_claim(self, new: Pointer) -> bool:
         """After this process created the pointer that was missing: whether a newer claim was lost by it. The create

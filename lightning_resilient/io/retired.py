@@ -62,6 +62,11 @@ class RetiredDeletions:
             with self._lock:
                 self._manifests.add(folder)
 
+    def manifest_written(self, folder: str) -> None:
+        """``folder`` has a manifest again (published anew): its deletion deletes it first."""
+        with self._lock:
+            self._manifests.discard(folder)
+
     def prune(self, new: Pointer) -> None:
         """Drop from ``new`` (a pointer about to be written) the records of the folders this process deleted."""
         with self._lock:

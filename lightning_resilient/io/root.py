@@ -99,7 +99,10 @@ class CheckpointRoot:
                                  dedup=settings.dedup, behind=self._behind)
         #: With ``dedup``: what this process's rank stored in its streams of a sharded save (``io/sharded.py``).
         self.rank_streams = incremental.RankStreams()
-        self._later: threading.Thread | None = None
+        self._later: list[threading.Thread] = []  # (two threads' commits may each leave work behind)
+        #: Whether what a commit retired is deleted behind it (object stores; ``RootWriter.publish``). False where the
+        #: commits themselves run behind training with a bound on how long they may take (a tier's persists).
+        self.deletes_behind = True
         self._later_lock = threading.Lock()  # (the training, async-save, persist and replication threads settle)
         # Claims of this root, one at a time: a save and a removal in two threads that both find the root unclaimed
         # (Lightning's AsyncCheckpointIO saves on its worker thread, the Trainer's thread removes) make one claim.
@@ -124,26 +127,28 @@ class CheckpointRoot:
         thread = threading.Thread(target=run, name=f"lightning_resilient-{what.replace(' ', '-')[:60]}")
         thread.start()  # (started before it is published: a settle in another thread joins a started thread)
         with self._later_lock:
-            self._later = thread
+            self._later = [t for t in self._later if t.is_alive()] + [thread]
 
     def settle(self) -> None:
         """Wait for the work :meth:`finish_later` started (at once when there is none; in that work's own thread
         too, where it changes the root itself)."""
-        with self._later_lock:
-            later = self._later
-        if later is None or later is threading.current_thread():
-            return
-        later.join()
-        with self._later_lock:
-            if self._later is later:  # (not a newer one started meanwhile)
-                self._later = None
+        current = threading.current_thread()
+        while True:
+            with self._later_lock:
+                self._later = [t for t in self._later if t.is_alive()]
+                pending = [t for t in self._later if t is not current]
+            if not pending:
+                return
+            for thread in pending:
+                thread.join()
 
     def _behind(self, work: Callable[[], None], what: str) -> None:
         """What a commit leaves to do (``RootWriter``'s ``behind``): :meth:`finish_later`, or at once in work that
-        runs behind already (a restore's copy that commits: the root's next change waits for that thread only)."""
+        runs behind already (a restore's copy that commits: the root's next change waits for that thread only) and
+        where :attr:`deletes_behind` is off."""
         with self._later_lock:
-            inside = self._later is threading.current_thread()
-        if inside:
+            inside = threading.current_thread() in self._later
+        if inside or not self.deletes_behind:
             work()
         else:
             self.finish_later(work, what, undone="the next commit or gc does it")

@@ -85,6 +85,9 @@ class TieredRoot:
             raise ValueError(f"dedup must be the same for a durable root and its local tier: dedup="
                              f"{durable.settings.dedup} for {durable.url}, {local.settings.dedup} for {local.url}")
         self.durable = durable
+        # Its commits are persists, behind training already: their deletions stay in the persist, which the end of a
+        # fit waits for only while it makes progress (a store that hangs is given up on, not waited for forever).
+        durable.deletes_behind = False
         self.local = local
         # Lightning names the local commits by the durable folder: what a save's ModelCheckpoints report is read
         # against it, and a persist carries it there.

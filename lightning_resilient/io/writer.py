@@ -396,6 +396,7 @@ class RootWriter:
             self.store.sync_folder(path)
         self._check_stored(manifest.objects if held is None else held, folder)
         # The manifest goes last: until it exists, this folder is not a checkpoint.
+        self.fence.deletions.manifest_written(folder)  # (a retired folder published again: its manifest is back)
         self.store.write(f"{folder}/{MANIFEST_NAME}", manifest.to_bytes())
         for path in (folder, name, ""):  # and it, and the folders holding it, before the pointer names it
             self.store.sync_folder(path)
