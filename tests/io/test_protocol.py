@@ -583,3 +583,28 @@ def test_a_commit_writes_the_pointer_against_its_own_last_write_and_never_loses_
     assert POINTER_NAME in reads  # its guess failed: it read the pointer
     assert sorted(read_pointer(backend).checkpoints) == ["b.ckpt", "c.ckpt"]  # the operator's drop kept
     assert_same(make_io(backend, claim_on_load=False).load_checkpoint(backend.url("c.ckpt")), make_checkpoint(3))
+
+
+def test_a_store_without_enforced_conditions_gets_no_guessed_pointer_write(tmp_path):
+    """On a store whose conditional writes are not enforced (the generic fsspec store: last writer wins), an update
+    always reads the pointer first, so a job a newer claim fenced is still refused, as far as a read can tell."""
+    import fsspec
+
+    from lightning_resilient.io.retry import RetryPolicy
+    from lightning_resilient.io.root import CheckpointRoot, RootSettings, SerialExecutor
+    from lightning_resilient.io.store.base import Store
+
+    fs = fsspec.filesystem("memory")
+    settings = RootSettings(keep_last=None, shard_size=1 << 20, orphan_grace_seconds=3600.0,
+                            fallback_on_corruption=False)
+
+    def job() -> CheckpointRoot:
+        return CheckpointRoot(Store(fs, f"memory://{tmp_path}/nocas", f"{tmp_path}/nocas", RetryPolicy()), settings,
+                              SerialExecutor)
+
+    with pytest.warns(RuntimeWarning, match="no conditional write"):
+        old = job()
+        old.save(make_checkpoint(1), "a.ckpt")
+    job().claim()  # a newer job
+    with pytest.raises(StaleWriterError):
+        old.save(make_checkpoint(2), "b.ckpt")

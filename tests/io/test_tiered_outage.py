@@ -9,8 +9,9 @@ newest state is."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +52,21 @@ def proxy(s3_backend: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorePro
 
 
 class Outage(Callback):
-    """The store goes down before the batch of global step ``down`` and comes back before that of ``up``."""
+    """The store goes down before the batch of global step ``down`` and comes back before that of ``up``; with
+    ``met``, only once ``met()`` says a persist met the outage (bounded: however slow the machine, a persist queued
+    behind the training may otherwise start only after the store is back)."""
 
     def __init__(self, proxy: StoreProxy, down: int, up: int | None) -> None:
         self.proxy, self.down, self.up = proxy, down, up
+        self.met: Callable[[], bool] | None = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.down:
             self.proxy.go_down()
         if trainer.global_step == self.up:
+            deadline = time.monotonic() + 60
+            while self.met is not None and not self.met() and time.monotonic() < deadline:
+                time.sleep(0.02)
             self.proxy.come_back()
 
 
@@ -88,7 +95,9 @@ def durable_names(root: str, options: dict[str, Any]) -> dict[str, int]:
 def test_training_goes_on_through_a_store_outage_and_the_durable_tier_catches_up(s3_backend, proxy, tmp_path,
                                                                                 plugins):
     root = s3_backend.root
-    trainer, io, checkpoint = build(plugins, proxy, root, tmp_path / "nvme", [Outage(proxy, 5, 13)], 20)
+    outage = Outage(proxy, 5, 13)
+    trainer, io, checkpoint = build(plugins, proxy, root, tmp_path / "nvme", [outage], 20)
+    outage.met = lambda: io.tiers(root).failures > 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TinyModel(), tiny_loader(n=160))  # no EndpointConnectionError from ModelCheckpoint's own client
