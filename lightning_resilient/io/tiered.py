@@ -257,23 +257,29 @@ class TieredRoot:
                           f"persist of {self.local.store.url(entry.commit)}")
 
     def _persist(self, entry: Entry, *, older: bool = False) -> None:
+        started, again = time.monotonic(), False
         try:
             with self._lock:
                 # (one the end of the fit asked for, a reported older state, is never superseded)
                 superseded = not older and save_key(entry) != self._newest_key and entry.commit not in self._asked
+                # Asked for now (the end of a fit, an emergency save): tried, unless a persist failed since it was.
+                asked = (self._asked_at is not None and entry.commit in self._asked
+                         and self._asked_failed_at < self._asked_at)
+                # The store failed the last persist and its backoff has not passed: this one would wait out the
+                # client's retries only to fail too (a second name of the same state, the end of the fit). It is
+                # retried with the newest state at the first save after the backoff, as a failed one is.
+                waits = not superseded and not asked and self.health.backing_off()
+                if superseded or waits:
+                    # Off the queue now, under the lock `_enqueue` takes: the end of a fit asking for this state from
+                    # now on queues it anew. (Left pending until the `finally`, that request found it still queued
+                    # and queued nothing, and the fit ended raising the old failure although the store was back.)
+                    self._pending.discard(entry.commit)
             if superseded:
                 # A newer state is queued behind this one: the durable tier gets that one instead, so a store slower
                 # than the saves never builds a backlog (of uploads, or of held local checkpoints).
                 log.info("not persisting %s (step %d): a newer save is queued after it", entry.commit, entry.step)
                 return
-            with self._lock:
-                # Asked for now (the end of a fit, an emergency save): tried, unless a persist failed since it was.
-                asked = (self._asked_at is not None and entry.commit in self._asked
-                         and self._asked_failed_at < self._asked_at)
-            if not asked and self.health.backing_off():
-                # The store failed the last persist and its backoff has not passed: this one would wait out the
-                # client's retries only to fail too (a second name of the same state, the end of the fit). It is
-                # retried with the newest state at the first save after the backoff, as a failed one is.
+            if waits:
                 log.info("not persisting %s (step %d) now: the durable tier %s does not answer; retried after the"
                          " backoff", entry.commit, entry.step, self.durable.url)
                 self.health.status("failed", entry)
@@ -284,7 +290,11 @@ class TieredRoot:
                 raise
             except Exception as exc:
                 with self._lock:
-                    if entry.commit in self._asked:  # (the others asked for with it wait for the backoff)
+                    # Begun before the end of the fit asked for this state (a persist its save queued, failing with
+                    # the outage it began in, or after the store's own retries): not the attempt asked for, which is
+                    # queued now and decides for the others.
+                    again = self._asked_at is not None and entry.commit in self._asked and started < self._asked_at
+                    if entry.commit in self._asked and not again:  # (the others asked for with it wait for the backoff)
                         self._asked_failed_at = time.monotonic()
                 self.health.failed(entry, exc)
                 return
@@ -302,6 +312,8 @@ class TieredRoot:
             with self._lock:
                 self._pending.discard(entry.commit)  # a failed persist may be queued again
             self.release(entry)
+            if again:
+                self._enqueue(entry, older=True)  # (never taken for a newer state than the one saved last)
 
     def _publish(self, manifest: Manifest) -> None:
         self.durable.writer.make_room(manifest.name)  # a stock file of that name (a run from before the plugin)
