@@ -257,9 +257,10 @@ class TieredRoot:
                           f"persist of {self.local.store.url(entry.commit)}")
 
     def _persist(self, entry: Entry, *, older: bool = False) -> None:
-        started, again = time.monotonic(), False
+        dropped = False  # (taken off the queue by the decision below: a request queued since is not this job's)
         try:
             with self._lock:
+                seen = self._asked_at  # the end of the fit's request this attempt decides with (if any)
                 # (one the end of the fit asked for, a reported older state, is never superseded)
                 superseded = not older and save_key(entry) != self._newest_key and entry.commit not in self._asked
                 # Asked for now (the end of a fit, an emergency save): tried, unless a persist failed since it was.
@@ -274,6 +275,7 @@ class TieredRoot:
                     # now on queues it anew. (Left pending until the `finally`, that request found it still queued
                     # and queued nothing, and the fit ended raising the old failure although the store was back.)
                     self._pending.discard(entry.commit)
+                    dropped = True
             if superseded:
                 # A newer state is queued behind this one: the durable tier gets that one instead, so a store slower
                 # than the saves never builds a backlog (of uploads, or of held local checkpoints).
@@ -284,20 +286,25 @@ class TieredRoot:
                          " backoff", entry.commit, entry.step, self.durable.url)
                 self.health.status("failed", entry)
                 return
-            try:
-                self._publish(self.local.read_manifest(entry.commit))
-            except StaleWriterError:
-                raise
-            except Exception as exc:
-                with self._lock:
-                    # Begun before the end of the fit asked for this state (a persist its save queued, failing with
-                    # the outage it began in, or after the store's own retries): not the attempt asked for, which is
-                    # queued now and decides for the others.
-                    again = self._asked_at is not None and entry.commit in self._asked and started < self._asked_at
-                    if entry.commit in self._asked and not again:  # (the others asked for with it wait for the backoff)
-                        self._asked_failed_at = time.monotonic()
-                self.health.failed(entry, exc)
-                return
+            for attempt in range(2):
+                try:
+                    self._publish(self.local.read_manifest(entry.commit))
+                    break
+                except StaleWriterError:
+                    raise
+                except Exception as exc:
+                    with self._lock:
+                        # Decided before the end of the fit asked for this state (a persist its save queued, failing
+                        # with the outage it began in, after the store's own retries): not the attempt asked for,
+                        # which is made now, once, in this job (before what is queued behind it, still held), and
+                        # decides for the others. Not once the end of the fit gave up on the store.
+                        again = (attempt == 0 and self._asked_at is not None and self._asked_at != seen
+                                 and entry.commit in self._asked)
+                        if entry.commit in self._asked and not again:  # (the others asked with it wait the backoff)
+                            self._asked_failed_at = time.monotonic()
+                    self.health.failed(entry, exc)
+                    if not again:
+                        return
             with self._lock:
                 self._persisted.add(entry.commit)
             recovered = self.health.succeeded()
@@ -309,11 +316,10 @@ class TieredRoot:
                             " persist(s))", self.durable.url, entry.step, recovered)
             self.names.run_deferred()
         finally:
-            with self._lock:
-                self._pending.discard(entry.commit)  # a failed persist may be queued again
+            if not dropped:
+                with self._lock:
+                    self._pending.discard(entry.commit)  # a failed persist may be queued again
             self.release(entry)
-            if again:
-                self._enqueue(entry, older=True)  # (never taken for a newer state than the one saved last)
 
     def _publish(self, manifest: Manifest) -> None:
         self.durable.writer.make_room(manifest.name)  # a stock file of that name (a run from before the plugin)
@@ -418,6 +424,8 @@ class TieredRoot:
         for entry in older:
             self._enqueue(entry, older=True)
         if not self.wait(stall=stall):
+            with self._lock:
+                self._asked_at = None  # (given up on: an attempt failing from now on is not made again for it)
             self.queue.abandon(self.durable.url)
             raise PersistFailedError(f"the durable tier {self.durable.url} made no progress for {stall:g} s (it does"
                                      f" not answer): gave up waiting for {self._newest(latest)}."

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -630,8 +631,6 @@ def test_a_store_outage_never_stops_training_until_the_bound_and_ls_says_so(loca
 
 @pytest.mark.parametrize("delay", [0.001, 1000.0])
 def test_a_failed_persist_is_retried_at_the_next_save_once_its_backoff_passed(local_backend, tmp_path, plugin, delay):
-    import time
-
     io = plugin(tmp_path / "nvme", local_backend, persist_every=4, retry_max_delay=delay)
     save_each(io, local_backend, range(1, 4))
     back = _store_down(io, local_backend)
@@ -755,3 +754,36 @@ def test_the_end_of_a_fit_tries_again_a_persist_begun_before_it_asked_that_fails
         ender.join(timeout=30)
     assert not ender.is_alive() and errors == []
     assert pointer_steps(local_backend.root)["step=2.ckpt"] == 2
+
+
+def test_the_end_of_a_fit_that_gave_up_on_a_hung_store_makes_no_attempt_after(local_backend, tmp_path, plugin):
+    """A persist its save queued hangs in a store that stopped answering; the end of the fit asks for that state,
+    gives up after its stall bound (``PersistFailedError`` naming the local tier) and abandons the queue. When the
+    hung request finally fails, no attempt is made again for it: the process exits after that request, not after
+    another full attempt against the dead store."""
+    io = plugin(tmp_path / "nvme", local_backend, persist_every=1)
+    save_each(io, local_backend, range(1, 2))
+    tiers = io.tiers(local_backend.root)
+    calls: list[str] = []
+    release = threading.Event()
+
+    def hung(path: str, pieces: Any) -> None:
+        calls.append(path)
+        release.wait(timeout=10)
+        raise ConnectionError("timed out (simulated)")
+
+    store = tiers.durable.store
+    real = store.write_pieces
+    store.write_pieces = hung
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        io.save_checkpoint(make_checkpoint(2), local_backend.url("step=2.ckpt"))  # its persist hangs
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(PersistFailedError, match="local tier"):
+            tiers.persist_latest(stall=0.3)
+        release.set()
+        assert tiers.wait()
+    assert calls and len(calls) == len(set(calls)), calls  # each object tried once: no attempt after the give-up
+    store.write_pieces = real
