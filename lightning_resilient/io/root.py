@@ -100,9 +100,12 @@ class CheckpointRoot:
         #: With ``dedup``: what this process's rank stored in its streams of a sharded save (``io/sharded.py``).
         self.rank_streams = incremental.RankStreams()
         self._later: list[threading.Thread] = []  # (two threads' commits may each leave work behind)
-        #: Whether what a commit retired is deleted behind it (object stores; ``RootWriter.publish``). False where the
-        #: commits themselves run behind training with a bound on how long they may take (a tier's persists).
-        self.deletes_behind = True
+        #: Whether what a commit retired is deleted behind it (``RootWriter.publish``): on an object store, where
+        #: each deletion is a round trip, a sync save returns that much sooner (on a cloud store a tenth of a 512 MB
+        #: save). Not on local disk, whose deletion also removes a name's folder once empty, which would race the
+        #: next save creating its commit folder inside it; nor where the commits run behind training already, with
+        #: a bound on how long they may take (a tier's persists: ``TieredRoot`` turns it off).
+        self.deletes_behind = not store.supports_read_into
         self._later_lock = threading.Lock()  # (the training, async-save, persist and replication threads settle)
         # Claims of this root, one at a time: a save and a removal in two threads that both find the root unclaimed
         # (Lightning's AsyncCheckpointIO saves on its worker thread, the Trainer's thread removes) make one claim.

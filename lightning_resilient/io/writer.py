@@ -437,15 +437,10 @@ class RootWriter:
         log.info("committed %s (step %d, %d objects, %d bytes, %d of them new)", self.store.url(folder), entry.step,
                  len(manifest.objects), entry.size, written)
         retired = set(new.retired) - set(old.retired)
-        if self.store.supports_read_into:  # local disk: at once (see below)
-            self._delete_retired(new, retired)
-        elif retired or new.retired_due():
+        if retired or new.retired_due():
             # Committed: what it retired (the manifests of the checkpoints it replaced, the folders due since the
-            # last commit) is deleted behind the caller, on an object store where each deletion is a round trip: a
-            # sync save returns that much sooner (on a cloud store a tenth of a 512 MB save); the root's next
-            # change waits for them. A kill before they are done leaves them to the next commit or gc (the pointer
-            # records them as retired). Local disk deletes at once: it also removes a name's folder once empty,
-            # which would race the next save creating its commit folder inside it.
+            # last commit) is deleted behind the caller where the root says so (``CheckpointRoot.deletes_behind``).
+            # A kill before they are done leaves them to the next commit or gc (the pointer records them).
             self._behind(lambda: self._delete_retired(new, retired), "deletion of what a commit retired")
         self.stock.replaced(name)
         return entry

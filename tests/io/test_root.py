@@ -208,3 +208,36 @@ def test_a_save_and_a_removal_that_find_the_root_unclaimed_make_one_claim(tmp_pa
     assert pointer is not None and pointer.writer_epoch == root.writer_epoch == 1
     assert pointer.latest is not None and pointer.latest.name == "step=1.ckpt" and pointer.latest.writer_epoch == 1
     assert_same(root.load(pointer.latest.commit, map_location=None, weights_only=True).checkpoint, make_checkpoint(1))
+
+
+def test_a_job_that_dies_before_the_deletion_behind_its_commit_leaves_it_to_the_next_job(tmp_path):
+    """The worst instant of the deletion behind a commit: the process dies after its pointer moved and before the
+    deletion ran (here its deletions never reach the store). Nothing committed is lost; the next job resumes the
+    newest commit, and its own commits delete what the dead one retired, manifest first."""
+    settings = RootSettings(keep_last=None, shard_size=1 << 20, orphan_grace_seconds=0.0, fallback_on_corruption=True)
+    url = f"memory://{tmp_path}/root"
+    dead = open_root(url, settings=settings)
+    dead.save(make_checkpoint(1), "last.ckpt")
+    dead.save(make_checkpoint(2), "last.ckpt")  # retires step 1's commit
+    dead.settle()
+
+    dead.writer._behind = lambda work, what: None  # (killed: the work behind the commit never runs)
+    dead.save(make_checkpoint(3), "last.ckpt")  # committed; retiring step 2 and deleting step 1 never happen
+    dead.settle()
+    pointer, _ = dead.read_pointer()
+    assert pointer is not None and pointer.latest is not None and pointer.latest.step == 3
+    left = set(pointer.retired)
+    assert len(left) == 2 and all(dead.store.list_dir(folder) for folder in left)  # both still stored
+
+    job = open_root(url, settings=settings)
+    latest = job.load(pointer.latest.commit, map_location="cpu", weights_only=False)
+    assert_same(latest.checkpoint, make_checkpoint(3))
+    job.resumed(pointer.checkpoints["last.ckpt"])
+    for step in (4, 5):
+        job.save(make_checkpoint(step), "last.ckpt")
+    job.settle()
+    assert not any(job.store.list_dir(folder) for folder in left)  # deleted by the next job's commits
+    pointer, _ = job.read_pointer()
+    assert pointer is not None and pointer.latest is not None and pointer.latest.step == 5
+    assert_same(job.load(pointer.latest.commit, map_location="cpu", weights_only=False).checkpoint,
+                make_checkpoint(5))

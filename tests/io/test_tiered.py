@@ -675,6 +675,21 @@ def test_the_outage_and_replica_settings_are_checked_at_construction(tmp_path):
         AtomicCheckpointIO(local_tier=str(tmp_path), max_seconds_without_durable="1h")
 
 
+def _end_of_fit(io: AtomicCheckpointIO) -> tuple[threading.Thread, list[BaseException]]:
+    """``io.persist_latest()`` (what the end of a fit does) started in a thread; the list gets what it raises."""
+    errors: list[BaseException] = []
+
+    def end() -> None:
+        try:
+            io.persist_latest()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=end)
+    thread.start()
+    return thread, errors
+
+
 def test_the_end_of_a_fit_persists_a_state_whose_queued_persist_is_deciding_to_wait_for_the_backoff(
         local_backend, tmp_path, plugin):
     """During the backoff after a failed persist, the persist a save queued decides to wait (it would fail too). The
@@ -699,16 +714,7 @@ def test_the_end_of_a_fit_persists_a_state_whose_queued_persist_is_deciding_to_w
     tiers.health.backing_off = held  # type: ignore[method-assign]
     io.save_checkpoint(make_checkpoint(3), local_backend.url("step=3.ckpt"))  # its persist stops at the decision
     assert deciding.wait(timeout=10)
-    errors: list[BaseException] = []
-
-    def end() -> None:
-        try:
-            io.persist_latest()
-        except BaseException as exc:
-            errors.append(exc)
-
-    ender = threading.Thread(target=end)
-    ender.start()
+    ender, errors = _end_of_fit(io)
     ender.join(timeout=0.3)  # (it reaches the queue meanwhile, or waits for the decision: either way not lost)
     go.set()
     ender.join(timeout=30)
@@ -735,19 +741,10 @@ def test_the_end_of_a_fit_tries_again_a_persist_begun_before_it_asked_that_fails
         raise ConnectionError("store unreachable (simulated)")
 
     store.write_pieces = failing
-    errors: list[BaseException] = []
-
-    def end() -> None:
-        try:
-            io.persist_latest()
-        except BaseException as exc:
-            errors.append(exc)
-
     with pytest.warns(RuntimeWarning, match="failed"):
         io.save_checkpoint(make_checkpoint(2), local_backend.url("step=2.ckpt"))  # its persist begins in the outage
         assert entered.wait(timeout=10)
-        ender = threading.Thread(target=end)
-        ender.start()
+        ender, errors = _end_of_fit(io)
         ender.join(timeout=0.3)  # (it asks for step 2, still being persisted, and waits for the queue)
         store.write_pieces = real  # the store is back
         go.set()  # the attempt begun in the outage fails now
